@@ -1,0 +1,101 @@
+"""Token shard files shared by the scripts in data/ (kept separate from train_gpt.py on purpose).
+
+A shard is a header of 256 little-endian int32 values -- [0] magic 20240520, [1] version 1,
+[2] number of tokens, the rest zero -- followed by that many little-endian uint16 token ids.
+This is the layout of the public FineWeb GPT-2 shards, so both kinds of data read the same way.
+"""
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = 20240520
+VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+TOKEN_BYTES = 2
+BOS_ID = 50256  # <|endoftext|>: starts every document
+MAX_TOKENS = 2**31 - 1  # the count is stored in an int32
+
+
+class ShardError(ValueError):
+    """A shard file that is missing, malformed, or cannot be written."""
+
+
+def write_shard(path, tokens) -> int:
+    """Write tokens (ints in 0..65535) as a shard at path, atomically; returns the token count.
+
+    The data goes to a temporary file in the same folder, is fsynced, and only then renamed over
+    path, so a crash never leaves a half-written file under the final name.
+    """
+    path = Path(path)
+    array = np.asarray(tokens)
+    if array.ndim != 1:
+        raise ShardError(f"{path}: tokens must be a flat sequence, got shape {array.shape}")
+    if array.size > MAX_TOKENS:
+        raise ShardError(f"{path}: {array.size} tokens do not fit in one shard (at most {MAX_TOKENS})")
+    if array.size and array.dtype != np.uint16:
+        if not np.issubdtype(array.dtype, np.integer):
+            raise ShardError(f"{path}: tokens must be integers, got {array.dtype}")
+        if array.min() < 0 or array.max() > 65535:
+            raise ShardError(f"{path}: token ids must be in 0..65535 to fit uint16, "
+                             f"got {array.min()}..{array.max()}")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[0], header[1], header[2] = MAGIC, VERSION, array.size
+    body = array.astype("<u2", copy=False)
+
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.chmod(tmp_name, 0o644)  # mkstemp makes it private; shards are ordinary data files
+        with os.fdopen(fd, "wb") as f:
+            f.write(header.tobytes())
+            f.write(body.tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        # Leave no temporary file behind, whatever stopped us (errors, Ctrl-C).
+        try:
+            os.unlink(tmp_name)
+        except FileNotFoundError:
+            pass
+        raise
+    return int(array.size)
+
+
+def check_shard(path) -> int:
+    """Validate path's header against its size and return its token count; raise ShardError if bad."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_BYTES)
+    except FileNotFoundError:
+        raise ShardError(f"{path}: no such shard file") from None
+    except OSError as e:
+        raise ShardError(f"{path}: cannot read shard: {e.strerror or e}") from None
+    if size == 0:
+        raise ShardError(f"{path}: empty file, not a shard")
+    if len(raw) < HEADER_BYTES:
+        raise ShardError(f"{path}: truncated: {size} bytes, shorter than the {HEADER_BYTES}-byte header")
+    header = np.frombuffer(raw, dtype="<i4")
+    if header[0] != MAGIC:
+        raise ShardError(f"{path}: bad magic number {header[0]} (expected {MAGIC}); not a token shard")
+    if header[1] != VERSION:
+        raise ShardError(f"{path}: unsupported shard version {header[1]} (expected {VERSION})")
+    count = int(header[2])
+    expected = HEADER_BYTES + TOKEN_BYTES * count
+    if count < 0 or size != expected:
+        raise ShardError(f"{path}: header says {count} tokens ({expected} bytes) but the file has {size} bytes"
+                         f"{' (truncated?)' if size < expected else ''}")
+    return count
+
+
+def read_tokens(path) -> np.ndarray:
+    """Return a validated shard's tokens as a uint16 array (for tools and tests; the trainer has its own)."""
+    count = check_shard(path)
+    with open(path, "rb") as f:
+        f.seek(HEADER_BYTES)
+        return np.fromfile(f, dtype="<u2", count=count).astype(np.uint16, copy=False)
