@@ -1,0 +1,513 @@
+"""Tokenize text with GPT-2's BPE into token shards that train_gpt.py reads.
+
+Inputs are .txt files (one document per file, or several split by --doc-separator lines), .jsonl files
+(one JSON object per line with a "text" field), and folders of both (searched recursively, in sorted
+order). Every document is written as <|endoftext|> (id 50256, the BOS token) followed by its tokens.
+
+  python data/tokenize_text.py my_corpus/ --out data/my_corpus --prefix my_corpus --val-tokens 100000
+  python data/tokenize_text.py books/ --val-files books/held_out.txt --bpe-file data/gpt2.tiktoken
+  python data/tokenize_text.py --preset shakespeare --overwrite   # rebuild the bundled sample corpus
+
+Output: PREFIX_val_000000.bin (more val shards count up) and PREFIX_train_000001.bin, ... in --out.
+Shards hold whole documents; only a document longer than --shard-tokens is split across shards.
+The output depends only on the inputs and their order, never on --workers.
+"""
+
+import argparse
+import codecs
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+import shakespeare_docs
+import shards
+
+DATA_DIR = Path(__file__).resolve().parent
+BUNDLED_BPE = DATA_DIR / "gpt2.tiktoken"
+BUNDLED_BPE_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+# GPT-2's pre-tokenizer regex, as in tiktoken's "gpt2" encoding.
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+ENDOFTEXT = "<|endoftext|>"
+GPT2_RANKS = 50256  # byte-level merges' ranks 0..50255; <|endoftext|> takes 50256
+DEFAULT_SHARD_TOKENS = 100_000_000  # same as the FineWeb shards
+SUFFIXES = (".txt", ".jsonl")
+BATCH_CHARS = 8_000_000  # text handed to the worker pool at a time: bounds memory, keeps workers busy
+SHARD_NAME_RE = r"_(?:train|val)_\d{6}\.bin"
+
+
+class TokenizeError(Exception):
+    """An expected failure (bad input, bad flag, no network); main() prints it as one line."""
+
+
+# -----------------------------------------------------------------------------
+# The encoding
+
+def display(path) -> str:
+    """path relative to the working directory when it lies below it (shorter messages), else absolute."""
+    relative = os.path.relpath(path)
+    return str(Path(path).resolve()) if relative.startswith("..") else relative
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_encoding(bpe_file=None):
+    """GPT-2's tiktoken Encoding: from a .tiktoken ranks file if given, else tiktoken's own "gpt2"."""
+    import tiktoken
+    import tiktoken.load
+
+    if bpe_file is None:
+        try:
+            return tiktoken.get_encoding("gpt2")
+        except (OSError, ValueError) as e:  # requests' connection errors are OSErrors
+            raise TokenizeError(
+                f"could not load tiktoken's 'gpt2' encoding, which is downloaded on first use "
+                f"({type(e).__name__}: no network?); use the bundled copy offline: --bpe-file {display(BUNDLED_BPE)}"
+            ) from None
+
+    path = Path(bpe_file)
+    if not path.is_file():
+        raise TokenizeError(f"--bpe-file {path}: no such file")
+    digest = sha256_of(path)
+    if path.resolve() == BUNDLED_BPE and digest != BUNDLED_BPE_SHA256:
+        raise TokenizeError(f"--bpe-file {path}: sha256 {digest} is not the bundled GPT-2 file's "
+                            f"{BUNDLED_BPE_SHA256}; restore it with `git checkout -- data/gpt2.tiktoken`")
+    try:
+        # tiktoken caches files by path; passing the hash makes it reread a file that has changed.
+        ranks = tiktoken.load.load_tiktoken_bpe(str(path), expected_hash=digest)
+    except ValueError:
+        raise TokenizeError(f"--bpe-file {path}: not a .tiktoken ranks file "
+                            f"(expected lines of 'base64-token rank')") from None
+    if sorted(ranks.values()) != list(range(GPT2_RANKS)):
+        raise TokenizeError(f"--bpe-file {path}: expected GPT-2's {GPT2_RANKS} ranks 0..{GPT2_RANKS - 1}, "
+                            f"found {len(ranks)} entries")
+    return tiktoken.Encoding(name=f"gpt2 ({path.name})", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={ENDOFTEXT: shards.BOS_ID}, explicit_n_vocab=GPT2_RANKS + 1)
+
+
+_ENCODING = None  # per process: set in the main process, or by _init_worker in pool workers
+
+
+def _init_worker(bpe_file):
+    global _ENCODING
+    if _ENCODING is None:  # forked workers inherit the parent's; spawned ones load their own
+        _ENCODING = load_encoding(bpe_file)
+
+
+def encode_document(text: str) -> np.ndarray:
+    """BOS followed by the text's tokens. A literal "<|endoftext|>" in the text is encoded as plain text."""
+    ids = _ENCODING.encode_ordinary(text)
+    out = np.empty(len(ids) + 1, dtype=np.uint16)
+    out[0] = shards.BOS_ID
+    out[1:] = ids
+    return out
+
+
+# -----------------------------------------------------------------------------
+# Reading inputs
+
+_replaced_bytes = 0
+
+
+def _count_and_replace(err):
+    # Same substitution as errors="replace" (one U+FFFD per invalid sequence), but counts the bytes.
+    global _replaced_bytes
+    _replaced_bytes += err.end - err.start
+    return "\ufffd", err.end
+
+
+codecs.register_error("tokenize_text.replace", _count_and_replace)
+
+
+def decode_utf8(raw: bytes) -> tuple[str, int]:
+    """Decode UTF-8 like errors="replace"; also return how many bytes were not valid UTF-8."""
+    global _replaced_bytes
+    _replaced_bytes = 0
+    return raw.decode("utf-8", errors="tokenize_text.replace"), _replaced_bytes
+
+
+def collect_files(paths, flag: str) -> list[Path]:
+    """Expand files and folders (recursively, sorted) into the .txt/.jsonl files they name."""
+    files = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted((f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in SUFFIXES),
+                           key=lambda f: f.relative_to(p).as_posix())
+            if not found:
+                raise TokenizeError(f"{flag} {p}: folder holds no .txt or .jsonl files")
+            files.extend(found)
+        elif p.is_file():
+            if p.suffix.lower() not in SUFFIXES:
+                raise TokenizeError(f"{flag} {p}: unsupported file type (expected .txt or .jsonl)")
+            files.append(p)
+        else:
+            raise TokenizeError(f"{flag} {p}: no such file or folder")
+    seen = set()
+    for f in files:
+        key = f.resolve()
+        if key in seen:
+            raise TokenizeError(f"{flag} {f}: listed more than once (directly or through a folder)")
+        seen.add(key)
+    return files
+
+
+class DocumentReader:
+    """Yields the documents of a list of files in order; counts bytes read and invalid UTF-8 bytes."""
+
+    def __init__(self, files, doc_separator=None, text_field="text", warn=print):
+        self.files = list(files)
+        self.text_field = text_field
+        self.warn = warn
+        self.bytes_read = 0
+        self.replaced = {}  # file -> invalid UTF-8 bytes replaced with U+FFFD
+        self._separator = None
+        if doc_separator is not None:
+            if not doc_separator.strip() or "\n" in doc_separator:
+                raise TokenizeError("--doc-separator must be a non-blank, single-line string")
+            # A separator is a whole line (surrounding spaces/tabs allowed), so it cannot clip words.
+            self._separator = re.compile(r"^[ \t]*" + re.escape(doc_separator.strip()) + r"[ \t]*(?:\r?\n|\Z)",
+                                         re.MULTILINE)
+
+    def total_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.files)
+
+    def __iter__(self):
+        for path in self.files:
+            self._replaced = 0
+            found = 0
+            read = self._read_jsonl if path.suffix.lower() == ".jsonl" else self._read_txt
+            for doc in read(path):
+                if doc.strip():
+                    found += 1
+                    yield doc
+            if not found:
+                self.warn(f"warning: {path}: no text, skipped")
+            if self._replaced:
+                self.replaced[path] = self._replaced
+                self.warn(f"warning: {path}: {self._replaced} bytes are not valid UTF-8 "
+                          f"and were replaced with U+FFFD")
+
+    def _read_txt(self, path):
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise TokenizeError(f"{path}: cannot read ({e.strerror})") from None
+        self.bytes_read += len(raw)
+        text, self._replaced = decode_utf8(raw)
+        text = text.removeprefix("\ufeff")  # a UTF-8 byte order mark is not part of the text
+        return self._separator.split(text) if self._separator else [text]
+
+    def _read_jsonl(self, path):
+        try:
+            f = open(path, "rb")
+        except OSError as e:
+            raise TokenizeError(f"{path}: cannot read ({e.strerror})") from None
+        with f:
+            for lineno, raw in enumerate(f, 1):
+                self.bytes_read += len(raw)
+                line, bad = decode_utf8(raw)
+                self._replaced += bad
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise TokenizeError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                if not isinstance(record, dict) or not isinstance(record.get(self.text_field), str):
+                    raise TokenizeError(f"{path}:{lineno}: expected a JSON object with a string "
+                                        f"{self.text_field!r} field")
+                yield record[self.text_field]
+
+
+# -----------------------------------------------------------------------------
+# Writing shards
+
+class ShardSequence:
+    """Packs documents into numbered shards of at most shard_tokens tokens each."""
+
+    def __init__(self, folder: Path, prefix: str, split: str, first_index: int, shard_tokens: int):
+        self.folder, self.prefix, self.split = folder, prefix, split
+        self.index, self.shard_tokens = first_index, shard_tokens
+        self.buffer = np.empty(shard_tokens, dtype=np.uint16)  # untouched pages cost no memory
+        self.fill = 0
+        self.written = []  # (path, tokens)
+        self.tokens = 0
+        self.documents = 0
+
+    def add(self, doc: np.ndarray):
+        self.documents += 1
+        self.tokens += len(doc)
+        if self.fill and self.fill + len(doc) > self.shard_tokens:
+            self.flush()  # start the document in a fresh shard rather than splitting it
+        pos = 0
+        while pos < len(doc):
+            n = min(self.shard_tokens - self.fill, len(doc) - pos)
+            self.buffer[self.fill:self.fill + n] = doc[pos:pos + n]
+            self.fill += n
+            pos += n
+            if self.fill == self.shard_tokens:
+                self.flush()
+
+    def flush(self):
+        if not self.fill:
+            return
+        path = self.folder / f"{self.prefix}_{self.split}_{self.index:06d}.bin"
+        shards.write_shard(path, self.buffer[:self.fill])
+        self.written.append((path, self.fill))
+        self.index += 1
+        self.fill = 0
+
+
+def existing_shards(out_dir: Path, prefix: str) -> list[Path]:
+    pattern = re.compile(re.escape(prefix) + SHARD_NAME_RE)
+    if not out_dir.is_dir():
+        return []
+    return sorted(p for p in out_dir.iterdir() if pattern.fullmatch(p.name))
+
+
+def _batches(docs, max_chars=BATCH_CHARS):
+    batch, chars = [], 0
+    for doc in docs:
+        batch.append(doc)
+        chars += len(doc)
+        if chars >= max_chars:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def write_dataset(out_dir, prefix, train_docs, val_docs=None, val_tokens=0, *, bpe_file=None,
+                  shard_tokens=DEFAULT_SHARD_TOKENS, workers=1, overwrite=False, progress=None) -> dict:
+    """Tokenize documents into PREFIX_val_*.bin and PREFIX_train_*.bin shards in out_dir.
+
+    The validation set is either val_docs (whole held-out documents), or, with val_tokens > 0, the
+    first documents of train_docs until they hold at least val_tokens tokens. All shards are written
+    into a staging folder and moved into out_dir only once everything succeeded. progress, if given,
+    is called after each batch of documents.
+    """
+    out_dir = Path(out_dir)
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", prefix):
+        raise TokenizeError(f"--prefix {prefix!r}: use letters, digits, '.', '_' and '-' only")
+    if not 1 <= shard_tokens <= shards.MAX_TOKENS:
+        raise TokenizeError(f"--shard-tokens {shard_tokens}: must be between 1 and {shards.MAX_TOKENS}")
+    if val_tokens < 0:
+        raise TokenizeError(f"--val-tokens {val_tokens}: must not be negative")
+    if val_docs is not None and val_tokens:
+        raise TokenizeError("use either held-out validation documents (--val-files) or --val-tokens, not both")
+    if workers < 1:
+        raise TokenizeError(f"--workers {workers}: must be at least 1")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise TokenizeError(f"--out {out_dir}: exists and is not a folder")
+    old = existing_shards(out_dir, prefix)
+    if old and not overwrite:
+        raise TokenizeError(f"--out {out_dir} already holds {len(old)} {prefix} shard(s) (e.g. {old[0].name}); "
+                            f"pass --overwrite to replace them")
+
+    global _ENCODING
+    _ENCODING = load_encoding(bpe_file)  # loads here first so that a bad --bpe-file fails before any work
+    created_out = not out_dir.exists()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{prefix}-staging-", dir=out_dir))
+    pool, finished = None, False
+    try:
+        val = ShardSequence(stage, prefix, "val", 0, shard_tokens)
+        train = ShardSequence(stage, prefix, "train", 1, shard_tokens)
+        if workers > 1:
+            import multiprocessing
+            pool = multiprocessing.get_context().Pool(workers, initializer=_init_worker, initargs=(bpe_file,))
+
+        def encode_all(docs):
+            for batch in _batches(docs):
+                if pool is None:
+                    encoded = [encode_document(d) for d in batch]
+                else:  # map keeps the input order, so the result does not depend on the worker count
+                    encoded = pool.map(encode_document, batch, chunksize=max(1, len(batch) // (4 * workers)))
+                yield from encoded
+                if progress:
+                    progress()
+
+        if val_docs is not None:
+            for doc in encode_all(val_docs):
+                val.add(doc)
+            if not val.documents:
+                raise TokenizeError("the validation inputs hold no text")
+        for doc in encode_all(train_docs):
+            if val.tokens < val_tokens:
+                val.add(doc)
+            else:
+                train.add(doc)
+        if val.tokens < val_tokens:
+            raise TokenizeError(f"--val-tokens {val_tokens}: the inputs hold only {val.tokens} tokens "
+                                f"({val.documents} documents); ask for fewer")
+        if not train.documents:
+            if not val.documents:
+                raise TokenizeError("the inputs hold no text (every file is empty or blank)")
+            raise TokenizeError("no text left for training" + (f" after the {val_tokens} validation tokens"
+                                                                 if val_tokens else ""))
+        val.flush()
+        train.flush()
+
+        # Every shard is complete: move the new set in, then drop old shards that it did not replace.
+        new_names = set()
+        for path, _ in val.written + train.written:
+            os.replace(path, out_dir / path.name)
+            new_names.add(path.name)
+        for path in old:
+            if path.name not in new_names:
+                path.unlink()
+        finished = True
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        shutil.rmtree(stage, ignore_errors=True)
+        if created_out and not finished and not any(out_dir.iterdir()):
+            out_dir.rmdir()  # a failed run leaves no trace
+
+    def listing(seq):
+        return [(out_dir / p.name, n) for p, n in seq.written]
+
+    return {"val": listing(val), "train": listing(train), "val_documents": val.documents,
+            "train_documents": train.documents}
+
+
+def print_summary(result: dict):
+    for split in ("val", "train"):
+        files = result[split]
+        if not files:
+            continue
+        total = sum(n for _, n in files)
+        print(f"{split}: {total:,} tokens, {result[split + '_documents']:,} documents, {len(files)} shard(s)")
+        for path, n in files:
+            print(f"  {display(path)}  {n:,} tokens, {path.stat().st_size:,} bytes")
+
+
+# -----------------------------------------------------------------------------
+# Command line
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def default_workers() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Tokenize .txt/.jsonl text with GPT-2's BPE into token shards for train_gpt.py.",
+        epilog="Arguments can also be read from a file, one per line: @list.txt",
+        fromfile_prefix_chars="@")
+    parser.add_argument("inputs", nargs="*", help=".txt or .jsonl files, or folders of them (searched recursively)")
+    parser.add_argument("--preset", choices=["shakespeare"],
+                        help="rebuild a bundled data set (shakespeare: data/shakespeare/ from its texts/)")
+    parser.add_argument("--out", help="output folder (created if missing)")
+    parser.add_argument("--prefix", help="shard name prefix: PREFIX_train_000001.bin (default: the --out folder's name)")
+    parser.add_argument("--shard-tokens", type=positive_int,
+                        help=f"most tokens per shard (default {DEFAULT_SHARD_TOKENS:,})")
+    split = parser.add_mutually_exclusive_group()
+    split.add_argument("--val-tokens", type=positive_int,
+                       help="validation = the first whole documents, until they hold at least this many tokens")
+    split.add_argument("--val-files", nargs="+", metavar="PATH",
+                       help="hold these files/folders out whole as validation (they are removed from the inputs)")
+    parser.add_argument("--doc-separator", metavar="LINE",
+                        help="in .txt files, a line equal to LINE separates documents, e.g. "
+                             "--doc-separator='<|endoftext|>' or --doc-separator=--- (default: one document per file)")
+    parser.add_argument("--text-field", default="text", help="JSON field holding the text in .jsonl files")
+    parser.add_argument("--bpe-file", metavar="PATH",
+                        help="GPT-2 ranks in tiktoken's format, e.g. data/gpt2.tiktoken (works offline); "
+                             "default: tiktoken's own 'gpt2', downloaded once")
+    parser.add_argument("--workers", type=positive_int, default=default_workers(),
+                        help="tokenizer processes (default: one per CPU core; the output does not depend on it)")
+    parser.add_argument("--overwrite", action="store_true", help="replace shards already in --out")
+    return parser.parse_args(argv)
+
+
+def run_preset(args):
+    given = [flag for flag, value in [("inputs", args.inputs), ("--prefix", args.prefix),
+                                      ("--shard-tokens", args.shard_tokens), ("--val-tokens", args.val_tokens),
+                                      ("--val-files", args.val_files), ("--doc-separator", args.doc_separator),
+                                      ("--bpe-file", args.bpe_file)] if value]
+    if given:
+        raise TokenizeError(f"--preset {args.preset} fixes the inputs and settings; drop {', '.join(given)} "
+                            f"(it accepts only --out, --workers and --overwrite)")
+    train, val = shakespeare_docs.documents(shakespeare_docs.TEXTS_DIR)
+    return write_dataset(args.out or shakespeare_docs.OUT_DIR, shakespeare_docs.PREFIX, train, val,
+                         bpe_file=BUNDLED_BPE, workers=args.workers, overwrite=args.overwrite)
+
+
+def run(args):
+    if args.preset:
+        return run_preset(args)
+    if not args.inputs:
+        raise TokenizeError("no inputs: name .txt/.jsonl files or folders (or use --preset shakespeare)")
+    if not args.out:
+        raise TokenizeError("--out is required: the folder for the shards")
+    prefix = args.prefix or Path(args.out).resolve().name
+    from tqdm import tqdm
+
+    def warn(message):  # through tqdm, so that warnings do not garble the progress bar
+        tqdm.write(message, file=sys.stderr)
+
+    val_files = collect_files(args.val_files, "--val-files") if args.val_files else []
+    held_out = {f.resolve() for f in val_files}
+    train_files = [f for f in collect_files(args.inputs, "input") if f.resolve() not in held_out]
+    if not train_files:
+        raise TokenizeError("every input is held out by --val-files; nothing is left for training")
+
+    val_reader = DocumentReader(val_files, args.doc_separator, args.text_field, warn) if val_files else None
+    train_reader = DocumentReader(train_files, args.doc_separator, args.text_field, warn)
+    readers = [r for r in (val_reader, train_reader) if r]
+    total = sum(r.total_bytes() for r in readers)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr, disable=None) as bar:
+        def progress():
+            bar.update(sum(r.bytes_read for r in readers) - bar.n)
+
+        result = write_dataset(args.out, prefix, train_reader, val_reader, args.val_tokens or 0,
+                               bpe_file=args.bpe_file, shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
+                               workers=args.workers, overwrite=args.overwrite, progress=progress)
+    replaced = {f: n for r in readers for f, n in r.replaced.items()}
+    if replaced:
+        print(f"note: {sum(replaced.values())} invalid UTF-8 bytes in {len(replaced)} file(s) were replaced "
+              f"with U+FFFD", file=sys.stderr)
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        result = run(args)
+    except (TokenizeError, shards.ShardError, shakespeare_docs.CorpusError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    print_summary(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
