@@ -1,0 +1,148 @@
+"""Download GPT-2-tokenized FineWeb shards from the Hugging Face hub into data/fineweb10B/.
+
+  python data/cached_fineweb10B.py        # the val shard + the first 18 training shards (about 3.8 GB)
+  python data/cached_fineweb10B.py 103    # all of FineWeb10B (about 20.8 GB)
+
+Why 18 by default: train_gpt.py's speedrun preset trains 2245 steps of 786,432 tokens (batch_tokens),
+1,765,539,840 tokens in all, and a training shard holds 100,000,000 tokens: ceil(17.66) = 18 shards.
+Its loader also skips the tail of a shard that cannot fill a whole step, so one shard feeds 127 steps,
+and 2245 steps still fit in 18 shards (2286 steps); with fewer shards it wraps around and repeats
+data. Every shard is 200,001,024 bytes on disk (1 KiB header + 2 bytes per token).
+
+Shards already present and valid are skipped. A download goes to a hidden staging folder and is
+moved into place only after its header and size check out, so an interrupted run never leaves a
+file that looks complete.
+"""
+
+import argparse
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import shards
+
+REPO_ID = "kjj0/fineweb10B-gpt2"
+REPO_TYPE = "dataset"
+TRAIN_SHARDS_IN_REPO = 103  # fineweb_train_000001.bin .. fineweb_train_000103.bin
+SHARD_TOKENS = 100_000_000
+SPEEDRUN_STEPS = 2245
+SPEEDRUN_TOKENS_PER_STEP = 786_432  # train_gpt.py's batch_tokens
+DEFAULT_TRAIN_SHARDS = math.ceil(SPEEDRUN_STEPS * SPEEDRUN_TOKENS_PER_STEP / SHARD_TOKENS)  # 18
+DEFAULT_OUT = Path(__file__).resolve().parent / "fineweb10B"
+STAGING = ".download"  # inside the output folder, so that the final move is a same-disk rename
+NETWORK_TIMEOUT_S = 10.0
+
+
+class DownloadError(Exception):
+    """An expected failure; main() prints it as one line."""
+
+
+def shard_names(num_train: int) -> list[str]:
+    return ["fineweb_val_000000.bin"] + [f"fineweb_train_{i:06d}.bin" for i in range(1, num_train + 1)]
+
+
+def _network_errors() -> tuple:
+    """Exception types that mean 'could not talk to the hub' (the HTTP library differs across versions)."""
+    errors = [OSError]  # includes the hub's HTTP errors, OfflineModeIsEnabled, requests' errors
+    for module in ("httpx2", "httpx"):
+        try:
+            errors.append(__import__(module).HTTPError)
+        except ImportError:
+            pass
+    return tuple(errors)
+
+
+def fetch(name: str, out_dir: Path) -> str:
+    """Download one shard into out_dir unless a valid copy is there; returns what happened."""
+    final = out_dir / name
+    if final.exists():
+        try:
+            shards.check_shard(final)
+            return "present, skipped"
+        except shards.ShardError as e:
+            print(f"warning: {e}; downloading it again", file=sys.stderr)
+
+    from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
+    from huggingface_hub.errors import (EntryNotFoundError, LocalEntryNotFoundError, OfflineModeIsEnabled,
+                                        RepositoryNotFoundError)
+
+    where = f"from the Hugging Face hub ({REPO_ID})"
+    staging = out_dir / STAGING
+    try:
+        # One quick request without retries first: offline, hf_hub_download would retry for ~25 s.
+        meta = get_hf_file_metadata(hf_hub_url(REPO_ID, name, repo_type=REPO_TYPE), timeout=NETWORK_TIMEOUT_S)
+        path = Path(hf_hub_download(REPO_ID, name, repo_type=REPO_TYPE, local_dir=staging,
+                                    etag_timeout=NETWORK_TIMEOUT_S))
+    except OfflineModeIsEnabled:
+        raise DownloadError(f"could not download {name} {where}: HF_HUB_OFFLINE is set; unset it to download") from None
+    except (EntryNotFoundError, RepositoryNotFoundError) as e:
+        if isinstance(e, LocalEntryNotFoundError):  # "not in the local cache": a network failure
+            raise DownloadError(f"could not download {name} {where}: no network connection? "
+                                f"Retry when online (see --help)") from None
+        raise DownloadError(f"{name} is not in the dataset repo {REPO_ID} ({type(e).__name__}); "
+                            f"it holds {TRAIN_SHARDS_IN_REPO} training shards") from None
+    except _network_errors() as e:
+        detail = str(e).splitlines()[0] if str(e) else "no details"
+        raise DownloadError(f"could not download {name} {where}: no network connection? "
+                            f"Retry when online (see --help) ({type(e).__name__}: {detail})") from None
+
+    try:
+        shards.check_shard(path)
+        if meta.size is not None and path.stat().st_size != meta.size:
+            raise shards.ShardError(f"{path}: {path.stat().st_size} bytes, the hub says {meta.size}")
+    except shards.ShardError as e:
+        path.unlink(missing_ok=True)  # so that the next run downloads it afresh
+        raise DownloadError(f"downloaded {name} is damaged ({e}); it was deleted, run again to retry") from None
+    os.replace(path, final)
+    return f"downloaded, {final.stat().st_size:,} bytes"
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=f"Download GPT-2-tokenized FineWeb10B shards ({REPO_ID} on the Hugging Face hub).",
+        epilog=f"Default {DEFAULT_TRAIN_SHARDS} = ceil({SPEEDRUN_STEPS} speedrun steps x {SPEEDRUN_TOKENS_PER_STEP:,} "
+               f"tokens / {SHARD_TOKENS:,} tokens per shard). Each shard takes 200,001,024 bytes on disk.")
+    parser.add_argument("num_train", nargs="?", type=int, default=DEFAULT_TRAIN_SHARDS, metavar="N",
+                        help=f"training shards to fetch, 0..{TRAIN_SHARDS_IN_REPO} (default {DEFAULT_TRAIN_SHARDS}); "
+                             "the val shard is always fetched")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help="destination folder (default: data/fineweb10B next to this script)")
+    args = parser.parse_args(argv)
+    if not 0 <= args.num_train <= TRAIN_SHARDS_IN_REPO:
+        parser.error(f"N must be between 0 and {TRAIN_SHARDS_IN_REPO} (the repo's training shards), got {args.num_train}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # Fail fast offline: the hub's default timeouts are long. Must be set before huggingface_hub is imported.
+    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", str(int(NETWORK_TIMEOUT_S)))
+    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", str(int(NETWORK_TIMEOUT_S)))
+    names = shard_names(args.num_train)
+    created_out = not args.out.exists()
+    try:
+        if args.out.exists() and not args.out.is_dir():
+            raise DownloadError(f"--out {args.out}: exists and is not a folder")
+        args.out.mkdir(parents=True, exist_ok=True)
+        for i, name in enumerate(names, 1):
+            print(f"[{i}/{len(names)}] {name}: {fetch(name, args.out)}", flush=True)
+        shutil.rmtree(args.out / STAGING, ignore_errors=True)  # only hub metadata is left there
+    except (DownloadError, KeyboardInterrupt) as e:
+        staging = args.out / STAGING
+        if staging.is_dir() and not any(p.suffix in (".bin", ".incomplete") for p in staging.rglob("*")):
+            shutil.rmtree(staging, ignore_errors=True)  # no partial download worth resuming from
+        if created_out and args.out.is_dir() and not any(args.out.iterdir()):
+            args.out.rmdir()  # a failed first run leaves no trace
+        if isinstance(e, KeyboardInterrupt):
+            print("error: interrupted; finished shards are kept, run again to resume", file=sys.stderr)
+            return 130
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"{len(names)} shards in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
