@@ -1,0 +1,36 @@
+"""Shared helpers: run train_gpt.py or a worker script under torchrun (gloo, CPU)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def cpu_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def torchrun(script, nproc: int, *args, timeout: float = 600, check: bool = True, extra_env=None):
+    """`torchrun --standalone --nproc_per_node=N script args` from the repo root."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(script), *map(str, args)]
+    proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(**(extra_env or {})), capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd[2:])} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+                    f"\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def python(*args, timeout: float = 600, extra_env=None):
+    """`python args` from the repo root, as a user would run it."""
+    return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, env=cpu_env(**(extra_env or {})),
+                          capture_output=True, text=True, timeout=timeout)
