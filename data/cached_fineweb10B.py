@@ -111,7 +111,8 @@ def parse_args(argv=None):
                         help="destination folder (default: data/fineweb10B next to this script)")
     args = parser.parse_args(argv)
     if not 0 <= args.num_train <= TRAIN_SHARDS_IN_REPO:
-        parser.error(f"N must be between 0 and {TRAIN_SHARDS_IN_REPO} (the repo's training shards), got {args.num_train}")
+        parser.error(f"N must be between 0 and {TRAIN_SHARDS_IN_REPO} (the repo's training shards), "
+                     f"got {args.num_train}")
     return args
 
 

@@ -46,7 +46,10 @@ def write_shard(path, tokens) -> int:
     header[0], header[1], header[2] = MAGIC, VERSION, array.size
     body = array.astype("<u2", copy=False)
 
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise ShardError(f"{path}: cannot write shard: {e.strerror}") from None
     try:
         os.chmod(tmp_name, 0o644)  # mkstemp makes it private; shards are ordinary data files
         with os.fdopen(fd, "wb") as f:
@@ -55,12 +58,14 @@ def write_shard(path, tokens) -> int:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_name, path)
-    except BaseException:
+    except BaseException as e:
         # Leave no temporary file behind, whatever stopped us (errors, Ctrl-C).
         try:
             os.unlink(tmp_name)
         except FileNotFoundError:
             pass
+        if isinstance(e, OSError):  # disk full, permissions: an expected failure, not a bug
+            raise ShardError(f"{path}: cannot write shard: {e.strerror or e}") from None
         raise
     return int(array.size)
 

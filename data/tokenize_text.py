@@ -424,7 +424,8 @@ def parse_args(argv=None):
     parser.add_argument("--preset", choices=["shakespeare"],
                         help="rebuild a bundled data set (shakespeare: data/shakespeare/ from its texts/)")
     parser.add_argument("--out", help="output folder (created if missing)")
-    parser.add_argument("--prefix", help="shard name prefix: PREFIX_train_000001.bin (default: the --out folder's name)")
+    parser.add_argument("--prefix",
+                        help="shard name prefix: PREFIX_train_000001.bin (default: the --out folder's name)")
     parser.add_argument("--shard-tokens", type=positive_int,
                         help=f"most tokens per shard (default {DEFAULT_SHARD_TOKENS:,})")
     split = parser.add_mutually_exclusive_group()
