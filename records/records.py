@@ -1,0 +1,1169 @@
+#!/usr/bin/env python3
+"""Check, summarize and file NanoGPT speedrun records from their training logs.
+
+A speedrun record is a claim backed by logs: several runs of one train_gpt.py whose
+mean final validation loss is below the target at p < 0.01, timed on named hardware.
+This tool reads those logs and does the arithmetic a reviewer would otherwise do by hand.
+
+    python records/records.py summarize LOG...           table of runs + statistics
+    python records/records.py compare --baseline LOG... --candidate LOG...
+    python records/records.py verify LOG...              exit 0 only if the claim holds
+    python records/records.py extract LOG -o FILE        the exact train_gpt.py of a run
+    python records/records.py plot LOG... -o FILE.png    val loss curves (needs matplotlib)
+    python records/records.py new NAME LOG...            file a record folder, regenerate the table
+    python records/records.py table                      regenerate the record table
+
+Only the standard library is required; scipy is used for the t distribution when it is
+installed, and an exact-to-rounding fallback is used when it is not. See records/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+try:  # scipy is optional: the pure t distribution below gives the same numbers
+    from scipy import stats as _stats
+except ImportError:
+    _stats = None
+
+
+# =============================================================================
+# Constants
+# =============================================================================
+
+RULE = "=" * 100                 # separates embedded source, header and step lines
+DEFAULT_TARGET = 3.28            # the speedrun's val-loss target
+ALPHA = 0.01                     # significance level of every claim the tool checks
+RECORDS_DIR = Path(__file__).resolve().parent
+RECORD_DIR_RE = re.compile(r"^(\d{4}-\d{2}-\d{2})_(.+)$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+BEGIN_MARK = "<!-- records:begin -->"
+END_MARK = "<!-- records:end -->"
+
+
+class ToolError(Exception):
+    """An expected failure: printed as one `error: ...` line, exit status 1."""
+
+
+# =============================================================================
+# Reading logs
+# =============================================================================
+# A log is: [embedded source] RULE header RULE step lines [end-of-run lines].
+# The public logs have the source stripped and end with `peak memory ...`;
+# this repo's logs add explicit header fields and end with a `summary:` line.
+
+RULE_RE = re.compile(r"^={100}[ \t\r]*$", re.MULTILINE)
+STEP_RE = re.compile(r"^step:(\d+)/(\d+)((?:[ \t]+[^\s:]+:\S*)*)[ \t]*$")
+FIELD_RE = re.compile(r"([^\s:]+):(\S*)")
+# `|   0  NVIDIA H100 80GB HBM3          On  |   00000000:61:00.0 Off |` (a GPU row of nvidia-smi)
+GPU_ROW_RE = re.compile(r"^\|\s*\d+\s+(.+?)\s+(?:On|Off)\s+\|\s+[0-9A-Fa-f]+:[0-9A-Fa-f:.]+\s")
+# `Sat Nov 15 15:50:24 2025` (nvidia-smi's clock line)
+SMI_DATE_RE = re.compile(r"^(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) ([A-Z][a-z]{2}) +(\d{1,2}) \d\d:\d\d:\d\d (\d{4})\s*$")
+# `device: cpu  world_size: 2  backend: gloo  date: 2026-11-22 03:40:12 UTC` (values may hold single spaces)
+DEVICE_FIELD_RE = re.compile(r"(\w+):[ \t]*(.*?)(?=[ \t]{2,}\w+:|[ \t]*$)")
+
+
+@dataclass
+class Log:
+    path: Path
+    run_id: str
+    source: str | None              # embedded train_gpt.py; None when stripped
+    code_hash: str | None           # sha256 of the source, else the declared one
+    declared_hash: str | None       # `code_sha256:` header line
+    python: str | None
+    torch: str | None
+    device: str                     # 'cuda', 'cpu' or 'unknown'
+    gpu: str | None                 # GPU name from nvidia-smi
+    world_size: int | None
+    date: dt.date | None
+    preset: str | None
+    note: str | None                # e.g. "smoke preset ... NOT a record run"
+    hyperparameters: dict[str, str]
+    total_steps: int | None         # N of `step:i/N`
+    last_step: int                  # highest step seen
+    vals: list[tuple[int, float, float | None]]   # (step, val_loss, train_time_ms)
+    final_val_loss: float | None    # val loss at step N
+    train_time_ms: float | None     # of the whole run (or up to the last line if cut short)
+    problems: list[str] = field(default_factory=list)   # empty for a complete, unedited log
+
+    @property
+    def name(self) -> str:
+        return str(self.path)
+
+    @property
+    def complete(self) -> bool:
+        return not self.problems
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def parse_number(value: str) -> float | None:
+    """`137554ms` -> 137554.0, `3.2754` -> 3.2754; anything else -> None."""
+    try:
+        return float(value[:-2] if value.endswith("ms") else value)
+    except ValueError:
+        return None
+
+
+def parse_fields(text: str) -> dict[str, str]:
+    """`key:value` pairs of a step or summary line, in any order, unknown keys kept."""
+    return dict(FIELD_RE.findall(text))
+
+
+def parse_step_line(line: str) -> tuple[int, int, dict[str, str]] | None:
+    """(step, total, fields) of a `step:i/N key:value ...` line; None if it is malformed."""
+    m = STEP_RE.match(line)
+    if not m:
+        return None
+    fields = parse_fields(m.group(3))
+    for key in ("val_loss", "train_time"):
+        if key in fields and parse_number(fields[key]) is None:
+            return None
+    return int(m.group(1)), int(m.group(2)), fields
+
+
+def parse_header(lines: list[str]) -> dict:
+    """Fields of the lines between the two RULE lines (both formats)."""
+    h: dict = {"hyperparameters": {}, "gpus": []}
+    in_hparams = False
+    for line in lines:
+        if in_hparams and line.startswith("  ") and "=" in line:
+            key, _, value = line.strip().partition("=")
+            h["hyperparameters"][key.strip()] = value.strip()
+            continue
+        in_hparams = False
+        if m := re.match(r"Running Python (\S+)", line):
+            h["python"] = m.group(1)
+        elif m := re.match(r"Running PyTorch (\S+)", line):
+            h["torch"] = m.group(1)
+        elif line.startswith("hyperparameters:"):
+            in_hparams = True
+        elif m := re.match(r"(code_sha256|run_id|note):[ \t]*(.*?)\s*$", line):
+            h[m.group(1)] = m.group(2)
+        elif line.startswith("device:"):
+            h.update(DEVICE_FIELD_RE.findall(line))
+        elif m := GPU_ROW_RE.match(line):
+            h["gpus"].append(m.group(1))
+        elif m := SMI_DATE_RE.match(line):
+            h.setdefault("smi_date", dt.datetime.strptime(" ".join(m.groups()), "%b %d %Y").date())
+    return h
+
+
+def parse_body(lines: list[str]) -> dict:
+    """Step lines and end-of-run lines after the second RULE line."""
+    b: dict = {"steps": [], "malformed": [], "summary": None, "peak": None, "error": None, "resumed": None}
+    for line in lines:
+        if line.startswith("step:"):
+            parsed = parse_step_line(line)
+            if parsed is None:
+                b["malformed"].append(line)
+            else:
+                b["steps"].append(parsed)
+        elif line.startswith("summary:"):
+            b["summary"] = parse_fields(line[len("summary:"):])
+        elif line.startswith("peak memory"):
+            b["peak"] = line
+        elif line.startswith("error:") and b["error"] is None:
+            b["error"] = line
+        elif m := re.match(r"resumed from .* at step (\d+)", line):
+            b["resumed"] = int(m.group(1))
+    return b
+
+
+def read_log(path: str | Path) -> Log:
+    """Parse one log file; raise ToolError when it is not a speedrun log at all."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ToolError(f"{path}: cannot read ({e.strerror or e})") from None
+    if not data.strip():
+        raise ToolError(f"{path}: not a speedrun log (empty file)")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ToolError(f"{path}: not a speedrun log (not UTF-8 text)") from None
+    rule = RULE_RE.search(text)
+    if rule is None:
+        raise ToolError(f"{path}: not a speedrun log (no line of 100 '=')")
+
+    # Everything after the text's last newline is a line the writer never finished.
+    lines = [ln.rstrip("\r") for ln in text[rule.end():].split("\n")[1:]]
+    cut = lines.pop() if lines else ""
+    second = next((i for i, ln in enumerate(lines) if ln.rstrip() == RULE), None)
+    if second is None:  # tolerate a missing second RULE: the header ends at the first step line
+        second = next((i for i, ln in enumerate(lines) if ln.startswith("step:")), len(lines))
+        header, body_lines = lines[:second], lines[second:]
+    else:
+        header, body_lines = lines[:second], lines[second + 1:]
+    h = parse_header(header)
+    body = parse_body(body_lines)
+    if not body["steps"] and not body["malformed"] and "torch" not in h and "code_sha256" not in h:
+        raise ToolError(f"{path}: not a speedrun log (no 'step:N/M' lines and no 'Running PyTorch' header)")
+
+    source = text[:rule.start()] or None
+    declared = h.get("code_sha256")
+    # A writer that print()s a source ending in a newline adds one more: accept it when the hash says so.
+    if source and declared and sha256_text(source) != declared and source.endswith("\n") \
+            and sha256_text(source[:-1]) == declared:
+        source = source[:-1]
+    hparams = h["hyperparameters"]
+    summary = body["summary"] or {}
+    extended = bool(body["summary"] or hparams or {"device", "run_id", "code_sha256"} & h.keys())
+
+    # Hardware: explicit fields (`device: cuda (NVIDIA H100 80GB HBM3)`) win over what nvidia-smi shows.
+    m = re.match(r"([a-z]+)(?::\d+)?\s*(?:\((.*)\))?", h.get("device") or summary.get("device") or "")
+    device = m.group(1) if m else ("cuda" if h["gpus"] else "unknown")
+    world_size = _int(summary.get("world_size")) or _int(h.get("world_size")) or (len(h["gpus"]) or None)
+    gpus = sorted(set(h["gpus"]))
+    gpu = None
+    if device == "cuda":
+        gpu = (m and m.group(2)) or ", ".join(gpus) or "unknown GPU"
+    date = h.get("smi_date")
+    if h.get("date"):
+        try:
+            date = dt.date.fromisoformat(h["date"][:10])
+        except ValueError:
+            pass
+
+    steps = body["steps"]
+    totals = sorted({total for _, total, _ in steps})
+    total = totals[-1] if totals else None
+    vals = [(s, parse_number(f["val_loss"]), parse_number(f["train_time"]) if "train_time" in f else None)
+            for s, _, f in steps if "val_loss" in f]
+    final = next((v for s, v, _ in vals if s == total), None)
+    times = [parse_number(f["train_time"]) for _, _, f in steps if "train_time" in f]
+    train_time = next((t for s, _, t in vals if s == total), None)
+    if "train_time" in summary and parse_number(summary["train_time"]) is not None:
+        train_time = parse_number(summary["train_time"])
+    elif train_time is None and times:
+        train_time = times[-1]
+
+    log = Log(path=path, run_id=h.get("run_id") or path.stem, source=source,
+              code_hash=sha256_text(source) if source else declared, declared_hash=declared,
+              python=h.get("python"), torch=h.get("torch"), device=device, gpu=gpu,
+              world_size=world_size, date=date, preset=hparams.get("preset"), note=h.get("note"),
+              hyperparameters=hparams, total_steps=total, last_step=max((s for s, _, _ in steps), default=0),
+              vals=vals, final_val_loss=final, train_time_ms=train_time)
+    log.problems = find_problems(log, body, cut, extended, totals)
+    return log
+
+
+def _int(value) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+# =============================================================================
+# Completeness and integrity
+# =============================================================================
+
+def expected_val_steps(total: int, every: int | None, seen: list[int]) -> set[int]:
+    """Steps that must carry a val_loss: 0, every k-th and the last. Without a
+    `val_loss_every` hyperparameter (public logs) k is the gcd of the steps seen."""
+    if every is None:
+        inner = [s for s in seen if 0 < s < total]
+        every = math.gcd(*inner) if inner else 0
+    grid = set(range(0, total + 1, every)) if every > 0 else set()
+    return grid | {total}
+
+
+def _some(numbers: list[int], limit: int = 5) -> str:
+    shown = ", ".join(map(str, numbers[:limit]))
+    return shown + (f", ... ({len(numbers)} in all)" if len(numbers) > limit else "")
+
+
+def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[int]) -> list[str]:
+    """One short reason per way the log is incomplete or edited; [] when it is sound."""
+    problems = []
+    if cut.strip():
+        problems.append(f"last line is cut off (no newline at the end): {cut[:40]!r}")
+    if body["malformed"]:
+        problems.append(f"malformed step line: {body['malformed'][0][:60]!r}"
+                        + (f" (+{len(body['malformed']) - 1} more)" if len(body["malformed"]) > 1 else ""))
+    if len(totals) > 1:
+        problems.append(f"step lines disagree on the number of steps: {totals}")
+    if log.total_steps is None:
+        problems.append("no step lines")
+        return problems
+
+    total, last = log.total_steps, log.last_step
+    numbers = [s for s, _, _ in body["steps"]]
+    if any(b < a for a, b in zip(numbers, numbers[1:])):
+        problems.append("step lines out of order (two runs appended to one file?)")
+    # A failed or cut-short run lacks its final val loss and end line: one reason says it all.
+    ended_early = body["error"] is not None or last < total
+    if body["error"]:
+        problems.append(f"run failed after step {last} of {total}: {body['error']}")
+    elif last < total:
+        problems.append(f"truncated: last step {last} of {total}")
+    first = 1
+    if body["resumed"] is not None:   # this log cannot show the steps before the checkpoint
+        first = body["resumed"] + 1
+        problems.append(f"resumed from a checkpoint at step {body['resumed']}: steps 1..{body['resumed']} "
+                        "are not in this log")
+    missing = sorted(set(range(first, last + 1)) - set(numbers))
+    if missing:
+        problems.append(f"missing step lines: {_some(missing)}")
+    val_steps = [s for s, _, _ in log.vals]
+    every = _int(log.hyperparameters.get("val_loss_every"))
+    no_val = sorted(s for s in expected_val_steps(total, every, val_steps) - set(val_steps) if first <= s < last)
+    if no_val:
+        problems.append(f"missing val_loss at steps {_some(no_val)}")
+    if not ended_early:
+        if log.final_val_loss is None:
+            problems.append(f"no final val_loss at step {total}")
+        if extended and body["summary"] is None:
+            problems.append("no end-of-run 'summary:' line")
+        elif not extended and body["peak"] is None:
+            problems.append("no end-of-run 'peak memory' line")
+
+    # The summary repeats numbers from the step lines: a disagreement means the log was edited.
+    summary = body["summary"] or {}
+    s_loss, s_steps = parse_number(summary.get("final_val_loss", "")), _int(summary.get("steps"))
+    if s_loss is not None and log.final_val_loss is not None and abs(s_loss - log.final_val_loss) > 1e-4:
+        problems.append(f"summary final_val_loss {s_loss} disagrees with step {total} val_loss {log.final_val_loss}")
+    if s_steps is not None and s_steps != total:
+        problems.append(f"summary steps {s_steps} disagrees with the step lines ({total})")
+    if log.source and log.declared_hash and sha256_text(log.source) != log.declared_hash:
+        problems.append(f"edited: embedded source hashes to {sha256_text(log.source)[:12]}..., "
+                        f"header says code_sha256 {log.declared_hash[:12]}...")
+    return problems
+
+
+# =============================================================================
+# Hardware and tracks
+# =============================================================================
+# Results are only comparable on the same hardware, so every table is split by it,
+# and the labels come from the logs, never from what a submitter types.
+
+def hardware_key(log: Log) -> tuple:
+    return (log.device, log.gpu if log.device == "cuda" else None, log.world_size)
+
+
+def hardware_label(log: Log) -> str:
+    """Short label: `8×H100`, `2×CPU`."""
+    n = log.world_size if log.world_size is not None else "?"
+    if log.device == "cpu":
+        return f"{n}×CPU"
+    if log.device == "cuda":
+        m = re.search(r"\b([A-Z]{1,3}\d{2,4}[A-Z]?)\b", log.gpu or "")
+        return f"{n}×{m.group(1) if m else (log.gpu or 'GPU').replace('NVIDIA ', '')}"
+    return f"{n}×unknown device"
+
+
+def hardware_long(log: Log) -> str:
+    """`8×H100 (NVIDIA H100 80GB HBM3, world size 8)`, `2×CPU (world size 2)`."""
+    gpu = f"{log.gpu}, " if log.device == "cuda" else ""
+    return f"{hardware_label(log)} ({gpu}world size {log.world_size})"
+
+
+def default_track(log: Log) -> str:
+    """The hardware label, plus the preset when the log itself says it is not a record run."""
+    return hardware_label(log) + (f" {log.preset}" if log.note and log.preset else "")
+
+
+def track_conflict(track: str, log: Log) -> str | None:
+    """Why a track name claims hardware the logs did not run on, or None."""
+    words = track.lower()
+    counts = re.findall(r"(\d+)\s*[x×]", words)
+    rest = re.sub(r"\d+\s*[x×]", " ", words)
+    where = f"the logs ran on {hardware_label(log)}"
+    if re.search(r"\bcpu\b", rest) and log.device != "cpu":
+        return f"track {track!r} names CPU but {where}"
+    if re.search(r"\bgpus?\b", rest) and log.device != "cuda":
+        return f"track {track!r} names a GPU but {where}"
+    for model in re.findall(r"[a-z]{1,2}\d{2,4}[a-z]?", rest):
+        if log.device != "cuda" or model not in (log.gpu or "").lower():
+            return f"track {track!r} names {model.upper()} but {where}"
+    for n in counts:
+        if int(n) != log.world_size:
+            return f"track {track!r} names {n} devices but {where}"
+    return None
+
+
+# =============================================================================
+# Statistics: Student's t without scipy
+# =============================================================================
+# P(T > t) = I_x(df/2, 1/2) / 2 with x = df / (df + t^2), where I is the regularized
+# incomplete beta function, evaluated by its continued fraction (modified Lentz).
+# Quantiles invert the tail by bisection, which cannot diverge.
+
+def _beta_cf(a: float, b: float, x: float) -> float:
+    """Continued fraction 1/(1+ d1/(1+ d2/(1+ ...))) of I_x(a, b)."""
+    tiny = 1e-300
+    f, c, d = tiny, tiny, 0.0
+    for j in range(1, 100_000):
+        if j == 1:
+            aj = 1.0
+        else:
+            k = j - 1
+            m = k // 2
+            if k % 2:   # d_{2m+1}
+                aj = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+            else:       # d_{2m}
+                aj = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        d = 1.0 + aj * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aj / c
+        c = c if abs(c) > tiny else tiny
+        f *= c * d
+        if abs(c * d - 1.0) < 1e-16:
+            return f
+    raise ArithmeticError(f"incomplete beta did not converge (a={a}, b={b}, x={x})")
+
+
+def _betainc(a: float, b: float, x: float, y: float) -> float:
+    """Regularized incomplete beta I_x(a, b); y = 1 - x is passed in to keep its precision."""
+    if x <= 0.0:
+        return 0.0
+    if y <= 0.0:
+        return 1.0
+    front = math.exp(a * math.log(x) + b * math.log(y) - math.lgamma(a) - math.lgamma(b) + math.lgamma(a + b))
+    if x < (a + 1.0) / (a + b + 2.0):   # the fraction converges fast on this side
+        return front * _beta_cf(a, b, x) / a
+    return 1.0 - front * _beta_cf(b, a, y) / b
+
+
+def _t_sf_pure(t: float, df: float) -> float:
+    """P(T > t) for Student's t with df degrees of freedom."""
+    if math.isnan(t) or math.isnan(df) or df <= 0:
+        return math.nan
+    t2 = t * t
+    if math.isinf(t2):
+        return 0.0 if t > 0 else 1.0
+    tail = 0.5 * _betainc(df / 2.0, 0.5, df / (df + t2), t2 / (df + t2))
+    return tail if t >= 0 else 1.0 - tail
+
+
+def _t_ppf_pure(p: float, df: float) -> float:
+    """t with P(T <= t) = p."""
+    if not 0.0 < p < 1.0:
+        return {0.0: -math.inf, 1.0: math.inf}.get(p, math.nan)
+    q = min(p, 1.0 - p)             # solve in the upper tail, then mirror
+    if q == 0.5:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while _t_sf_pure(hi, df) > q:
+        lo, hi = hi, hi * 2.0
+    for _ in range(400):
+        mid = 0.5 * (lo + hi)
+        if _t_sf_pure(mid, df) > q:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-15 * hi:
+            break
+    t = 0.5 * (lo + hi)
+    return t if p > 0.5 else -t
+
+
+def t_sf(t: float, df: float) -> float:
+    if _stats is not None:
+        return float(_stats.t.sf(t, df))
+    return _t_sf_pure(t, df)
+
+
+def t_cdf(t: float, df: float) -> float:
+    return t_sf(-t, df)
+
+
+def t_ppf(p: float, df: float) -> float:
+    if _stats is not None:
+        return float(_stats.t.ppf(p, df))
+    return _t_ppf_pure(p, df)
+
+
+def one_sample_less(xs: list[float], target: float) -> tuple[float, int, float] | None:
+    """One-sided one-sample t-test, H1: mean < target. (t, df, p), None for n < 2."""
+    n = len(xs)
+    if n < 2:
+        return None
+    mean, sd = statistics.fmean(xs), statistics.stdev(xs)
+    if sd == 0.0:   # no spread: the sign of the difference decides
+        return (math.copysign(math.inf, mean - target) if mean != target else math.nan,
+                n - 1, 0.0 if mean < target else 1.0)
+    t = (mean - target) / (sd / math.sqrt(n))
+    return t, n - 1, t_cdf(t, n - 1)
+
+
+@dataclass
+class Welch:
+    diff: float     # mean(b) - mean(a)
+    lo: float       # confidence interval of diff
+    hi: float
+    t: float
+    df: float
+    p_less: float   # one-sided p for H1: mean(b) < mean(a)
+
+
+def welch(a: list[float], b: list[float], confidence: float = 1 - ALPHA) -> Welch:
+    """Welch's unequal-variance t-test of mean(b) - mean(a), Welch-Satterthwaite df."""
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    diff = statistics.fmean(b) - statistics.fmean(a)
+    se = math.sqrt(va + vb)
+    if se == 0.0:   # both groups without spread
+        return Welch(diff, diff, diff, math.copysign(math.inf, diff) if diff else math.nan,
+                     math.nan, 0.0 if diff < 0 else 1.0)
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    half = t_ppf(1 - (1 - confidence) / 2, df) * se
+    t = diff / se
+    return Welch(diff, diff - half, diff + half, t, df, t_cdf(t, df))
+
+
+# =============================================================================
+# Group statistics and formatting
+# =============================================================================
+
+@dataclass
+class Stats:
+    n: int
+    val_mean: float
+    val_std: float          # sample std (ddof=1); nan for one run
+    test: tuple | None      # one_sample_less(...)
+    target: float
+    met: bool               # the target rule (see target_rule)
+    times: list[float]      # seconds
+
+
+def group_stats(logs: list[Log], target: float) -> Stats:
+    vals = [lg.final_val_loss for lg in logs]
+    test = one_sample_less(vals, target)
+    mean = statistics.fmean(vals)
+    met = test[2] < ALPHA if test else mean <= target
+    return Stats(len(vals), mean, statistics.stdev(vals) if len(vals) > 1 else math.nan,
+                 test, target, met, [lg.train_time_ms / 1000 for lg in logs])
+
+
+def target_rule(st: Stats) -> str:
+    """One line: is the val-loss target met, and by which rule."""
+    if st.test is None:
+        verdict = "met" if st.met else "NOT met"
+        return (f"target {st.target:g}: single run, final val loss {st.val_mean:.4f} "
+                f"{'<=' if st.met else '>'} {st.target:g} -> {verdict} (no t-test with one run)")
+    t, df, p = st.test
+    verdict = f"met at p < {ALPHA:g}" if st.met else f"NOT met at p < {ALPHA:g}"
+    return (f"target {st.target:g}: one-sided t-test, H1 mean < {st.target:g}: "
+            f"t = {t:.3f}, df = {df}, p = {fmt_p(p)} -> {verdict}")
+
+
+def time_line(st: Stats) -> str:
+    ts = st.times
+    sd = f" ± {statistics.stdev(ts):.3f} s" if len(ts) > 1 else ""
+    return (f"train time: mean {statistics.fmean(ts):.3f} s{sd}, median {statistics.median(ts):.3f} s, "
+            f"min {min(ts):.3f} s, max {max(ts):.3f} s")
+
+
+def val_line(st: Stats) -> str:
+    sd = f" ± {st.val_std:.5f} (sample std, n = {st.n})" if st.n > 1 else " (n = 1)"
+    return f"final val loss: mean {st.val_mean:.5f}{sd}"
+
+
+def code_line(logs: list[Log]) -> str:
+    hashes = Counter(lg.code_hash for lg in logs)
+    parts = []
+    for h, n in hashes.most_common():
+        if h is None:
+            parts.append(f"not embedded (source stripped) in {n} log(s)")
+        else:
+            verified = all(lg.source is not None for lg in logs if lg.code_hash == h)
+            parts.append(f"sha256 {h} in {n} log(s)" + ("" if verified else " (declared, source stripped)"))
+    return "code: " + "; ".join(parts)
+
+
+def fmt_p(p: float) -> str:
+    return f"{p:.2e}" if p < 1e-4 else f"{p:.4f}"
+
+
+def fmt_opt(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def run_rows(logs: list[Log]) -> tuple[list[str], list[list[str]]]:
+    headers = ["run", "steps", "final val loss", "train time (s)", "step avg (ms)", "world size", "GPU", "PyTorch"]
+    rows = []
+    for lg in logs:
+        steps = str(lg.total_steps) if lg.complete else f"{lg.last_step}/{lg.total_steps}"
+        step_avg = lg.train_time_ms / max(lg.last_step, 1) if lg.train_time_ms is not None else None
+        rows.append([lg.run_id, steps, fmt_opt(lg.final_val_loss, ".4f"),
+                     fmt_opt(lg.train_time_ms and lg.train_time_ms / 1000, ".3f"),
+                     fmt_opt(step_avg, ".2f"), fmt_opt(lg.world_size, "d"),
+                     lg.gpu if lg.device == "cuda" else lg.device, lg.torch or "-"])
+    return headers, rows
+
+
+def text_table(headers: list[str], rows: list[list[str]], right: set[int]) -> str:
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
+    def line(cells):
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def md_table(headers: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def load_logs(paths: list[str]) -> list[Log]:
+    return [read_log(p) for p in paths]
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write via a temp file in the same folder and rename: readers never see half a file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# =============================================================================
+# summarize
+# =============================================================================
+
+def cmd_summarize(args) -> int:
+    logs = load_logs(args.logs)
+    headers, rows = run_rows(logs)
+    print(text_table(headers, rows, right={1, 2, 3, 4, 5}))
+    print()
+    good = [lg for lg in logs if lg.complete]
+    for lg in logs:
+        if not lg.complete:
+            warn(f"{lg.name}: left out of the statistics: {'; '.join(lg.problems)}")
+    if len({hardware_key(lg) for lg in good}) > 1:
+        warn("the runs ran on different hardware: the statistics below mix them")
+    print(f"runs: {len(logs)} ({len(good)} complete)")
+    if not good:
+        print("no complete run: no statistics")
+        return 0
+    st = group_stats(good, args.target)
+    print(val_line(st))
+    print(target_rule(st))
+    print(time_line(st))
+    print("hardware: " + "; ".join(sorted({hardware_long(lg) for lg in good})))
+    print(code_line(good))
+    return 0
+
+
+# =============================================================================
+# compare
+# =============================================================================
+
+def cmd_compare(args) -> int:
+    groups = {"baseline": load_logs(args.baseline), "candidate": load_logs(args.candidate)}
+    for role, logs in groups.items():
+        bad = [lg for lg in logs if not lg.complete]
+        if bad:
+            raise ToolError(f"{bad[0].name}: incomplete log ({bad[0].problems[0]}); compare needs complete runs")
+        if len(logs) < 2:
+            raise ToolError(f"{role} has {len(logs)} run: Welch's t-test needs at least 2 runs per group")
+    kinds = {role: sorted({hardware_long(lg) for lg in logs}) for role, logs in groups.items()}
+    if kinds["baseline"] != kinds["candidate"] or len(kinds["baseline"]) > 1:
+        message = (f"different hardware: baseline {'; '.join(kinds['baseline'])} vs "
+                   f"candidate {'; '.join(kinds['candidate'])}")
+        if not args.allow_different_hardware:
+            raise ToolError(message + " (timings are not comparable; --allow-different-hardware to compare anyway)")
+        warn(message + ": timings are not comparable")
+
+    base, cand = groups["baseline"], groups["candidate"]
+    for role, logs in groups.items():
+        ts = [lg.train_time_ms / 1000 for lg in logs]
+        vs = [lg.final_val_loss for lg in logs]
+        print(f"{role}: {len(logs)} runs on {kinds[role][0]}: train time {statistics.fmean(ts):.3f} s "
+              f"± {statistics.stdev(ts):.3f}, final val loss {statistics.fmean(vs):.5f} ± {statistics.stdev(vs):.5f}")
+    level = f"{100 * (1 - ALPHA):g}%"
+    w = welch([lg.train_time_ms / 1000 for lg in base], [lg.train_time_ms / 1000 for lg in cand])
+    print(f"train time difference (candidate - baseline): {w.diff:+.3f} s, {level} CI [{w.lo:+.3f}, {w.hi:+.3f}] s "
+          f"(Welch t = {w.t:.3f}, df = {w.df:.2f})")
+    faster = w.p_less < ALPHA
+    print(f"candidate faster at p < {ALPHA:g} (one-sided Welch): {'yes' if faster else 'no'} (p = {fmt_p(w.p_less)})")
+    v = welch([lg.final_val_loss for lg in base], [lg.final_val_loss for lg in cand])
+    print(f"final val loss difference (candidate - baseline): {v.diff:+.5f}, {level} CI [{v.lo:+.5f}, {v.hi:+.5f}]")
+    return 0
+
+
+# =============================================================================
+# verify
+# =============================================================================
+
+def verify_logs(logs: list[Log], target: float, require_source: bool) -> tuple[list[str], list[str], Stats | None]:
+    """(failures as 'FAIL file: reason', warnings, target statistics) for a set of logs."""
+    fails = [f"FAIL {lg.name}: {p}" for lg in logs for p in lg.problems]
+    warnings = []
+
+    stripped = [lg for lg in logs if lg.source is None]
+    if stripped and require_source:
+        fails += [f"FAIL {lg.name}: no embedded source (stripped): cannot show which code ran" for lg in stripped]
+    elif stripped:
+        warnings.append(f"{len(stripped)} of {len(logs)} logs have no embedded source (stripped): "
+                        "cannot check which code they ran (--require-source makes this a failure)")
+
+    for what, key in (("code", lambda lg: lg.code_hash), ("preset", lambda lg: lg.preset)):
+        values = Counter(key(lg) for lg in logs if key(lg) is not None)
+        if len(values) > 1:
+            ref, n_ref = values.most_common(1)[0]
+            shown = ref[:12] if what == "code" else ref
+            for lg in logs:
+                if key(lg) not in (None, ref):
+                    mine = key(lg)[:12] if what == "code" else key(lg)
+                    fails.append(f"FAIL {lg.name}: ran different {what} ({mine}) than {n_ref} other log(s) ({shown})")
+    if len({hardware_key(lg) for lg in logs}) > 1:
+        warnings.append("the logs ran on different hardware: " + "; ".join(sorted({hardware_long(lg) for lg in logs})))
+
+    scored = [lg for lg in logs if lg.final_val_loss is not None and lg.train_time_ms is not None]
+    st = group_stats(scored, target) if scored else None
+    if st and not st.met:
+        who = scored[0].name if len(scored) == 1 else f"all {len(scored)} logs"
+        fails.append(f"FAIL {who}: {target_rule(st)}")
+    return fails, warnings, st
+
+
+def cmd_verify(args) -> int:
+    logs, fails = [], []
+    for path in args.logs:
+        try:
+            logs.append(read_log(path))
+        except ToolError as e:
+            fails.append(f"FAIL {e}")
+    more, warnings, st = verify_logs(logs, args.target, args.require_source)
+    for w in warnings:
+        warn(w)
+    fails += more
+    for f in fails:
+        print(f)
+    if fails:
+        return 1
+    same = "no embedded source to compare" if logs[0].code_hash is None else f"same code {logs[0].code_hash[:12]}"
+    print(f"OK {len(logs)} log(s): complete; {same}; {target_rule(st)}")
+    return 0
+
+
+# =============================================================================
+# extract
+# =============================================================================
+
+def cmd_extract(args) -> int:
+    log = read_log(args.log)
+    if log.source is None:
+        raise ToolError(f"{log.name}: no embedded source (the log starts at the '=' line: it was stripped)")
+    if log.declared_hash and sha256_text(log.source) != log.declared_hash:
+        raise ToolError(f"{log.name}: embedded source does not match its code_sha256 line (the log was edited)")
+    out = Path(args.output)
+    try:
+        write_atomic(out, log.source.encode("utf-8"))
+    except OSError as e:
+        raise ToolError(f"{out}: cannot write ({e.strerror or e})") from None
+    print(f"wrote {out} ({len(log.source.encode('utf-8'))} bytes, sha256 {log.code_hash})")
+    return 0
+
+
+# =============================================================================
+# plot
+# =============================================================================
+
+def cmd_plot(args) -> int:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")   # files only, never a window
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import FormatStrFormatter
+    except ImportError:
+        print("error: plotting needs matplotlib: pip install matplotlib", file=sys.stderr)
+        return 1
+    logs = load_logs(args.logs)
+    for lg in logs:
+        if not lg.complete:
+            warn(f"{lg.name}: plotted as far as it goes: {'; '.join(lg.problems)}")
+    groups = list(dict.fromkeys(lg.code_hash for lg in logs))   # one colour per code version
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, (ax_time, ax_step) = plt.subplots(1, 2, figsize=(13, 5))
+    labelled = set()
+    for lg in logs:
+        points = [(s, v, t) for s, v, t in lg.vals if t is not None]
+        if not points:
+            continue
+        g = groups.index(lg.code_hash)
+        n = sum(1 for other in logs if other.code_hash == lg.code_hash)
+        label = None if g in labelled else f"code {lg.code_hash[:8] if lg.code_hash else 'not embedded'} ({n} run{'s' * (n != 1)})"
+        labelled.add(g)
+        style = dict(color=colours[g % len(colours)], marker=".", linewidth=1, alpha=0.8)
+        ax_time.plot([t / 1000 for _, _, t in points], [v for _, v, _ in points], label=label, **style)
+        ax_step.plot([s for s, _, _ in points], [v for _, v, _ in points], **style)
+    for ax, xlabel in ((ax_time, "train time (s)"), (ax_step, "step")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("val loss")
+        ax.set_yscale("log")   # the first evals (~10) would flatten the end of the curves
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+        ax.grid(True, which="both", alpha=0.3)
+    ax_time.legend()
+    fig.suptitle("val loss, " + "; ".join(sorted({hardware_label(lg) for lg in logs})))
+    fig.tight_layout()
+    out = Path(args.output)
+    fd, tmp = tempfile.mkstemp(dir=out.parent or ".", prefix=f".{out.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png", dpi=100)
+        os.replace(tmp, out)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise ToolError(f"{out}: cannot write ({e.strerror or e})") from None
+    finally:
+        plt.close(fig)
+    print(f"wrote {out} ({len(logs)} runs, {len(groups)} code version(s))")
+    return 0
+
+
+# =============================================================================
+# Record folders: new and table
+# =============================================================================
+# records/<date>_<name>/ holds the logs, record.json (name, date, track, target: what the
+# logs cannot say) and a README. Every number in the table is recomputed from the logs.
+
+def record_readme(name: str, date: str, track: str, target: float, logs: list[Log], folder: str) -> str:
+    st = group_stats(logs, target)
+    first = logs[0]
+    headers, rows = run_rows(logs)
+    lines = [f"# {name} ({date})", "",
+             f"Track: **{track}**. Hardware, from the logs: {hardware_long(first)}; "
+             f"PyTorch {first.torch or 'unknown'}, Python {first.python or 'unknown'}.", ""]
+    if first.note:
+        lines += [f"> {first.note}", ""]
+    lines += ["## Runs", "", md_table(headers, rows), "",
+              "## Statistics", "",
+              f"- {val_line(st)}", f"- {target_rule(st)}", f"- {time_line(st)}",
+              f"- {code_line(logs)}", "",
+              "Final val loss is the val_loss at the last step; train time is the train_time the log "
+              "reports for the whole run (its summary line, else the last step). The p-value is a one-sided one-sample t-test "
+              f"(df = n - 1) of H1: mean < target; the target counts as met at p < {ALPHA:g} "
+              "(for a single run: its final val loss <= target).", "",
+              "## Reproduce", ""]
+    log_path = f"{folder}/{first.path.name}"
+    if first.source is None:
+        lines += ["These logs carry no embedded source (it was stripped before they were published), "
+                  "so this record cannot be re-run from this folder.", ""]
+    else:
+        script = f"train_gpt_{first.code_hash[:8]}.py"
+        lines += ["Every log embeds the exact train_gpt.py that produced it. From the repository root:", "",
+                  "```bash", f"python records/records.py verify {folder}/*.txt --target {target:g}",
+                  f"python records/records.py extract {log_path} -o {script} && \\",
+                  f"  torchrun --standalone --nproc_per_node={first.world_size or 1} {script}"
+                  + "".join(f" \\\n    --{k}={shlex.quote(v)}" for k, v in run_flags(first)), "```", ""]
+        differ = sorted(k for k in first.hyperparameters if len({lg.hyperparameters.get(k) for lg in logs}) > 1)
+        if first.hyperparameters:
+            lines += ["The flags are the hyperparameters in the first run's log header, less those that only "
+                      "name where a run writes its files."
+                      + (f" These differ between the runs: {', '.join(differ)} (see each log's header)."
+                         if differ else ""), ""]
+    lines += [f"Regenerate the numbers: `python records/records.py summarize {folder}/*.txt --target {target:g}`", ""]
+    return "\n".join(lines)
+
+
+# Hyperparameters that name a run's files, not what it computes: a rerun gets its own.
+RUN_FILE_FIELDS = {"run_id", "logs_dir", "checkpoint_dir", "resume", "force_resume"}
+
+
+def run_flags(log: Log) -> list[tuple[str, str]]:
+    """`--name=value` pairs that rerun a log's configuration: preset first, then every field it printed."""
+    hp = {k: v for k, v in log.hyperparameters.items() if k not in RUN_FILE_FIELDS and v != ""}
+    return sorted(hp.items(), key=lambda kv: kv[0] != "preset")
+
+
+@dataclass
+class Record:
+    folder: Path
+    name: str
+    date: str
+    track: str
+    target: float
+    logs: list[Log]
+
+
+def scan_records(records_dir: Path) -> list[Record]:
+    """Every records/<date>_<name>/ folder with sound logs; the rest are left out with a warning."""
+    found = []
+    for folder in sorted(p for p in records_dir.iterdir() if p.is_dir() and RECORD_DIR_RE.match(p.name)):
+        date, name = RECORD_DIR_RE.match(folder.name).groups()
+        meta = {}
+        if (folder / "record.json").exists():
+            try:
+                meta = json.loads((folder / "record.json").read_text())
+            except (OSError, ValueError) as e:
+                warn(f"{folder}/record.json: unreadable ({e}): left out of the table")
+                continue
+        logs = []
+        for path in sorted(folder.glob("*.txt")):
+            try:
+                logs.append(read_log(path))
+            except ToolError as e:
+                warn(f"{e}: ignored")
+        bad = [lg for lg in logs if not lg.complete]
+        if not logs or bad:
+            why = "no logs" if not logs else f"{bad[0].name}: {bad[0].problems[0]}"
+            warn(f"{folder}: left out of the table ({why})")
+            continue
+        if len({hardware_key(lg) for lg in logs}) > 1:
+            warn(f"{folder}: left out of the table (its logs ran on different hardware)")
+            continue
+        track = meta.get("track") or default_track(logs[0])
+        if conflict := track_conflict(track, logs[0]):
+            warn(f"{folder}: left out of the table ({conflict})")
+            continue
+        found.append(Record(folder, meta.get("name", name), meta.get("date", date), track,
+                            float(meta.get("target", DEFAULT_TARGET)), logs))
+    return found
+
+
+def records_markdown(records: list[Record], link_base: Path, level: str) -> str:
+    """Tables of records, one per hardware (tracks never mix), links relative to link_base."""
+    if not records:
+        return "No records yet."
+    by_hw: dict[tuple, list[Record]] = {}   # GPU tracks first, then by label
+    for r in records:
+        lg = r.logs[0]
+        by_hw.setdefault((lg.device != "cuda", hardware_long(lg)), []).append(r)
+    out = []
+    headers = ["date", "record", "track", "runs", "final val loss (mean ± std)", "target", "p (H1: mean < target)",
+               "train time (mean ± std)", "code sha256"]
+    for hw in sorted(by_hw):
+        rows = []
+        for r in sorted(by_hw[hw], key=lambda r: (r.date, r.name)):
+            st = group_stats(r.logs, r.target)
+            link = Path(os.path.relpath(r.folder / "README.md", link_base)).as_posix()
+            sd = f" ± {st.val_std:.4f}" if st.n > 1 else ""
+            tsd = f" ± {statistics.stdev(st.times):.2f}" if st.n > 1 else ""
+            p = fmt_p(st.test[2]) if st.test else "n/a (1 run)"
+            code = Counter(lg.code_hash for lg in r.logs).most_common(1)[0][0]
+            rows.append([r.date, f"[{r.name}]({link})", r.track, str(st.n), f"{st.val_mean:.4f}{sd}",
+                         f"{st.target:g}", p + ("" if st.met else " (not met)"),
+                         f"{statistics.fmean(st.times):.2f} s{tsd}", f"`{code[:12]}`" if code else "not embedded"])
+        out += [f"{level} {hw[1]}", "", md_table(headers, rows), ""]
+    return "\n".join(out).rstrip()
+
+
+def write_table(records_dir: Path) -> list[Path]:
+    """Regenerate records/RECORDS.md and the marked block of the repository README."""
+    records = scan_records(records_dir)
+    written = []
+    body = ("# Speedrun records\n\n"
+            "Generated by `python records/records.py table` from the logs in each record folder; "
+            "do not edit by hand. Records are grouped by the hardware their logs show: "
+            "timings are only comparable within one group.\n\n"
+            + records_markdown(records, records_dir, "##") + "\n")
+    write_atomic(records_dir / "RECORDS.md", body.encode("utf-8"))
+    written.append(records_dir / "RECORDS.md")
+
+    readme = records_dir.parent / "README.md"
+    if readme.exists():
+        text = readme.read_text(encoding="utf-8")
+        begin, end = text.find(BEGIN_MARK), text.find(END_MARK)
+        if begin >= 0 and end > begin:
+            block = "\n" + records_markdown(records, readme.parent, "###") + "\n"
+            new = text[:begin + len(BEGIN_MARK)] + block + text[end:]
+            if new != text:
+                write_atomic(readme, new.encode("utf-8"))
+            written.append(readme)
+        elif begin >= 0 or end >= 0:
+            warn(f"{readme}: records markers missing or out of order: left untouched")
+    return written
+
+
+def cmd_new(args) -> int:
+    if not NAME_RE.match(args.name):
+        raise ToolError(f"record name {args.name!r}: use letters, digits, '_', '.', '-' only")
+    records_dir = Path(args.records_dir)
+    logs = load_logs(args.logs)
+    fails, warnings, _ = verify_logs(logs, args.target, args.require_source)
+    for w in warnings:
+        warn(w)
+    if fails:
+        for f in fails:
+            print(f)
+        raise ToolError("no record filed: the logs fail verify (reasons above)")
+    if len({hardware_key(lg) for lg in logs}) > 1:
+        raise ToolError("no record filed: the logs ran on different hardware")
+    track = args.track or default_track(logs[0])
+    if "|" in track or not track.isprintable():
+        raise ToolError(f"track {track!r}: no '|' or control characters")
+    if conflict := track_conflict(track, logs[0]):
+        raise ToolError(conflict)
+    names = [lg.path.name for lg in logs]
+    if len(set(names)) != len(names):
+        raise ToolError("two logs have the same file name: rename one (the record folder keeps file names)")
+    date = args.date or (logs[0].date or dt.date.today()).isoformat()
+    folder = records_dir / f"{date}_{args.name}"
+    if folder.exists():
+        raise ToolError(f"{folder}: already exists")
+
+    # Build the folder beside its final place and rename it: no half-made record on failure.
+    records_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=records_dir, prefix=".new-"))
+    try:
+        for lg in logs:
+            shutil.copyfile(lg.path, tmp / lg.path.name)
+        meta = {"name": args.name, "date": date, "track": track, "target": args.target}
+        (tmp / "record.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        rel = folder.resolve().relative_to(records_dir.resolve().parent).as_posix()
+        copies = [read_log(tmp / lg.path.name) for lg in logs]
+        for copy, lg in zip(copies, logs):
+            copy.path = folder / lg.path.name
+        (tmp / "README.md").write_text(record_readme(args.name, date, track, args.target, copies, rel),
+                                       encoding="utf-8")
+        os.rename(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"created {folder} ({len(logs)} logs, track {track})")
+    for path in write_table(records_dir):
+        print(f"updated {path}")
+    return 0
+
+
+def cmd_table(args) -> int:
+    records_dir = Path(args.records_dir)
+    if not records_dir.is_dir():
+        raise ToolError(f"{records_dir}: no such records folder")
+    for path in write_table(records_dir):
+        print(f"updated {path}")
+    return 0
+
+
+# =============================================================================
+# Command line
+# =============================================================================
+
+def valid_date(text: str) -> str:
+    try:
+        return dt.date.fromisoformat(text).isoformat()
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a YYYY-MM-DD date: {text!r}") from None
+
+
+STATS_HELP = f"""\
+statistics:
+  final val loss  the val_loss at the last step; mean ± sample std (ddof = 1)
+  target          one-sided one-sample t-test, H1: mean < target, df = n - 1;
+                  met when p < {ALPHA:g}. With a single run there is no spread to
+                  test: the rule is final val loss <= target.
+  compare         Welch's t-test (Welch-Satterthwaite df) of candidate - baseline
+                  train time: {100 * (1 - ALPHA):g}% confidence interval and one-sided p
+                  for H1: candidate faster.
+  scipy.stats is used when installed, else a built-in t distribution."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="records.py", formatter_class=fmt, description=__doc__.split("\n\n")[1],
+                                epilog=STATS_HELP)
+    sub = p.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
+
+    def add(name, help_, description=""):
+        sp = sub.add_parser(name, help=help_, description=f"{help_}. {description}".strip(),
+                            formatter_class=fmt, epilog=STATS_HELP)
+        return sp
+
+    def target(sp):
+        sp.add_argument("--target", type=float, default=DEFAULT_TARGET,
+                        help=f"val-loss target (default {DEFAULT_TARGET})")
+
+    def records_dir(sp):
+        sp.add_argument("--records-dir", default=str(RECORDS_DIR), metavar="DIR",
+                        help="records root (default: the folder records.py is in); the README.md beside "
+                             "it gets the table between its records markers")
+
+    sp = add("summarize", "one row per run, then val-loss and train-time statistics",
+             "Incomplete logs are shown but left out of the statistics.")
+    sp.add_argument("logs", nargs="+", metavar="LOG")
+    target(sp)
+    sp.set_defaults(func=cmd_summarize)
+
+    sp = add("compare", "train-time difference of a candidate against a baseline, with a confidence interval",
+             "Refuses groups that ran on different hardware (GPU, device or world size) "
+             "unless --allow-different-hardware.")
+    sp.add_argument("--baseline", nargs="+", required=True, metavar="LOG")
+    sp.add_argument("--candidate", nargs="+", required=True, metavar="LOG")
+    sp.add_argument("--allow-different-hardware", action="store_true",
+                    help="compare anyway, with a warning")
+    sp.set_defaults(func=cmd_compare)
+
+    sp = add("verify", "exit 0 only if the logs back a record",
+             "Checks: each log is complete (step lines 1..N, val lines every val_loss_every steps, "
+             "final val loss at step N, end-of-run line, no error line, last line not cut) and unedited "
+             "(embedded source matches code_sha256); all ran the same code and preset; the target is met. "
+             "Prints 'FAIL <file>: <reason>' per failure. Logs without embedded source only warn.")
+    sp.add_argument("logs", nargs="+", metavar="LOG")
+    target(sp)
+    sp.add_argument("--require-source", action="store_true",
+                    help="fail logs whose embedded source was stripped instead of warning")
+    sp.set_defaults(func=cmd_verify)
+
+    sp = add("extract", "write the train_gpt.py embedded in a log (everything before the first '='*100 line)",
+             "Refuses logs without source or whose source does not match their code_sha256.")
+    sp.add_argument("log", metavar="LOG")
+    sp.add_argument("-o", "--output", required=True, metavar="FILE")
+    sp.set_defaults(func=cmd_extract)
+
+    sp = add("plot", "val loss against train time and against step, one line per run, coloured by code hash",
+             "Needs matplotlib (pip install matplotlib).")
+    sp.add_argument("logs", nargs="+", metavar="LOG")
+    sp.add_argument("-o", "--output", required=True, metavar="FILE.png")
+    sp.set_defaults(func=cmd_plot)
+
+    sp = add("new", "file a record: records/<date>_<NAME>/ with the logs, record.json and a README, "
+             "then regenerate the table",
+             "The logs must pass verify and share one hardware. The date is the first log's "
+             "(else today); the track defaults to the logs' hardware and preset, e.g. '8×H100' or '2×CPU smoke'.")
+    sp.add_argument("name", metavar="NAME")
+    sp.add_argument("logs", nargs="+", metavar="LOG")
+    sp.add_argument("--track", help="track name; refused if it names hardware the logs did not run on")
+    sp.add_argument("--date", type=valid_date, help="YYYY-MM-DD instead of the first log's date")
+    target(sp)
+    sp.add_argument("--require-source", action="store_true", help="as for verify")
+    records_dir(sp)
+    sp.set_defaults(func=cmd_new)
+
+    sp = add("table", "regenerate records/RECORDS.md (and the README block) from every record folder")
+    records_dir(sp)
+    sp.set_defaults(func=cmd_table)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ToolError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
