@@ -35,10 +35,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-try:  # scipy is optional: the pure t distribution below gives the same numbers
-    from scipy import stats as _stats
-except ImportError:
-    _stats = None
 
 
 # =============================================================================
@@ -331,6 +327,10 @@ def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[i
     if not ended_early:
         if log.final_val_loss is None:
             problems.append(f"no final val_loss at step {total}")
+        elif not math.isfinite(log.final_val_loss):
+            problems.append(f"final val_loss at step {total} is {log.final_val_loss}")
+        if log.train_time_ms is None:
+            problems.append("no train_time for the run")
         if extended and body["summary"] is None:
             problems.append("no end-of-run 'summary:' line")
         elif not extended and body["peak"] is None:
@@ -476,8 +476,22 @@ def _t_ppf_pure(p: float, df: float) -> float:
     return t if p > 0.5 else -t
 
 
+_stats = ...   # scipy.stats once looked up, None without scipy (tests set None to force the fallback)
+
+
+def _scipy_stats():
+    """scipy is optional and slow to import: look it up on first use only."""
+    global _stats
+    if _stats is ...:
+        try:
+            from scipy import stats as _stats
+        except ImportError:
+            _stats = None
+    return _stats
+
+
 def t_sf(t: float, df: float) -> float:
-    if _stats is not None:
+    if _scipy_stats() is not None:
         return float(_stats.t.sf(t, df))
     return _t_sf_pure(t, df)
 
@@ -487,7 +501,7 @@ def t_cdf(t: float, df: float) -> float:
 
 
 def t_ppf(p: float, df: float) -> float:
-    if _stats is not None:
+    if _scipy_stats() is not None:
         return float(_stats.t.ppf(p, df))
     return _t_ppf_pure(p, df)
 
