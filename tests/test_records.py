@@ -1,0 +1,610 @@
+"""Tests of records/records.py: log parsing, statistics, and every subcommand.
+
+Fixtures (see tests/fixtures/README.md): five real public 8xH100 logs with the source
+stripped, real CPU logs of this repo's train_gpt.py, and a few hand-made logs in this
+repo's format for parser-level cases. Broken variants are made from them in tmp_path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import math
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOL = ROOT / "records" / "records.py"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+PUBLIC = sorted((FIXTURES / "speedrun-logs").glob("*.txt"))
+HANDMADE = FIXTURES / "handmade"
+SAME_CODE = sorted(HANDMADE.glob("b-cpu-run*.txt"))
+REAL = FIXTURES / "real-cpu-logs"
+REAL_SAME = [REAL / "20261122-032557-94b5fbfc.txt", REAL / "20261122-032910-b1c557b4.txt"]   # seeds 1 and 2
+REAL_OLDER = REAL / "20261122-032122-6153e2e5.txt"   # an earlier train_gpt.py
+RULE = "=" * 100
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("records_tool", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["records_tool"] = module   # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+rec = _load_tool()
+
+
+def run(capsys, *argv):
+    """Run the tool in-process: (exit code, stdout, stderr)."""
+    code = rec.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def pure(monkeypatch):
+    """Force the built-in t distribution, as on a machine without scipy."""
+    monkeypatch.setattr(rec, "_stats", None)
+
+
+# ---------------------------------------------------------------------------------------
+# Independent reading of the public logs (plain regex over the files, not records.py)
+
+def public_finals():
+    out = []
+    for path in PUBLIC:
+        text = path.read_text()
+        m = re.findall(r"^step:(\d+)/\1 val_loss:([\d.]+) train_time:(\d+)ms", text, re.M)
+        assert len(m) == 1, path
+        out.append((float(m[0][1]), int(m[0][2])))
+    return out
+
+
+def t4_cdf(t):
+    """Closed form of Student's t CDF for 4 degrees of freedom."""
+    u = t * t / 4
+    return 0.5 + 3 / 8 * t / math.sqrt(1 + u) * (1 - u / (3 * (1 + u)))
+
+
+# ---------------------------------------------------------------------------------------
+# Statistics
+
+T_TABLE = [  # (p, df, t_p) from printed t tables
+    (0.995, 9, 3.2498), (0.99, 4, 3.7469), (0.975, 1, 12.7062), (0.95, 30, 1.6973),
+    (0.975, 10, 2.2281), (0.995, 2, 9.9248), (0.9, 5, 1.4759), (0.999, 20, 3.5518),
+]
+
+
+@pytest.mark.parametrize("p,df,expected", T_TABLE)
+def test_pure_t_quantiles_match_t_tables(pure, p, df, expected):
+    assert rec.t_ppf(p, df) == pytest.approx(expected, abs=6e-5)
+    assert rec.t_ppf(1 - p, df) == pytest.approx(-expected, abs=6e-5)
+
+
+def test_pure_t_cdf_matches_closed_forms(pure):
+    for t in [-30.0, -2.5, -0.3, 0.0, 0.7, 4.0, 1e3]:
+        assert rec.t_cdf(t, 1) == pytest.approx(0.5 + math.atan(t) / math.pi, rel=1e-12, abs=1e-15)
+        assert rec.t_cdf(t, 2) == pytest.approx(0.5 + t / (2 * math.sqrt(2 + t * t)), rel=1e-12, abs=1e-15)
+        assert rec.t_cdf(t, 4) == pytest.approx(t4_cdf(t), rel=1e-11, abs=1e-15)
+    # far tails keep their relative precision (df = 1: P(T > t) ~ 1 / (pi t))
+    assert rec.t_sf(1e8, 1) == pytest.approx(1 / (math.pi * 1e8), rel=1e-9)
+    assert rec.t_ppf(0.5, 7) == 0.0
+
+
+def test_pure_t_matches_scipy():
+    stats = pytest.importorskip("scipy.stats")
+    for df in [1, 2.5, 4, 7.3, 30, 250]:
+        for t in [-12.0, -1.7, -0.2, 0.4, 2.2, 9.0]:
+            assert rec._t_sf_pure(t, df) == pytest.approx(stats.t.sf(t, df), rel=1e-10)
+        for p in [1e-6, 0.005, 0.2, 0.8, 0.99, 0.995]:
+            assert rec._t_ppf_pure(p, df) == pytest.approx(stats.t.ppf(p, df), rel=1e-9)
+
+
+def test_one_sample_and_welch_match_scipy_and_the_fallback(monkeypatch):
+    a = [137.554, 137.514, 137.542, 137.635, 137.898]
+    b = [136.1, 136.4, 135.9, 136.8]
+    with_scipy = (rec.one_sample_less(a, 137.7), rec.welch(a, b))
+    monkeypatch.setattr(rec, "_stats", None)
+    t, df, p = rec.one_sample_less(a, 137.7)
+    w = rec.welch(a, b)
+    # by hand: t = (mean - target) / (s / sqrt(n)); Welch-Satterthwaite df
+    va, vb = statistics.variance(a) / 5, statistics.variance(b) / 4
+    assert t == pytest.approx((statistics.fmean(a) - 137.7) / math.sqrt(statistics.variance(a) / 5))
+    assert df == 4
+    assert w.df == pytest.approx((va + vb) ** 2 / (va ** 2 / 4 + vb ** 2 / 3))
+    assert w.diff == pytest.approx(statistics.fmean(b) - statistics.fmean(a))
+    assert (w.hi - w.lo) / 2 == pytest.approx(rec._t_ppf_pure(0.995, w.df) * math.sqrt(va + vb))
+    assert with_scipy[0][2] == pytest.approx(p, rel=1e-9)
+    assert with_scipy[1].lo == pytest.approx(w.lo, rel=1e-9) and with_scipy[1].p_less == pytest.approx(w.p_less)
+    stats = pytest.importorskip("scipy.stats")
+    assert p == pytest.approx(stats.ttest_1samp(a, 137.7, alternative="less").pvalue, rel=1e-9)
+    ref = stats.ttest_ind(b, a, equal_var=False, alternative="less")
+    assert w.p_less == pytest.approx(ref.pvalue, rel=1e-9)
+    assert w.t == pytest.approx(ref.statistic)
+
+
+def test_degenerate_spread():
+    assert rec.one_sample_less([3.0], 3.28) is None
+    assert rec.one_sample_less([3.0, 3.0], 3.28)[2] == 0.0
+    assert rec.one_sample_less([3.5, 3.5], 3.28)[2] == 1.0
+    w = rec.welch([2.0, 2.0], [1.0, 1.0])
+    assert (w.diff, w.p_less) == (-1.0, 0.0)
+
+
+# ---------------------------------------------------------------------------------------
+# Parsing
+
+def test_public_log_fields():
+    lg = rec.read_log(PUBLIC[0])
+    assert lg.run_id == "0c17cdfd-772c-4906-8d11-141b370599a0"
+    assert (lg.total_steps, lg.final_val_loss, lg.train_time_ms) == (2245, 3.2754, 137554)
+    assert (lg.device, lg.gpu, lg.world_size) == ("cuda", "NVIDIA H100 80GB HBM3", 8)
+    assert lg.torch == "2.10.0.dev20251115+cu126" and lg.python == "3.12.7"
+    assert str(lg.date) == "2025-11-15"
+    assert lg.source is None and lg.code_hash is None
+    assert lg.complete, lg.problems
+    assert [s for s, _, _ in lg.vals] == list(range(0, 2245, 250)) + [2245]
+    assert rec.hardware_label(lg) == "8×H100"
+
+
+def test_handmade_log_fields():
+    lg = rec.read_log(SAME_CODE[0])
+    text = SAME_CODE[0].read_text()
+    source = text[:text.index(RULE)]
+    assert lg.source == source
+    assert lg.code_hash == hashlib.sha256(source.encode()).hexdigest() == lg.declared_hash
+    assert (lg.device, lg.gpu, lg.world_size, lg.preset) == ("cpu", None, 2, "smoke")
+    assert (lg.run_id, lg.total_steps, lg.final_val_loss, lg.train_time_ms) == ("handmade-cpu-run1", 6, 7.1, 5400)
+    assert lg.hyperparameters["val_loss_every"] == "2" and "NOT a record run" in lg.note
+    assert str(lg.date) == "2026-11-22" and lg.complete
+    assert rec.hardware_label(lg) == "2×CPU" and rec.default_track(lg) == "2×CPU smoke"
+
+
+def test_step_lines_are_parsed_tolerantly():
+    assert rec.parse_step_line("step:5/10 train_loss:3.1 foo:bar train_time:50ms step_avg:10.00ms") == \
+        (5, 10, {"train_loss": "3.1", "foo": "bar", "train_time": "50ms", "step_avg": "10.00ms"})
+    assert rec.parse_step_line("step:5/10 val_loss:oops train_time:50ms") is None
+    assert rec.parse_step_line("step:5/1") == (5, 1, {})
+    assert rec.parse_step_line("step:5/10 train_ti") is None
+
+
+def test_print_added_newline_after_the_source_is_tolerated(tmp_path):
+    # print(source) adds a newline after a source that already ends in one; code_sha256 decides.
+    text = SAME_CODE[0].read_text().replace("\n" + RULE, "\n\n" + RULE, 1)
+    path = tmp_path / "printed.txt"
+    path.write_text(text)
+    lg = rec.read_log(path)
+    assert lg.complete and lg.code_hash == lg.declared_hash == rec.read_log(SAME_CODE[0]).code_hash
+
+
+def test_cuda_device_line_names_the_gpu(tmp_path):
+    text = SAME_CODE[0].read_text().replace("device: cpu ", "device: cuda (NVIDIA A100-SXM4-80GB) ")
+    text = text.replace("device:cpu", "device:cuda")
+    path = tmp_path / "a100.txt"
+    path.write_text(text)
+    lg = rec.read_log(path)
+    assert (lg.device, lg.gpu, rec.hardware_label(lg)) == ("cuda", "NVIDIA A100-SXM4-80GB", "2×A100")
+
+
+# ---------------------------------------------------------------------------------------
+# summarize
+
+def test_summarize_public_numbers_checked_independently(capsys, pure):
+    finals = public_finals()
+    vals = [v for v, _ in finals]
+    secs = [t / 1000 for _, t in finals]
+    assert statistics.fmean(vals) == pytest.approx((3.2754 + 3.2781 + 3.2805 + 3.2781 + 3.2779) / 5)
+    mean = sum(vals) / 5
+    sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / 4)
+    t = (mean - 3.28) / (sd / math.sqrt(5))
+    p = t4_cdf(t)   # closed form, df = 4
+
+    code, out, err = run(capsys, "summarize", *PUBLIC)
+    assert code == 0 and err == ""
+    assert f"mean {mean:.5f} ± {sd:.5f} (sample std, n = 5)" in out
+    assert f"t = {t:.3f}, df = 4, p = {p:.4f} -> NOT met at p < 0.01" in out
+    tsd = math.sqrt(sum((s - sum(secs) / 5) ** 2 for s in secs) / 4)
+    assert (f"train time: mean {sum(secs) / 5:.3f} s ± {tsd:.3f} s, median {sorted(secs)[2]:.3f} s, "
+            f"min {min(secs):.3f} s, max {max(secs):.3f} s") in out
+    assert "8×H100 (NVIDIA H100 80GB HBM3, world size 8)" in out
+    assert "not embedded (source stripped) in 5 log(s)" in out
+    rows = [ln for ln in out.splitlines() if re.match(r"[0-9a-f]{8}-", ln)]
+    assert len(rows) == 5
+    for path, (v, ms), row in zip(PUBLIC, finals, rows):
+        assert row.split() == [path.stem, "2245", f"{v:.4f}", f"{ms / 1000:.3f}", f"{ms / 2245:.2f}", "8",
+                               "NVIDIA", "H100", "80GB", "HBM3", "2.10.0.dev20251115+cu126"]
+    # the columns line up: every row has its numbers at the same offsets
+    assert len({ln.index(" 2245 ") for ln in rows}) == 1
+
+
+def test_summarize_format_b_and_incomplete_logs(capsys):
+    code, out, err = run(capsys, "summarize", *SAME_CODE, HANDMADE / "b-cuda-failed.txt", "--target", "7.5")
+    assert code == 0
+    assert "runs: 4 (3 complete)" in out
+    assert "final val loss: mean 7.10000 ± 0.02000 (sample std, n = 3)" in out
+    assert re.search(r"handmade-cuda-failed\s+4/6\s+-", out)
+    assert "b-cuda-failed.txt: left out of the statistics: run failed after step 4 of 6: " \
+           "error: non-finite loss at step 5" in err
+
+
+@pytest.mark.parametrize("content,reason", [
+    (b"", "empty file"),
+    (b"hello\nworld\n", "no line of 100 '='"),
+    (b"iter 0: loss 10.98, time 120.3ms\niter 1: loss 10.2, time 99.1ms\n", "no line of 100 '='"),
+    (("=" * 100 + "\nsome notes\n" + "=" * 100 + "\nnothing else\n").encode(), "no 'step:N/M' lines"),
+    (b"\xff\xfe\x00binary", "not UTF-8 text"),
+])
+def test_not_a_speedrun_log(capsys, tmp_path, content, reason):
+    path = tmp_path / "other.txt"
+    path.write_bytes(content)
+    for argv in (["summarize", path], ["verify", path], ["extract", path, "-o", tmp_path / "x.py"]):
+        code, out, err = run(capsys, *argv)
+        assert code == 1
+        assert f"{path}: not a speedrun log ({reason}" in out + err
+
+
+def test_missing_file_is_one_line(capsys, tmp_path):
+    code, _, err = run(capsys, "summarize", tmp_path / "nope.txt")
+    assert code == 1 and err == f"error: {tmp_path / 'nope.txt'}: cannot read (No such file or directory)\n"
+
+
+# ---------------------------------------------------------------------------------------
+# verify
+
+def test_verify_public_logs(capsys):
+    # The five runs average 3.2780 but p = 0.034 against 3.28: not a p < 0.01 claim on their own.
+    code, out, err = run(capsys, "verify", *PUBLIC)
+    assert code == 1
+    assert out.startswith("FAIL all 5 logs: target 3.28: one-sided t-test") and "NOT met" in out
+    assert "5 of 5 logs have no embedded source (stripped)" in err
+    code, out, err = run(capsys, "verify", *PUBLIC, "--target", "3.285")
+    assert code == 0 and out.startswith("OK 5 log(s): complete; no embedded source to compare")
+    code, out, _ = run(capsys, "verify", *PUBLIC, "--target", "3.285", "--require-source")
+    assert code == 1
+    assert out.count("no embedded source (stripped): cannot show which code ran") == 5
+
+
+def test_verify_single_log_rule(capsys):
+    code, out, _ = run(capsys, "verify", PUBLIC[0])
+    assert code == 0 and "single run, final val loss 3.2754 <= 3.28 -> met" in out
+    code, out, _ = run(capsys, "verify", PUBLIC[0], "--target", "3.27")
+    assert code == 1 and out.startswith(f"FAIL {PUBLIC[0]}: target 3.27: single run")
+
+
+def edited(tmp_path, source: Path, name: str, edit) -> Path:
+    path = tmp_path / name
+    path.write_text(edit(source.read_text()))
+    return path
+
+
+@pytest.mark.parametrize("edit,reason", [
+    (lambda t: t[:t.index("step:1100/")], "truncated: last step 1099 of 2245"),
+    (lambda t: t[:t.index("step:1100/") + 20], "last line is cut off (no newline at the end): 'step:1100/2245 train'"),
+    (lambda t: t[:t.index("val_loss:3.2754") + 12], "last line is cut off"),
+    (lambda t: re.sub(r"^step:17/2245 .*\n", "", t, flags=re.M), "missing step lines: 17"),
+    (lambda t: re.sub(r"^step:500/2245 val.*\n", "", t, flags=re.M), "missing val_loss at steps 500"),
+    (lambda t: re.sub(r"^step:2245/2245 val.*\n", "", t, flags=re.M), "no final val_loss at step 2245"),
+    (lambda t: re.sub(r"^peak memory.*\n", "", t, flags=re.M), "no end-of-run 'peak memory' line"),
+    (lambda t: t + t[t.index("step:0/"):], "step lines out of order"),
+])
+def test_verify_broken_public_logs(capsys, tmp_path, edit, reason):
+    bad = edited(tmp_path, PUBLIC[0], "bad.txt", edit)
+    code, out, _ = run(capsys, "verify", bad, *PUBLIC[1:], "--target", "3.285")
+    assert code == 1
+    assert f"FAIL {bad}: {reason}" in out
+    assert all(ln.startswith("FAIL ") for ln in out.splitlines())
+
+
+def test_verify_format_b(capsys, tmp_path):
+    code, out, _ = run(capsys, "verify", *SAME_CODE, "--target", "7.5", "--require-source")
+    assert code == 0, out
+    assert f"same code {rec.read_log(SAME_CODE[0]).code_hash[:12]}" in out
+
+    code, out, _ = run(capsys, "verify", *SAME_CODE, HANDMADE / "b-cpu-other-code.txt", "--target", "7.5")
+    assert code == 1
+    assert out.strip() == (f"FAIL {HANDMADE / 'b-cpu-other-code.txt'}: ran different code (e3301353b72a) "
+                           "than 3 other log(s) (968e941688b2)")
+
+    code, out, _ = run(capsys, "verify", HANDMADE / "b-cuda-failed.txt", "--target", "7.5")
+    assert code == 1 and "run failed after step 4 of 6: error: non-finite loss at step 5" in out
+
+    tampered = edited(tmp_path, SAME_CODE[0], "tampered.txt", lambda t: t.replace("trainer A", "trainer Z", 1))
+    code, out, _ = run(capsys, "verify", tampered, "--target", "7.5")
+    assert code == 1 and f"FAIL {tampered}: edited: embedded source hashes to" in out
+
+    fudged = edited(tmp_path, SAME_CODE[0], "fudged.txt",
+                    lambda t: t.replace("step:6/6 val_loss:7.1000", "step:6/6 val_loss:3.1000"))
+    code, out, _ = run(capsys, "verify", fudged, "--target", "7.5")
+    assert code == 1 and "summary final_val_loss 7.1 disagrees with step 6 val_loss 3.1" in out
+
+    no_summary = edited(tmp_path, SAME_CODE[0], "nosum.txt", lambda t: t[:t.index("summary:")])
+    code, out, _ = run(capsys, "verify", no_summary, "--target", "7.5")
+    assert code == 1 and "no end-of-run 'summary:' line" in out
+
+    no_val = edited(tmp_path, SAME_CODE[0], "noval.txt", lambda t: re.sub(r"^step:4/6 val.*\n", "", t, flags=re.M))
+    code, out, _ = run(capsys, "verify", no_val, "--target", "7.5")
+    assert code == 1 and "missing val_loss at steps 4" in out
+
+    resumed = edited(tmp_path, SAME_CODE[0], "resumed.txt", lambda t: re.sub(
+        r"^step:0/6 val.*\n(step:1/6.*\n)(step:2/6.*\n){2}", "resumed from checkpoints/x/step_000002 at step 2\n",
+        t, flags=re.M))
+    code, out, _ = run(capsys, "verify", resumed, "--target", "7.5")
+    assert code == 1 and out.strip() == (f"FAIL {resumed}: resumed from a checkpoint at step 2: "
+                                         "steps 1..2 are not in this log")
+
+
+def test_verify_never_prints_a_traceback(tmp_path):
+    bad = tmp_path / "empty.txt"
+    bad.write_text("")
+    proc = subprocess.run([sys.executable, str(TOOL), "verify", str(bad), str(PUBLIC[0])],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stdout.strip() == f"FAIL {bad}: not a speedrun log (empty file)"
+    assert "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# extract
+
+def test_extract_writes_the_exact_source(capsys, tmp_path):
+    out_file = tmp_path / "train_gpt.py"
+    out_file.write_text("old content")
+    code, out, _ = run(capsys, "extract", SAME_CODE[0], "-o", out_file)
+    assert code == 0
+    text = SAME_CODE[0].read_text()
+    assert out_file.read_text() == text[:text.index(RULE)]
+    assert hashlib.sha256(out_file.read_bytes()).hexdigest() in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train_gpt.py"]   # no temp file left
+
+
+def test_extract_refuses_stripped_and_edited_logs(capsys, tmp_path):
+    code, _, err = run(capsys, "extract", PUBLIC[0], "-o", tmp_path / "x.py")
+    assert code == 1 and err == (f"error: {PUBLIC[0]}: no embedded source (the log starts at the '=' line: "
+                                 "it was stripped)\n")
+    tampered = edited(tmp_path, SAME_CODE[0], "tampered.txt", lambda t: t.replace("trainer A", "trainer Z", 1))
+    code, _, err = run(capsys, "extract", tampered, "-o", tmp_path / "x.py")
+    assert code == 1 and "does not match its code_sha256 line (the log was edited)" in err
+    assert not (tmp_path / "x.py").exists()
+
+
+# ---------------------------------------------------------------------------------------
+# compare
+
+def faster_copies(tmp_path, delta_ms: int) -> list[Path]:
+    """The public logs with every train_time shifted by delta_ms (stand-in for a candidate)."""
+    paths = []
+    for src in PUBLIC:
+        shift = lambda m: f"train_time:{int(m.group(1)) + delta_ms if int(m.group(1)) else 0}ms"
+        path = tmp_path / f"cand-{src.name}"
+        path.write_text(re.sub(r"train_time:(\d+)ms", shift, src.read_text()))
+        paths.append(path)
+    return paths
+
+
+def test_compare_public_baseline_with_a_faster_candidate(capsys, tmp_path, pure):
+    cand = faster_copies(tmp_path, -1500)
+    code, out, err = run(capsys, "compare", "--baseline", *PUBLIC, "--candidate", *cand)
+    assert code == 0 and err == ""
+    base = [t / 1000 for _, t in public_finals()]
+    new = [t - 1.5 for t in base]
+    w = rec.welch(base, new)
+    assert w.diff == pytest.approx(-1.5)
+    assert f"{w.diff:+.3f} s, 99% CI [{w.lo:+.3f}, {w.hi:+.3f}] s" in out
+    assert "candidate faster at p < 0.01 (one-sided Welch): yes" in out
+    assert "final val loss difference (candidate - baseline): +0.00000" in out
+    stats = pytest.importorskip("scipy.stats")
+    ref = stats.ttest_ind(new, base, equal_var=False, alternative="less").pvalue
+    assert f"(p = {rec.fmt_p(ref)})" in out
+
+
+def test_compare_not_faster(capsys, tmp_path):
+    cand = faster_copies(tmp_path, -50)   # 0.05 s against a 0.16 s spread
+    code, out, _ = run(capsys, "compare", "--baseline", *PUBLIC, "--candidate", *cand)
+    assert code == 0 and "candidate faster at p < 0.01 (one-sided Welch): no" in out
+
+
+def test_compare_refuses_different_hardware(capsys):
+    code, out, err = run(capsys, "compare", "--baseline", *PUBLIC, "--candidate", *SAME_CODE)
+    assert code == 1 and out == ""
+    assert err.startswith("error: different hardware: baseline 8×H100 (NVIDIA H100 80GB HBM3, world size 8) "
+                          "vs candidate 2×CPU (world size 2)")
+    code, out, err = run(capsys, "compare", "--baseline", *PUBLIC, "--candidate", *SAME_CODE,
+                         "--allow-different-hardware")
+    assert code == 0 and "warning: different hardware" in err and "train time difference" in out
+
+
+def test_compare_needs_complete_runs(capsys):
+    code, _, err = run(capsys, "compare", "--baseline", *SAME_CODE, "--candidate", *SAME_CODE[:1])
+    assert code == 1 and "candidate has 1 run: Welch's t-test needs at least 2 runs per group" in err
+    code, _, err = run(capsys, "compare", "--baseline", *SAME_CODE,
+                       "--candidate", SAME_CODE[0], HANDMADE / "b-cuda-failed.txt")
+    assert code == 1 and "b-cuda-failed.txt: incomplete log (run failed" in err
+
+
+# ---------------------------------------------------------------------------------------
+# plot
+
+def test_plot_without_matplotlib(capsys, tmp_path, monkeypatch):
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # makes `import matplotlib` fail
+    code, out, err = run(capsys, "plot", *PUBLIC, "-o", tmp_path / "p.png")
+    assert code == 1 and out == ""
+    assert err == "error: plotting needs matplotlib: pip install matplotlib\n"
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_plot_with_matplotlib(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "curves.png"
+    code, out, _ = run(capsys, "plot", *PUBLIC, *SAME_CODE, HANDMADE / "b-cpu-other-code.txt", "-o", png)
+    assert code == 0 and "9 runs, 3 code version(s)" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png"]
+
+
+# ---------------------------------------------------------------------------------------
+# new and table
+
+README = "# Repo\n\nintro\n\n<!-- records:begin -->\nstale\n<!-- records:end -->\n\nclosing words\n"
+
+
+@pytest.fixture
+def repo(tmp_path):
+    (tmp_path / "README.md").write_text(README)
+    return tmp_path / "records"
+
+
+def test_new_files_a_record_and_the_table(capsys, repo):
+    code, out, _ = run(capsys, "new", "adamsync", *PUBLIC, "--records-dir", repo, "--target", "3.285")
+    assert code == 0, out
+    folder = repo / "2025-11-15_adamsync"
+    assert out.splitlines()[0] == f"created {folder} (5 logs, track 8×H100)"
+    for src in PUBLIC:
+        assert (folder / src.name).read_bytes() == src.read_bytes()
+    readme = (folder / "README.md").read_text()
+    assert "Track: **8×H100**. Hardware, from the logs: 8×H100 (NVIDIA H100 80GB HBM3, world size 8)" in readme
+    assert "final val loss: mean 3.27800 ± 0.00181 (sample std, n = 5)" in readme
+    assert "t = -8.669, df = 4" in readme and "met at p < 0.01" in readme
+    assert "train time: mean 137.629 s ± 0.157 s, median 137.554 s" in readme
+    assert "cannot be re-run from this folder" in readme
+
+    code, out, _ = run(capsys, "new", "smoke", *SAME_CODE, "--records-dir", repo, "--target", "7.5",
+                       "--track", "CPU smoke")
+    assert code == 0, out
+    smoke = (repo / "2026-11-22_smoke" / "README.md").read_text()
+    assert "NOT a record run" in smoke
+    h = rec.read_log(SAME_CODE[0]).code_hash
+    assert (f"python records/records.py extract records/2026-11-22_smoke/b-cpu-run1.txt -o train_gpt_{h[:8]}.py"
+            f" && \\\n  torchrun --standalone --nproc_per_node=2 train_gpt_{h[:8]}.py \\\n    --preset=smoke") in smoke
+    assert "These differ between the runs: seed" in smoke
+
+    table = (repo / "RECORDS.md").read_text()
+    h100 = table.index("## 8×H100 (NVIDIA H100 80GB HBM3, world size 8)")
+    cpu = table.index("## 2×CPU (world size 2)")
+    assert h100 < table.index("[adamsync](2025-11-15_adamsync/README.md) | 8×H100 | 5 | 3.2780 ± 0.0018") < cpu
+    assert cpu < table.index(f"[smoke](2026-11-22_smoke/README.md) | CPU smoke | 3 | 7.1000 ± 0.0200 | 7.5 | "
+                             f"0.0004 | 5.43 s ± 0.03 | `{h[:12]}`")
+    root = (repo.parent / "README.md").read_text()
+    assert root.startswith("# Repo\n\nintro\n\n<!-- records:begin -->\n### 8×H100")
+    assert root.endswith("<!-- records:end -->\n\nclosing words\n") and "stale" not in root
+    assert "(records/2026-11-22_smoke/README.md)" in root
+
+    # The table is recomputed from the logs: a record folder that loses its logs leaves it.
+    for path in (repo / "2026-11-22_smoke").glob("*.txt"):
+        path.unlink()
+    code, out, err = run(capsys, "table", "--records-dir", repo)
+    assert code == 0 and "2026-11-22_smoke: left out of the table (no logs)" in err
+    assert "smoke" not in (repo / "RECORDS.md").read_text() and "2×CPU" not in (repo / "RECORDS.md").read_text()
+
+
+def test_new_refuses_bad_claims(capsys, repo, tmp_path):
+    code, out, err = run(capsys, "new", "x", *PUBLIC, "--records-dir", repo)   # p = 0.034 at 3.28
+    assert code == 1 and "FAIL all 5 logs" in out and "no record filed: the logs fail verify" in err
+    code, _, err = run(capsys, "new", "x", *SAME_CODE, "--records-dir", repo, "--target", "7.5", "--track", "8xH100")
+    assert code == 1 and err == "error: track '8xH100' names H100 but the logs ran on 2×CPU\n"
+    code, _, err = run(capsys, "new", "x", *PUBLIC, "--records-dir", repo, "--target", "3.285", "--track", "CPU")
+    assert code == 1 and "names CPU but the logs ran on 8×H100" in err
+    code, _, err = run(capsys, "new", "x", *SAME_CODE, HANDMADE / "b-cpu-other-code.txt", "--records-dir", repo,
+                       "--target", "7.5")
+    assert code == 1
+    code, _, err = run(capsys, "new", "../x", *SAME_CODE, "--records-dir", repo, "--target", "7.5")
+    assert code == 1 and "record name '../x'" in err
+    assert not repo.exists() or not any(p for p in repo.iterdir() if p.name != "RECORDS.md")
+
+    code, _, _ = run(capsys, "new", "x", *SAME_CODE, "--records-dir", repo, "--target", "7.5", "--date", "2030-01-02")
+    assert code == 0 and (repo / "2030-01-02_x" / "record.json").exists()
+    code, _, err = run(capsys, "new", "x", *SAME_CODE, "--records-dir", repo, "--target", "7.5", "--date", "2030-01-02")
+    assert code == 1 and err.endswith("2030-01-02_x: already exists\n")
+    assert [p.name for p in repo.iterdir() if p.name.startswith(".")] == []   # no half-made folder
+
+
+def test_table_without_records_or_markers(capsys, tmp_path):
+    records = tmp_path / "records"
+    records.mkdir()
+    (tmp_path / "README.md").write_text("no markers here\n")
+    (records / "__pycache__").mkdir()
+    code, out, err = run(capsys, "table", "--records-dir", records)
+    assert code == 0 and err == ""
+    assert "No records yet." in (records / "RECORDS.md").read_text()
+    assert (tmp_path / "README.md").read_text() == "no markers here\n"
+
+
+def test_track_conflicts():
+    cpu, h100 = rec.read_log(SAME_CODE[0]), rec.read_log(PUBLIC[0])
+    assert rec.track_conflict("CPU smoke", cpu) is None
+    assert rec.track_conflict("8×H100", h100) is None and rec.track_conflict("8xH100 main", h100) is None
+    assert rec.track_conflict("4xH100", h100) == "track '4xH100' names 4 devices but the logs ran on 8×H100"
+    assert rec.track_conflict("8xA100", h100) and rec.track_conflict("GPU smoke", cpu)
+
+
+# ---------------------------------------------------------------------------------------
+# Real CPU logs of this repo's train_gpt.py (smoke preset, 3 steps)
+
+def test_real_logs_parse(capsys):
+    for path in REAL_SAME + [REAL_OLDER]:
+        lg = rec.read_log(path)
+        assert lg.complete, lg.problems
+        assert (lg.device, lg.gpu, lg.world_size, lg.preset, lg.total_steps) == ("cpu", None, 1, "smoke", 3)
+        assert [s for s, _, _ in lg.vals] == [0, 1, 2, 3]
+        assert lg.run_id == path.stem and lg.code_hash == lg.declared_hash
+        text = path.read_text()
+        summary = re.search(r"^summary: final_val_loss:([\d.]+) train_time:(\d+)ms", text, re.M)
+        assert (lg.final_val_loss, lg.train_time_ms) == (float(summary.group(1)), int(summary.group(2)))
+        assert rec.default_track(lg) == "1×CPU smoke"
+
+
+def test_real_logs_summarize_verify_extract(capsys, tmp_path):
+    code, out, _ = run(capsys, "summarize", *REAL_SAME)
+    finals = [rec.read_log(p).final_val_loss for p in REAL_SAME]
+    assert code == 0 and f"final val loss: mean {statistics.fmean(finals):.5f}" in out
+    assert "1×CPU (world size 1)" in out
+
+    code, out, _ = run(capsys, "verify", *REAL_SAME, "--target", "8", "--require-source")
+    assert code == 0, out
+    code, out, _ = run(capsys, "verify", *REAL_SAME, REAL_OLDER, "--target", "8")
+    assert code == 1 and f"FAIL {REAL_OLDER}: ran different code (b18d4efad72e) than 2 other log(s)" in out
+
+    target = tmp_path / "train_gpt_rerun.py"
+    code, out, _ = run(capsys, "extract", REAL_SAME[0], "-o", target)
+    assert code == 0
+    declared = re.search(r"^code_sha256: (\w+)$", REAL_SAME[0].read_text(), re.M).group(1)
+    assert hashlib.sha256(target.read_bytes()).hexdigest() == declared
+    text = REAL_SAME[0].read_text()
+    assert target.read_text() == text[:text.index(RULE) - 1]   # less the newline the trainer's print added
+
+
+def test_real_logs_new_record(capsys, repo):
+    code, out, _ = run(capsys, "new", "smoke", *REAL_SAME, "--records-dir", repo, "--target", "8")
+    assert code == 0, out
+    readme = (repo / "2026-11-22_smoke" / "README.md").read_text()
+    assert "Track: **1×CPU smoke**" in readme and "NOT a record run" in readme
+    flags = readme[readme.index("torchrun"):readme.index("```", readme.index("torchrun"))]
+    assert "--nproc_per_node=1" in flags and "--preset=smoke" in flags and "--num_iterations=3" in flags
+    assert "--train_files=" in flags and "logs_dir" not in flags and "run_id" not in flags
+    assert "These differ between the runs: seed" in readme
+    assert "| 1×CPU smoke | 2 |" in (repo / "RECORDS.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------
+# command line
+
+def test_help_documents_every_subcommand(capsys):
+    for argv in [["--help"]] + [[sub, "--help"] for sub in ["summarize", "compare", "verify", "extract", "plot",
+                                                             "new", "table"]]:
+        with pytest.raises(SystemExit) as exit_:
+            rec.build_parser().parse_args(argv)
+        assert exit_.value.code == 0
+        assert "usage: records.py" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        rec.build_parser().parse_args(["--help"])
+    top = capsys.readouterr().out
+    for sub in ["summarize", "compare", "verify", "extract", "plot", "new", "table", "one-sided one-sample t-test"]:
+        assert sub in top
