@@ -311,7 +311,7 @@ def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[i
         problems.append(f"run failed after step {last} of {total}: {body['error']}")
     elif last < total:
         problems.append(f"truncated: last step {last} of {total}")
-    first = 1
+    first = 1   # first step whose train line this log must hold
     if body["resumed"] is not None:   # this log cannot show the steps before the checkpoint
         first = body["resumed"] + 1
         problems.append(f"resumed from a checkpoint at step {body['resumed']}: steps 1..{body['resumed']} "
@@ -320,8 +320,9 @@ def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[i
     if missing:
         problems.append(f"missing step lines: {_some(missing)}")
     val_steps = [s for s, _, _ in log.vals]
+    val_from = 0 if body["resumed"] is None else first   # step 0 is validated too
     every = _int(log.hyperparameters.get("val_loss_every"))
-    no_val = sorted(s for s in expected_val_steps(total, every, val_steps) - set(val_steps) if first <= s < last)
+    no_val = sorted(s for s in expected_val_steps(total, every, val_steps) - set(val_steps) if val_from <= s < last)
     if no_val:
         problems.append(f"missing val_loss at steps {_some(no_val)}")
     if not ended_early:

@@ -290,6 +290,7 @@ def edited(tmp_path, source: Path, name: str, edit) -> Path:
     (lambda t: t[:t.index("val_loss:3.2754") + 12], "last line is cut off"),
     (lambda t: re.sub(r"^step:17/2245 .*\n", "", t, flags=re.M), "missing step lines: 17"),
     (lambda t: re.sub(r"^step:500/2245 val.*\n", "", t, flags=re.M), "missing val_loss at steps 500"),
+    (lambda t: re.sub(r"^step:0/2245 val.*\n", "", t, flags=re.M), "missing val_loss at steps 0"),
     (lambda t: re.sub(r"^step:2245/2245 val.*\n", "", t, flags=re.M), "no final val_loss at step 2245"),
     (lambda t: re.sub(r"^peak memory.*\n", "", t, flags=re.M), "no end-of-run 'peak memory' line"),
     (lambda t: t + t[t.index("step:0/"):], "step lines out of order"),
