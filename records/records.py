@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import hashlib
+import io
 import json
 import math
 import os
@@ -616,10 +617,10 @@ def run_rows(logs: list[Log]) -> tuple[list[str], list[list[str]]]:
     headers = ["run", "steps", "final val loss", "train time (s)", "step avg (ms)", "world size", "GPU", "PyTorch"]
     rows = []
     for lg in logs:
-        steps = str(lg.total_steps) if lg.complete else f"{lg.last_step}/{lg.total_steps}"
+        steps = str(lg.total_steps) if lg.last_step == lg.total_steps else f"{lg.last_step}/{lg.total_steps}"
+        seconds = lg.train_time_ms / 1000 if lg.train_time_ms is not None else None
         step_avg = lg.train_time_ms / max(lg.last_step, 1) if lg.train_time_ms is not None else None
-        rows.append([lg.run_id, steps, fmt_opt(lg.final_val_loss, ".4f"),
-                     fmt_opt(lg.train_time_ms and lg.train_time_ms / 1000, ".3f"),
+        rows.append([lg.run_id, steps, fmt_opt(lg.final_val_loss, ".4f"), fmt_opt(seconds, ".3f"),
                      fmt_opt(step_avg, ".2f"), fmt_opt(lg.world_size, "d"),
                      lg.gpu if lg.device == "cuda" else lg.device, lg.torch or "-"])
     return headers, rows
@@ -843,16 +844,13 @@ def cmd_plot(args) -> int:
     fig.suptitle("val loss, " + "; ".join(sorted({hardware_label(lg) for lg in logs})))
     fig.tight_layout()
     out = Path(args.output)
-    fd, tmp = tempfile.mkstemp(dir=out.parent or ".", prefix=f".{out.name}.", suffix=".tmp")
-    os.close(fd)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    plt.close(fig)
     try:
-        fig.savefig(tmp, format="png", dpi=100)
-        os.replace(tmp, out)
+        write_atomic(out, png.getvalue())
     except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
         raise ToolError(f"{out}: cannot write ({e.strerror or e})") from None
-    finally:
-        plt.close(fig)
     print(f"wrote {out} ({len(logs)} runs, {len(groups)} code version(s))")
     return 0
 
@@ -1177,6 +1175,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ToolError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:   # a folder or file the command had to write
+        print(f"error: {e.filename}: {e.strerror or e}", file=sys.stderr)
         return 1
 
 
