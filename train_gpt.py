@@ -23,6 +23,7 @@ import math
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -119,13 +120,13 @@ PRESETS: dict[str, dict] = {
     "smoke": dict(
         train_files="data/shakespeare/shakespeare_train_*.bin",
         val_files="data/shakespeare/shakespeare_val_*.bin",
-        val_tokens=32_768, val_seq_len=1024,
-        batch_tokens=4096, micro_batch_tokens=1024,
-        num_layers=4, model_dim=128, head_dim=32, num_value_embeds=1,
-        window_min=128, window_max=512, long_window_every=2,
-        num_iterations=100, cooldown_frac=0.3, muon_momentum_warmup=20,
+        val_tokens=8192, val_seq_len=256,
+        batch_tokens=2048, micro_batch_tokens=256,
+        num_layers=4, model_dim=64, head_dim=16, num_value_embeds=1,
+        window_min=128, window_max=256, long_window_every=2,
+        num_iterations=30, cooldown_frac=0.3, muon_momentum_warmup=10,
         embed_lr=0.3, head_lr=0.02, scalar_lr=0.02, muon_lr=0.05,
-        compile=False, warmup_steps=1, val_loss_every=25, train_loss_every=10,
+        compile=False, warmup_steps=1, val_loss_every=10, train_loss_every=10,
     ),
 }
 
@@ -469,10 +470,10 @@ def build_masks(tokens: Tensor, windows: list[int], args: Hyperparameters) -> li
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 
-def orthogonalize(g: Tensor, steps: int = 5) -> Tensor:
-    """Approximately U V^T of g = U S V^T, computed in bf16."""
+def orthogonalize(g: Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Approximately U V^T of g = U S V^T; bf16 on GPUs, where it runs on tensor cores."""
     a, b, c = NS_COEFFS
-    x = g.bfloat16()
+    x = g.to(dtype)
     transposed = x.size(0) > x.size(1)
     if transposed:  # iterate on the smaller Gram matrix
         x = x.mT
@@ -493,9 +494,10 @@ class Muon(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float = 0.05, momentum: float = 0.95, nesterov: bool = True,
-                 ns_steps: int = 5, weight_decay: float = 0.0):
+                 ns_steps: int = 5, weight_decay: float = 0.0, ns_dtype: torch.dtype = torch.bfloat16):
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                                       weight_decay=weight_decay))
+        self.ns_dtype = ns_dtype
         for group in self.param_groups:
             for p in group["params"]:
                 if p.ndim != 2:
@@ -518,7 +520,7 @@ class Muon(torch.optim.Optimizer):
         buf = state["momentum_buffer"]
         buf.lerp_(grad, 1 - group["momentum"])
         update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-        update = orthogonalize(update, group["ns_steps"]).to(p.dtype)
+        update = orthogonalize(update, group["ns_steps"], self.ns_dtype).to(p.dtype)
         scale = max(1.0, p.size(0) / p.size(1)) ** 0.5  # tall matrices: keep the per-entry RMS comparable
         if group["weight_decay"]:
             p.mul_(1 - group["lr"] * group["weight_decay"])
@@ -750,12 +752,13 @@ def read_shard_header(path) -> int:
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
-            header = np.frombuffer(f.read(SHARD_HEADER_INTS * 4), dtype="<i4")
+            raw = f.read(SHARD_HEADER_INTS * 4)
     except OSError as e:
         raise DataError(f"{path}: cannot read shard ({e.strerror})") from None
-    if header.size < SHARD_HEADER_INTS:
+    if len(raw) < SHARD_HEADER_INTS * 4:
         raise DataError(f"{path}: {'empty' if size == 0 else 'truncated'} shard ({size} bytes, "
                         f"the header alone is {SHARD_HEADER_INTS * 4})")
+    header = np.frombuffer(raw, dtype="<i4")
     if header[0] != SHARD_MAGIC:
         raise DataError(f"{path}: not a token shard (magic {header[0]}, expected {SHARD_MAGIC})")
     if header[1] != SHARD_VERSION:
@@ -909,7 +912,10 @@ def build_optimizers(model: GPT, args: Hyperparameters) -> tuple[Muon, DistAdam]
     betas, eps = (args.adam_beta1, args.adam_beta2), args.adam_eps
     adam = DistAdam([dict(params=embeddings, lr=args.embed_lr), dict(params=[model.lm_head.weight], lr=args.head_lr),
                      dict(params=scalars, lr=args.scalar_lr)], betas=betas, eps=eps)
-    muon = Muon(matrices, lr=args.muon_lr, momentum=args.muon_momentum_start)
+    # CPUs have no bf16 matrix units; there fp32 also keeps runs at different world sizes in step
+    # (bf16 rounding would amplify the last-bit differences of reduction order).
+    ns_dtype = torch.bfloat16 if model.lm_head.weight.is_cuda else torch.float32
+    muon = Muon(matrices, lr=args.muon_lr, momentum=args.muon_momentum_start, ns_dtype=ns_dtype)
     for opt in (adam, muon):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
@@ -1143,7 +1149,11 @@ def train(args: Hyperparameters, env: DistEnv):
     # and all ranks agree on it, so one rank's error never leaves the others waiting.
     log, error = Logger(None), None
     try:
-        if env.is_main:
+        loader = (SyntheticLoader(args.batch_tokens, args.micro_batch_tokens, env, args.seed)
+                  if args.synthetic else TrainLoader(args.train_files, args.batch_tokens, args.micro_batch_tokens, env))
+        val_tokens = (torch.randint(0, BOS_ID, (args.val_tokens + 1,), generator=torch.Generator().manual_seed(0))
+                      if args.synthetic else load_val_tokens(args))
+        if env.is_main:  # the log is created last: bad input never leaves one behind
             log_path = Path(args.logs_dir) / f"{run_id}.txt"
             if log_path.exists():
                 raise ConfigError(f"--run_id={run_id}: {log_path} already exists; choose another run id")
@@ -1151,10 +1161,6 @@ def train(args: Hyperparameters, env: DistEnv):
                 log = Logger(log_path)
             except OSError as e:
                 raise ConfigError(f"--logs_dir={args.logs_dir}: cannot write the log ({e.strerror})") from None
-        loader = (SyntheticLoader(args.batch_tokens, args.micro_batch_tokens, env, args.seed)
-                  if args.synthetic else TrainLoader(args.train_files, args.batch_tokens, args.micro_batch_tokens, env))
-        val_tokens = (torch.randint(0, BOS_ID, (args.val_tokens + 1,), generator=torch.Generator().manual_seed(0))
-                      if args.synthetic else load_val_tokens(args))
     except (ConfigError, DataError) as e:
         error = e
     if not all_ranks_ok(error is None, env.device):
@@ -1261,9 +1267,16 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, loader, val_t
         f"device:{env.device.type}")
 
 
+def stop_on_sigterm(signum, frame):
+    # torchrun sends SIGTERM to the surviving ranks when one fails: end through the normal error
+    # path so the log says how the run ended.
+    raise TrainingError(f"stopped by {signal.Signals(signum).name} (torchrun stops every rank when one fails)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", 0))
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
         args = parse_args(argv, torch.cuda.is_available())
         env = setup_distributed(args)

@@ -145,10 +145,6 @@ def test_odd_sized_truncated_header_is_rejected_by_our_checker(tmp_path):
         shards.check_shard(path)
 
 
-@pytest.mark.xfail(raises=ValueError, strict=True,
-                   reason="train_gpt.read_shard_header passes a size that is not a multiple of 4 to np.frombuffer, "
-                          "which raises numpy's ValueError (no file name) instead of DataError; "
-                          "drop this marker once that is fixed")
 def test_odd_sized_truncated_header_is_rejected_by_train_gpt(tmp_path):
     path = tmp_path / "odd.bin"
     path.write_bytes(b"\x01\x02\x03\x04\x05")

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The main job. With GPUs: torchrun over all of them (8 on the record machine) with the speedrun
+# preset. Without: the smoke preset in one process on the bundled corpus. Arguments pass through,
+# e.g. ./run.sh --num_iterations=100 --val_loss_every=50
+set -euo pipefail
+cd "$(dirname "$0")"
+PYTHON=${PYTHON:-python3}
+gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+if [ "$gpus" -gt 0 ]; then
+  exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$gpus" train_gpt.py "$@"
+fi
+exec "$PYTHON" train_gpt.py "$@"
