@@ -22,6 +22,7 @@ import json
 import math
 import os
 import platform
+import resource
 import shutil
 import signal
 import subprocess
@@ -66,8 +67,8 @@ class Hyperparameters:
     val_files: str = _help("glob of validation shards", "data/fineweb10B/fineweb_val_*.bin")
     val_tokens: int = _help("tokens per validation, exactly; the standard speedrun uses 10M", 10_485_760)
     val_seq_len: int = _help("tokens per validation sequence", 65_536)
-    batch_tokens: int = _help("tokens per optimizer step, over all ranks; fixed whatever the world size", 786_432)
-    micro_batch_tokens: int = _help("tokens one rank processes in one forward/backward (one packed sequence)", 49_152)
+    batch_tokens: int = _help("tokens per optimizer step, over all ranks; fixed whatever the world size", 262_144)
+    micro_batch_tokens: int = _help("tokens one rank processes in one forward/backward (one packed sequence)", 32_768)
     synthetic: bool = _help("feed synthetic tokens with web-like document lengths instead of shards (benchmarks)", False)
     # model
     vocab_size: int = _help("GPT-2 vocabulary; the embedding is padded to a multiple of 128", 50_257)
@@ -227,7 +228,7 @@ def check_world_size(args: Hyperparameters, world_size: int) -> int:
     if chunks % world_size:
         raise ConfigError(f"world size {world_size} cannot split the batch: --batch_tokens={args.batch_tokens} is "
                           f"{chunks} micro-batches of --micro_batch_tokens={args.micro_batch_tokens}, "
-                          f"not a multiple of {world_size}")
+                          f"not a multiple of {world_size} (a smaller --micro_batch_tokens makes more)")
     if (args.val_tokens // args.val_seq_len) % world_size:
         raise ConfigError(f"world size {world_size} cannot split validation: --val_tokens={args.val_tokens} is "
                           f"{args.val_tokens // args.val_seq_len} sequences of --val_seq_len={args.val_seq_len}")
@@ -406,6 +407,21 @@ class Block(nn.Module):
         return x + self.mlp(norm(x))
 
 
+class LossHead(nn.Module):
+    """lm_head, soft-capped logits and cross-entropy: one compiled graph on CUDA, so the large
+    (tokens x vocab) logits are produced and consumed in fused kernels."""
+
+    def __init__(self, dim: int, vocab: int, softcap: float):
+        super().__init__()
+        self.lm_head = CastedLinear(dim, vocab, zero_init=True)  # untied from the embedding
+        self.softcap = softcap
+
+    def forward(self, x: Tensor, target_ids: Tensor, reduction: str) -> Tensor:
+        logits = self.lm_head(norm(x)).float()
+        logits = self.softcap * torch.tanh(logits / self.softcap)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), target_ids.view(-1), reduction=reduction)
+
+
 def padded_vocab(vocab_size: int) -> int:
     return 128 * math.ceil(vocab_size / 128)  # tensor-core friendly; the extra logits learn to stay low
 
@@ -420,8 +436,7 @@ class GPT(nn.Module):
                                     for _ in range(args.num_layers))
         self.num_encoder_layers = args.num_layers // 2
         self.skip_weights = nn.Parameter(torch.ones(args.num_layers - self.num_encoder_layers))
-        self.lm_head = CastedLinear(dim, vocab, zero_init=True)  # untied from the embedding
-        self.logit_softcap = args.logit_softcap
+        self.head = LossHead(dim, vocab, args.logit_softcap)
 
     def value_embed_for_layers(self, input_ids: Tensor) -> list[Tensor | None]:
         """Value embedding i feeds layer i and layer L-k+i: the first and last k layers get one each."""
@@ -441,9 +456,17 @@ class GPT(nn.Module):
             x = block(x, x0, value_embeds[i], masks[i])
             if i < self.num_encoder_layers:
                 skips.append(x)
-        logits = self.lm_head(norm(x)).float()
-        logits = self.logit_softcap * torch.tanh(logits / self.logit_softcap)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), target_ids.view(-1), reduction=reduction)
+        return self.head(x, target_ids, reduction)
+
+
+def compile_model(model: GPT, backend: str = "inductor"):
+    """Compile each block and the loss head on their own, not the whole model. Backward then runs
+    graph by graph, so the gradient hooks of the lm_head and of each block fire as soon as that part
+    is done and DistAdam's reduce-scatters overlap the rest of backward; a whole-model graph would
+    hold every gradient back until the very end."""
+    for block in model.blocks:
+        block.compile(backend=backend, dynamic=False)
+    model.head.compile(backend=backend, dynamic=False)
 
 
 def layer_windows(args: Hyperparameters, long_window: int) -> list[int]:
@@ -910,16 +933,16 @@ def build_optimizers(model: GPT, args: Hyperparameters) -> tuple[Muon, DistAdam]
     scalars = [p for block in model.blocks for p in block.parameters() if p.ndim < 2] + [model.skip_weights]
     embeddings = [model.embed.weight] + [ve.weight for ve in model.value_embeds]
     betas, eps = (args.adam_beta1, args.adam_beta2), args.adam_eps
-    adam = DistAdam([dict(params=embeddings, lr=args.embed_lr), dict(params=[model.lm_head.weight], lr=args.head_lr),
+    adam = DistAdam([dict(params=embeddings, lr=args.embed_lr), dict(params=[model.head.lm_head.weight], lr=args.head_lr),
                      dict(params=scalars, lr=args.scalar_lr)], betas=betas, eps=eps)
     # CPUs have no bf16 matrix units; there fp32 also keeps runs at different world sizes in step
     # (bf16 rounding would amplify the last-bit differences of reduction order).
-    ns_dtype = torch.bfloat16 if model.lm_head.weight.is_cuda else torch.float32
+    ns_dtype = torch.bfloat16 if model.embed.weight.is_cuda else torch.float32
     muon = Muon(matrices, lr=args.muon_lr, momentum=args.muon_momentum_start, ns_dtype=ns_dtype)
     for opt in (adam, muon):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
-    covered = sum(p.numel() for p in matrices + scalars + embeddings) + model.lm_head.weight.numel()
+    covered = sum(p.numel() for p in matrices + scalars + embeddings) + model.head.lm_head.weight.numel()
     if covered != sum(p.numel() for p in model.parameters()):
         raise RuntimeError("every parameter must belong to exactly one optimizer")
     return muon, adam
@@ -934,7 +957,7 @@ def set_schedules(step: int, optimizers, args: Hyperparameters):
         group["momentum"] = muon_momentum(step, args)
 
 
-def train_step(model, raw_model: GPT, optimizers, batch, windows: list[int], args: Hyperparameters) -> Tensor:
+def train_step(model: GPT, optimizers, batch, windows: list[int], args: Hyperparameters) -> Tensor:
     """Forward/backward over this rank's micro-batches, then both optimizer steps. No host sync."""
     muon, adam = optimizers
     total_loss = torch.zeros((), device=batch[0][0].device)
@@ -946,7 +969,7 @@ def train_step(model, raw_model: GPT, optimizers, batch, windows: list[int], arg
         total_loss += loss.detach()
     for opt in optimizers:
         opt.step()
-    raw_model.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
     return total_loss
 
 
@@ -965,6 +988,37 @@ def evaluate(model, tokens: Tensor, windows: list[int], args: Hyperparameters, e
         dist.all_reduce(loss_sum)
     model.train()
     return loss_sum.item() / (num_seqs * args.val_seq_len)
+
+
+# -----------------------------------------------------------------------------
+# Performance accounting: model FLOPs per token, the device's measured matmul peak, MFU
+
+def matmul_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """The best rate of large square matmuls on this device, measured rather than taken from a datasheet."""
+    n, repeats = (8192, 10) if device.type == "cuda" else (1024, 2)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    best = float("inf")
+    for trial in range(4):  # the first trial warms up
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        sync(device)
+        if trial:
+            best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 * repeats / best
+
+
+def model_flops_per_token(args: Hyperparameters, model: GPT, tokens: Tensor, long_window: int) -> float:
+    """6 FLOPs per matmul weight (forward 2, backward 4) plus attention: per layer, 12 * width FLOPs for
+    each key a token attends to, which is min(position in its document + 1, the layer's window)."""
+    matmul_params = sum(p.numel() for p in model.blocks.parameters() if p.ndim == 2)
+    matmul_params += model.head.lm_head.weight.numel()
+    index = np.arange(len(tokens))
+    doc_start = np.maximum.accumulate(np.where(tokens.cpu().numpy() == BOS_ID, index, 0))
+    keys_in_doc = index - doc_start + 1
+    attention = sum(12 * args.model_dim * np.minimum(keys_in_doc, w).mean() for w in layer_windows(args, long_window))
+    return 6 * matmul_params + float(attention)
 
 
 # -----------------------------------------------------------------------------
@@ -1022,12 +1076,15 @@ def resolve_checkpoint(resume: str, args: Hyperparameters) -> Path:
     return Path(resume)
 
 
-def load_checkpoint(path: Path, model: GPT, optimizers, loader, args: Hyperparameters, env: DistEnv,
-                    source: str) -> tuple[int, float]:
+def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: str) -> dict:
+    """The checkpoint's meta.json, if it belongs to this run; runs before any training work."""
     meta_path = path / "meta.json"
     if not meta_path.is_file():
         raise TrainingError(f"--resume={path}: not a complete checkpoint (no meta.json)")
-    meta = json.loads(meta_path.read_text())
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as e:
+        raise TrainingError(f"--resume={path}: unreadable meta.json ({e})") from None
     if meta["world_size"] != env.world_size:
         raise TrainingError(f"--resume={path}: written at world size {meta['world_size']}, this run has "
                             f"{env.world_size}; DistAdam and Muon state are sharded per rank, so resume with "
@@ -1041,8 +1098,17 @@ def load_checkpoint(path: Path, model: GPT, optimizers, loader, args: Hyperparam
         if meta["code_sha256"] != code_hash(source):
             raise TrainingError(f"--resume={path}: written by a different train_gpt.py "
                                 f"(use --force_resume=true to resume anyway)")
-    model.load_state_dict(torch.load(path / "model.pt", map_location=env.device, weights_only=True))
-    rank_state = torch.load(path / f"rank_{env.rank}.pt", map_location=env.device, weights_only=True)
+    return meta
+
+
+def load_checkpoint(path: Path, meta: dict, model: GPT, optimizers, loader, env: DistEnv) -> tuple[int, float]:
+    try:  # weights_only: a checkpoint can hold tensors and plain containers, never code
+        model_state = torch.load(path / "model.pt", map_location=env.device, weights_only=True)
+        rank_state = torch.load(path / f"rank_{env.rank}.pt", map_location=env.device, weights_only=True)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TrainingError(f"--resume={path}: cannot load the checkpoint safely ({first})") from None
+    model.load_state_dict(model_state)
     for opt, state in zip(optimizers, rank_state["optimizers"]):
         opt.load_state_dict(state)
     torch.set_rng_state(rank_state["cpu_rng"].cpu())
@@ -1143,7 +1209,7 @@ def check_finite(value: float, what: str, step: int):
 def train(args: Hyperparameters, env: DistEnv):
     source = Path(__file__).read_text(encoding="utf-8")
     run_id = args.run_id or f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:8]}"
-    grad_accum = check_world_size(args, env.world_size)
+    check_world_size(args, env.world_size)
 
     # Everything that can fail on bad input happens before the first collective of training,
     # and all ranks agree on it, so one rank's error never leaves the others waiting.
@@ -1161,7 +1227,11 @@ def train(args: Hyperparameters, env: DistEnv):
                 log = Logger(log_path)
             except OSError as e:
                 raise ConfigError(f"--logs_dir={args.logs_dir}: cannot write the log ({e.strerror})") from None
-    except (ConfigError, DataError) as e:
+        resume = None
+        if args.resume:
+            path = resolve_checkpoint(args.resume, args)
+            resume = path, check_checkpoint(path, args, env, source)
+    except (ConfigError, DataError, TrainingError) as e:
         error = e
     if not all_ranks_ok(error is None, env.device):
         if error is None:
@@ -1171,7 +1241,7 @@ def train(args: Hyperparameters, env: DistEnv):
 
     try:
         log_header(log, source, args, env, run_id)
-        run_training(args, env, log, loader, val_tokens, source, run_id)
+        run_training(args, env, log, loader, val_tokens, source, run_id, resume)
     except Exception as e:  # the log says how the run ended, whatever ended it
         log(f"error: {type(e).__name__ + ': ' if not isinstance(e, TrainingError) else ''}{e}", console=False)
         raise
@@ -1180,10 +1250,12 @@ def train(args: Hyperparameters, env: DistEnv):
 
 
 def run_training(args: Hyperparameters, env: DistEnv, log: Logger, loader, val_tokens: Tensor, source: str,
-                 run_id: str):
-    raw_model = build_model(args, env)
-    model = torch.compile(raw_model, dynamic=False) if args.compile else raw_model
-    optimizers = build_optimizers(raw_model, args)
+                 run_id: str, resume: tuple[Path, dict] | None):
+    model = build_model(args, env)
+    if args.compile:
+        compile_model(model)
+    optimizers = build_optimizers(model, args)
+    initial_loader = loader.state_dict()
     val_steps = [s for s in range(args.num_iterations + 1)
                  if s == args.num_iterations or (args.val_loss_every and s % args.val_loss_every == 0)]
 
@@ -1191,7 +1263,7 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, loader, val_t
     # step per window the schedule reaches and one validation per window a validation sees. Then
     # put model, optimizers and data back where they started.
     if args.warmup_steps:
-        initial_model = {k: v.clone() for k, v in raw_model.state_dict().items()}
+        initial_model = {k: v.clone() for k, v in model.state_dict().items()}
         initial_optimizers = [opt.state_dict() for opt in optimizers]
         compiled_on_cuda = args.compile and env.device.type == "cuda"
         train_windows = sorted({long_window(s, args) for s in range(args.num_iterations)})
@@ -1199,18 +1271,33 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, loader, val_t
         if not compiled_on_cuda:
             train_windows, val_windows = train_windows[:1] * args.warmup_steps, val_windows[-1:]
         for window in train_windows:
-            train_step(model, raw_model, optimizers, loader.next_batch(), layer_windows(args, window), args)
+            train_step(model, optimizers, loader.next_batch(), layer_windows(args, window), args)
         for window in val_windows:
             evaluate(model, val_tokens[:args.val_seq_len * env.world_size + 1], layer_windows(args, window), args, env)
-        raw_model.load_state_dict(initial_model)
+        model.load_state_dict(initial_model)
         for opt, state in zip(optimizers, initial_optimizers):
             opt.load_state_dict(state)
-        loader.load_state_dict({"file_index": 0, "position": 0})
+        loader.load_state_dict(initial_loader)
+
+    # Performance accounting, set up before the clock starts.
+    matmul_dtype = torch.bfloat16 if env.device.type == "cuda" else torch.float32
+    peak_flops = matmul_peak_flops(env.device, matmul_dtype)
+    sample = loader.next_batch()[0][0]
+    loader.load_state_dict(initial_loader)
+    flops_per_token = float(np.mean([model_flops_per_token(args, model, sample, long_window(s, args))
+                                     for s in range(args.num_iterations)]))
+    step_ms: list[float] = []
 
     start_step, train_time_ms = 0, 0.0
-    if args.resume:
-        path = resolve_checkpoint(args.resume, args)
-        start_step, train_time_ms = load_checkpoint(path, raw_model, optimizers, loader, args, env, source)
+    if resume:
+        path, meta = resume
+        error = None
+        try:
+            start_step, train_time_ms = load_checkpoint(path, meta, model, optimizers, loader, env)
+        except TrainingError as e:
+            error = e
+        if not all_ranks_ok(error is None, env.device):  # one rank's bad file stops them all
+            raise error or TrainingError("another rank could not load the checkpoint")
         log(f"resumed from {path} at step {start_step}")
 
     sync(env.device)
@@ -1230,21 +1317,23 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, loader, val_t
         if args.save_every and step > start_step and step % args.save_every == 0:
             sync(env.device)
             train_time_ms += 1000 * (time.perf_counter() - t0)  # nor for saving
-            path = save_checkpoint(step, train_time_ms, raw_model, optimizers, loader, args, env, source, run_id)
+            path = save_checkpoint(step, train_time_ms, model, optimizers, loader, args, env, source, run_id)
             log(f"checkpoint: {path}", console=False)
             sync(env.device)
             t0 = time.perf_counter()
         if last_step:
             break
 
+        step_start = time.perf_counter()
         set_schedules(step, optimizers, args)
-        loss = train_step(model, raw_model, optimizers, loader.next_batch(),
-                          layer_windows(args, long_window(step, args)), args)
+        loss = train_step(model, optimizers, loader.next_batch(), layer_windows(args, long_window(step, args)), args)
         train_loss_sum += loss
         train_loss_steps += 1
 
         sync(env.device)
-        now_ms = train_time_ms + 1000 * (time.perf_counter() - t0)
+        step_end = time.perf_counter()
+        step_ms.append(1000 * (step_end - step_start))
+        now_ms = train_time_ms + 1000 * (step_end - t0)
         if args.train_loss_every and (step + 1) % args.train_loss_every == 0:
             if env.world_size > 1:  # every rank sees the same value, so all stop together on a NaN
                 dist.all_reduce(train_loss_sum)
@@ -1258,13 +1347,26 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, loader, val_t
             log(format_step(step + 1, args, now_ms))
 
     if env.device.type == "cuda":
-        log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
-            f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+        peak_memory = torch.cuda.max_memory_allocated() // 2**20
+        log(f"peak memory allocated: {peak_memory} MiB reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+    else:
+        peak_memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024  # KiB on Linux
+
+    def mfu(tokens_per_s: float) -> float:
+        return 100 * flops_per_token * tokens_per_s / (peak_flops * env.world_size)
+
+    if step_ms:  # the median step: what a benchmark compares
+        median_ms = float(np.median(step_ms))
+        median_tokens_per_s = args.batch_tokens / (median_ms / 1000)
+        log(f"perf: step_median:{median_ms:.2f}ms tokens_per_s:{median_tokens_per_s:.0f} "
+            f"model_flops_per_token:{flops_per_token:.0f} matmul_peak_tflops:{peak_flops / 1e12:.2f} "
+            f"({str(matmul_dtype).removeprefix('torch.')}) mfu:{mfu(median_tokens_per_s):.2f}% "
+            f"peak_memory:{peak_memory}MiB")
     steps_run = args.num_iterations - start_step
     tokens_per_s = steps_run * args.batch_tokens / max(train_time_ms / 1000, 1e-9)
     log(f"summary: final_val_loss:{final_val_loss:.4f} train_time:{train_time_ms:.0f}ms "
-        f"steps:{args.num_iterations} tokens_per_s:{tokens_per_s:.0f} world_size:{env.world_size} "
-        f"device:{env.device.type}")
+        f"steps:{args.num_iterations} tokens_per_s:{tokens_per_s:.0f} mfu:{mfu(tokens_per_s):.2f}% "
+        f"world_size:{env.world_size} device:{env.device.type}")
 
 
 def stop_on_sigterm(signum, frame):

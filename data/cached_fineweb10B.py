@@ -1,12 +1,12 @@
 """Download GPT-2-tokenized FineWeb shards from the Hugging Face hub into data/fineweb10B/.
 
-  python data/cached_fineweb10B.py        # the val shard + the first 18 training shards (about 3.8 GB)
+  python data/cached_fineweb10B.py        # the val shard + the first 6 training shards (about 1.4 GB)
   python data/cached_fineweb10B.py 103    # all of FineWeb10B (about 20.8 GB)
 
-Why 18 by default: train_gpt.py's speedrun preset trains 2245 steps of 786,432 tokens (batch_tokens),
-1,765,539,840 tokens in all, and a training shard holds 100,000,000 tokens: ceil(17.66) = 18 shards.
-Its loader also skips the tail of a shard that cannot fill a whole step, so one shard feeds 127 steps,
-and 2245 steps still fit in 18 shards (2286 steps); with fewer shards it wraps around and repeats
+Why 6 by default: train_gpt.py's speedrun preset trains 2245 steps of 262,144 tokens (batch_tokens),
+588,496,880 tokens in all, and a training shard holds 100,000,000 tokens: ceil(5.88) = 6 shards.
+Its loader also skips the tail of a shard that cannot fill a whole step, so one shard feeds 381 steps,
+and 2245 steps still fit in 6 shards (2286 steps); with fewer shards it wraps around and repeats
 data. Every shard is 200,001,024 bytes on disk (1 KiB header + 2 bytes per token).
 
 Shards already present and valid are skipped. A download goes to a hidden staging folder and is
@@ -28,8 +28,8 @@ REPO_TYPE = "dataset"
 TRAIN_SHARDS_IN_REPO = 103  # fineweb_train_000001.bin .. fineweb_train_000103.bin
 SHARD_TOKENS = 100_000_000
 SPEEDRUN_STEPS = 2245
-SPEEDRUN_TOKENS_PER_STEP = 786_432  # train_gpt.py's batch_tokens
-DEFAULT_TRAIN_SHARDS = math.ceil(SPEEDRUN_STEPS * SPEEDRUN_TOKENS_PER_STEP / SHARD_TOKENS)  # 18
+SPEEDRUN_TOKENS_PER_STEP = 262_144  # train_gpt.py's batch_tokens
+DEFAULT_TRAIN_SHARDS = math.ceil(SPEEDRUN_STEPS * SPEEDRUN_TOKENS_PER_STEP / SHARD_TOKENS)  # 6
 DEFAULT_OUT = Path(__file__).resolve().parent / "fineweb10B"
 STAGING = ".download"  # inside the output folder, so that the final move is a same-disk rename
 NETWORK_TIMEOUT_S = 10.0

@@ -96,7 +96,7 @@ def test_speedrun_model_shape():
     assert T.padded_vocab(args.vocab_size) == 50304
     with torch.device("meta"):
         model = T.GPT(args)
-    assert model.lm_head.weight.shape == (50304, 768)
+    assert model.head.lm_head.weight.shape == (50304, 768)
     assert model.blocks[0].attn.num_heads == 6 and model.blocks[0].attn.head_dim == 128
 
 
@@ -125,6 +125,10 @@ def test_world_size_that_cannot_split_the_batch_is_an_error():
     with pytest.raises(T.ConfigError, match="world size 3 cannot split the batch"):
         T.check_world_size(args, 3)
     speedrun = T.Hyperparameters()
-    for world_size in (1, 2, 4, 8, 16):
+    for world_size in (1, 2, 4, 8):
         assert T.check_world_size(speedrun, world_size) * world_size * speedrun.micro_batch_tokens \
             == speedrun.batch_tokens
+    with pytest.raises(T.ConfigError, match="a smaller --micro_batch_tokens makes more"):
+        T.check_world_size(speedrun, 16)
+    two_nodes = T.parse_args(["--preset=speedrun", f"--micro_batch_tokens={speedrun.micro_batch_tokens // 2}"], True)
+    assert T.check_world_size(two_nodes, 16) == 1

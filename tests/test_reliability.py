@@ -1,0 +1,237 @@
+"""Exact resume, checkpoint safety, non-finite loss, a dead rank, several nodes, durable logs."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import train_gpt as T
+from conftest import REPO, cpu_env, python, torchrun
+
+TRAIN = REPO / "train_gpt.py"
+# The smoke model with fewer, smaller steps: what these tests check does not depend on the size.
+SHORT = ["--num_iterations=8", "--val_loss_every=2", "--batch_tokens=1024", "--val_tokens=4096"]
+
+
+FEW = ["--num_iterations=4", "--val_loss_every=0", "--batch_tokens=1024", "--val_tokens=4096"]
+
+
+def val_losses(text: str) -> dict[int, float]:
+    return {int(m[1]): float(m[2]) for m in re.finditer(r"^step:(\d+)/\d+ val_loss:(\S+) ", text, re.M)}
+
+
+def run(world_size: int, *args, check=True, timeout=600):
+    if world_size == 1:
+        proc = python(TRAIN, *args, timeout=timeout)
+        if check:
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+    return torchrun(TRAIN, world_size, *args, check=check, timeout=timeout)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_resume_reaches_the_val_losses_of_an_uninterrupted_run(tmp_path, world_size):
+    common = [*SHORT, f"--logs_dir={tmp_path}/logs", f"--checkpoint_dir={tmp_path}/ck"]
+    run(world_size, *common, "--save_every=4", "--run_id=full")
+    full = val_losses((tmp_path / "logs/full.txt").read_text())
+    assert sorted(full) == [0, 2, 4, 6, 8]
+    checkpoint = tmp_path / "ck/full/step_000004"
+    assert sorted(p.name for p in checkpoint.iterdir()) == sorted(
+        ["meta.json", "model.pt"] + [f"rank_{r}.pt" for r in range(world_size)])
+
+    run(world_size, *common, f"--resume={checkpoint}", "--run_id=resumed")
+    resumed_log = (tmp_path / "logs/resumed.txt").read_text()
+    assert f"resumed from {checkpoint} at step 4" in resumed_log
+    resumed = val_losses(resumed_log)
+    assert sorted(resumed) == [4, 6, 8]
+    print(f"world size {world_size}: uninterrupted {full}, resumed {resumed}")
+    for step in resumed:
+        assert resumed[step] == pytest.approx(full[step], rel=1e-6, abs=0), (step, full, resumed)
+    assert full[8] < full[4]  # the runs really trained after the checkpoint
+
+
+def make_checkpoint(tmp_path, *extra):
+    run(1, *FEW, "--save_every=2", f"--logs_dir={tmp_path}/logs",
+        f"--checkpoint_dir={tmp_path}/ck", "--run_id=base", *extra)
+    return tmp_path / "ck/base/step_000002"
+
+
+def refused(proc, *fragments):
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_mismatched_checkpoints_are_refused(tmp_path):
+    checkpoint = make_checkpoint(tmp_path)
+    common = [*FEW, f"--logs_dir={tmp_path}/logs",
+              f"--checkpoint_dir={tmp_path}/ck"]
+    # another config
+    refused(run(1, *common, "--embed_lr=0.5", f"--resume={checkpoint}", check=False),
+            "config differs in embed_lr", "--force_resume")
+    # another world size: every rank says so, and all stop
+    proc = run(2, *common, f"--resume={checkpoint}", check=False)
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert f"error [rank {rank}]: --resume={checkpoint}: written at world size 1" in proc.stderr
+    # another version of the code
+    edited = tmp_path / "train_gpt.py"
+    edited.write_text(TRAIN.read_text() + "\n# an edit\n")
+    proc = subprocess.run([sys.executable, str(edited), *common, f"--resume={checkpoint}"], cwd=REPO,
+                          env=cpu_env(), capture_output=True, text=True, timeout=300)
+    refused(proc, "different train_gpt.py")
+    # ... unless forced
+    proc = subprocess.run([sys.executable, str(edited), *common, f"--resume={checkpoint}", "--force_resume=true",
+                           "--run_id=forced"], cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    # not a checkpoint at all
+    refused(run(1, *common, f"--resume={tmp_path}", check=False), "not a complete checkpoint")
+
+
+def test_resume_latest_and_unsafe_pickles(tmp_path):
+    checkpoint = make_checkpoint(tmp_path)
+    assert (checkpoint.parent / "latest").read_text().strip() == "step_000004"
+    common = [*FEW, f"--logs_dir={tmp_path}/logs",
+              f"--checkpoint_dir={tmp_path}/ck"]
+    run(1, *common, "--resume=latest", "--run_id=latest")
+    assert "at step 4" in (tmp_path / "logs/latest.txt").read_text()
+
+    # A checkpoint whose pickle would run code is refused by safe loading.
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path}/pwned",))
+
+    torch.save({"optimizers": Exploit()}, checkpoint / "rank_0.pt")
+    refused(run(1, *common, f"--resume={checkpoint}", "--run_id=unsafe", check=False), "cannot load")
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_a_crash_during_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    args = T.parse_args(["--preset=smoke", f"--checkpoint_dir={tmp_path}"], False)
+    env = T.DistEnv(0, 0, 1, torch.device("cpu"))
+    model = T.build_model(args, env)
+    optimizers = T.build_optimizers(model, args)
+    loader = T.SyntheticLoader(args.batch_tokens, args.micro_batch_tokens, env, seed=0)
+    source = TRAIN.read_text()
+    good = T.save_checkpoint(2, 1.0, model, optimizers, loader, args, env, source, "run")
+
+    real_save = torch.save
+
+    def crash_on_model(obj, path, *a, **k):
+        if str(path).endswith("model.pt"):
+            raise OSError("disk full")
+        return real_save(obj, path, *a, **k)
+
+    monkeypatch.setattr(torch, "save", crash_on_model)
+    with pytest.raises(OSError):
+        T.save_checkpoint(4, 2.0, model, optimizers, loader, args, env, source, "run")
+    assert not (tmp_path / "run/step_000004").exists()
+    assert (tmp_path / "run/latest").read_text().strip() == good.name
+    assert T.resolve_checkpoint("latest", args) == good
+    assert (good / "meta.json").is_file()
+
+
+def test_non_finite_loss_stops_the_run_with_the_log_intact(tmp_path):
+    # An infinite learning rate makes the weights, then the loss, non-finite.
+    proc = run(2, "--embed_lr=inf", f"--logs_dir={tmp_path}", "--run_id=nan", check=False)
+    assert proc.returncode != 0
+    assert "non-finite train loss (nan) at step 10" in proc.stderr
+    log = (tmp_path / "nan.txt").read_text()
+    steps = [int(s) for s in re.findall(r"^step:(\d+)/30 (?:train_loss:\S+ )?train_time", log, re.M)]
+    assert steps == list(range(1, 11))
+    assert log.rstrip().splitlines()[-1] == "error: non-finite train loss (nan) at step 10: stopping the run"
+    assert "\nsummary:" not in log.split("=" * 100)[-1]
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def rank_of(pid: int) -> int | None:
+    try:
+        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+        return None
+    for entry in environ:
+        if entry.startswith(b"RANK="):
+            return int(entry[5:])
+    return None
+
+
+def wait_for(path, pattern, proc, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists() and re.search(pattern, path.read_text(), re.M):
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended early: {proc.communicate()}")
+        time.sleep(0.2)
+    pytest.fail(f"{pattern!r} never appeared in {path}")
+
+
+def test_a_dead_rank_ends_the_job_within_the_timeout(tmp_path):
+    timeout_s = 30
+    log = tmp_path / "kill.txt"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(TRAIN), f"--logs_dir={tmp_path}", "--run_id=kill", f"--pg_timeout_s={timeout_s}"],
+                            cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(log, r"^step:3/", proc)
+        victim = next(pid for pid in children(proc.pid) if rank_of(pid) == 1)
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.time()
+        proc.wait(timeout=timeout_s + 60)
+        took = time.time() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"the job exited {took:.1f}s after rank 1 was killed")
+    assert proc.returncode != 0
+    assert took < timeout_s + 30
+    last = log.read_text().rstrip().splitlines()[-1]
+    assert last.startswith("error: "), last
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_match_one_node_with_two_ranks(tmp_path):
+    args = [str(TRAIN), *SHORT, f"--logs_dir={tmp_path}"]
+    torchrun(TRAIN, 2, *args[1:], "--run_id=standalone")
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                               "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", "--rdzv_id=two-nodes",
+                               *args, "--run_id=two_nodes"], cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [node.communicate(timeout=600) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
+    two_nodes = (tmp_path / "two_nodes.txt").read_text()
+    assert "world_size: 2" in two_nodes
+    assert val_losses(two_nodes) == val_losses((tmp_path / "standalone.txt").read_text())
+
+
+def test_a_killed_run_keeps_every_completed_step_in_its_log(tmp_path):
+    log = tmp_path / "durable.txt"
+    proc = subprocess.Popen([sys.executable, str(TRAIN), f"--logs_dir={tmp_path}", "--run_id=durable"], cwd=REPO,
+                            env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(log, r"^step:4/", proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    steps = [int(s) for s in re.findall(r"^step:(\d+)/30 (?:train_loss:\S+ )?train_time", log.read_text(), re.M)]
+    assert steps[:4] == [1, 2, 3, 4] and steps == list(range(1, len(steps) + 1))
