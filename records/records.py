@@ -345,6 +345,8 @@ def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[i
         problems.append(f"summary final_val_loss {s_loss} disagrees with step {total} val_loss {log.final_val_loss}")
     if s_steps is not None and s_steps != total:
         problems.append(f"summary steps {s_steps} disagrees with the step lines ({total})")
+    if log.hyperparameters.get("synthetic", "False").lower() in ("true", "1", "yes", "on"):
+        problems.append("trained on synthetic tokens (a benchmark run): its val loss is not a FineWeb result")
     if log.source and log.declared_hash and sha256_text(log.source) != log.declared_hash:
         problems.append(f"edited: embedded source hashes to {sha256_text(log.source)[:12]}..., "
                         f"header says code_sha256 {log.declared_hash[:12]}...")

@@ -340,6 +340,14 @@ def test_verify_format_b(capsys, tmp_path):
     assert code == 1 and out.strip() == (f"FAIL {resumed}: resumed from a checkpoint at step 2: "
                                          "steps 1..2 are not in this log")
 
+    def synthetic_header(text):
+        at = text.rindex("hyperparameters:\n") + len("hyperparameters:\n")
+        return text[:at] + "  synthetic = True\n" + text[at:]
+
+    synthetic = edited(tmp_path, SAME_CODE[0], "synthetic.txt", synthetic_header)
+    code, out, _ = run(capsys, "verify", synthetic, "--target", "7.5")
+    assert code == 1 and "trained on synthetic tokens" in out
+
 
 def test_verify_never_prints_a_traceback(tmp_path):
     bad = tmp_path / "empty.txt"
