@@ -41,8 +41,8 @@ def test_smoke_run_learns_and_writes_a_complete_log(smoke_run):
     step_lines = re.findall(r"^step:(\d+)/30 (?:train_loss:\S+ )?train_time:\d+ms step_avg:\S+ms$", steps, re.M)
     assert [int(s) for s in step_lines] == list(range(1, 31))
     summary = steps.strip().splitlines()[-1]
-    assert re.fullmatch(r"summary: final_val_loss:\S+ train_time:\d+ms steps:30 tokens_per_s:\d+ world_size:1 "
-                        r"device:cpu", summary), summary
+    assert re.fullmatch(r"summary: final_val_loss:\S+ train_time:\d+ms steps:30 tokens_per_s:\d+ mfu:[\d.]+% "
+                        r"world_size:1 device:cpu", summary), summary
     assert f"final_val_loss:{losses[30]:.4f}" in summary
     assert "val_loss:" in proc.stdout and "summary:" in proc.stdout  # rank 0 prints the same lines
 
