@@ -160,7 +160,8 @@ def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:
     while i < len(argv):
         arg = argv[i]
         if arg in ("-h", "--help"):
-            raise SystemExit(usage())
+            print(usage())
+            raise SystemExit(0)
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}: flags look like --field=value")
         name, eq, value = arg[2:].partition("=")
