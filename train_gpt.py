@@ -13,6 +13,7 @@ checkpoints, evaluation and logging, main(). Importing this file has no side eff
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -1285,8 +1286,9 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, loader, val_t
     peak_flops = matmul_peak_flops(env.device, matmul_dtype)
     sample = loader.next_batch()[0][0]
     loader.load_state_dict(initial_loader)
-    flops_per_token = float(np.mean([model_flops_per_token(args, model, sample, long_window(s, args))
-                                     for s in range(args.num_iterations)]))
+    steps_per_window = collections.Counter(long_window(s, args) for s in range(args.num_iterations))
+    flops_per_token = sum(n * model_flops_per_token(args, model, sample, w)  # averaged over the schedule
+                          for w, n in steps_per_window.items()) / args.num_iterations
     step_ms: list[float] = []
 
     start_step, train_time_ms = 0, 0.0
