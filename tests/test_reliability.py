@@ -119,7 +119,7 @@ def test_a_crash_during_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatc
     env = T.DistEnv(0, 0, 1, torch.device("cpu"))
     model = T.build_model(args, env)
     optimizers = T.build_optimizers(model, args)
-    loader = T.SyntheticLoader(args.batch_tokens, args.micro_batch_tokens, env, seed=0)
+    loader = T.SyntheticLoader(args, env)
     source = TRAIN.read_text()
     good = T.save_checkpoint(2, 1.0, model, optimizers, loader, args, env, source, "run")
 

@@ -1,5 +1,5 @@
-"""What the CPU can check of the speed work: no host syncs in the step, hook timing under
-per-block compilation, FLOP counting, and the synthetic benchmark."""
+"""What the CPU can check of the speed work: no host syncs in the step or the mask building, FLOP
+counting, and the synthetic benchmark (hook timing under per-block compile: test_compile.py)."""
 
 import re
 
@@ -35,66 +35,41 @@ def smoke_setup():
 
 def test_training_step_has_no_host_sync():
     args, env, model, optimizers = smoke_setup()
-    loader = T.SyntheticLoader(args.batch_tokens, args.micro_batch_tokens, env, seed=0)
-    windows = T.layer_windows(args, args.window_max)
-    for step in range(2):  # the second step runs with optimizer state present
+    loader = T.SyntheticLoader(args, env)
+    windows = T.layer_windows(args, T.attention_windows(0, args))
+    for step in range(3):  # a step without Adam, one with it, and one with optimizer state present
         batch = loader.next_batch()
         T.set_schedules(step, optimizers, args)
         with NoHostSync() as mode:
-            T.train_step(model, optimizers, batch, windows, args)
+            T.train_step(model, optimizers, batch, windows, step, args, use_flex=False)
         assert mode.seen == [], f"host syncs in the training step: {mode.seen}"
     with NoHostSync() as mode:  # the check itself can fail
         torch.ones(3).sum().item()
     assert mode.seen == ["aten::_local_scalar_dense"]
 
 
-def test_gradient_hooks_fire_during_backward_with_per_block_compile():
-    args, env, model, _ = smoke_setup()
-    T.compile_model(model, backend="aot_eager")  # the CUDA structure, without generating kernels
-    events = []
-
-    class Marked(torch.nn.Module):  # eager wrapper: its hook fires when the block's backward is done
-        def __init__(self, block, index):
-            super().__init__()
-            self.block, self.index = block, index
-
-        def forward(self, x, *rest):
-            x.register_hook(lambda g: events.append(f"block {self.index} backward done"))
-            return self.block(x, *rest)
-
-    model.blocks = torch.nn.ModuleList(Marked(b, i) for i, b in enumerate(model.blocks))
-    watched = {"lm_head": model.head.lm_head.weight, "embed": model.embed.weight,
-               **{f"block {i} fc": b.block.mlp.fc.weight for i, b in enumerate(model.blocks)}}
-    for name, p in watched.items():
-        p.register_post_accumulate_grad_hook(lambda p, name=name: events.append(f"{name} grad ready"))
-    with torch.no_grad():  # non-zero projections so every block gets a gradient
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    loader = T.SyntheticLoader(args.batch_tokens, args.micro_batch_tokens, env, seed=0)
-    inputs, targets = loader.next_batch()[0]
-    model(inputs, targets, T.build_masks(inputs, T.layer_windows(args, 256), args)).backward()
-
-    last = len(model.blocks) - 1
-    order = {e: i for i, e in enumerate(events)}
-    # The lm_head's reduce-scatter could start before any block has run its backward ...
-    assert order["lm_head grad ready"] < order[f"block {last} backward done"], events
-    # ... and each block's parameters are ready before the earlier blocks' backward is done.
-    for i in range(1, last + 1):
-        assert order[f"block {i} fc grad ready"] < order[f"block {i - 1} backward done"], events
-    assert events[-1] == "embed grad ready", events
+def test_flex_block_masks_are_built_without_host_sync():
+    args = T.parse_args(["--preset=speedrun"], True)
+    tokens = T.SyntheticLoader(args, T.DistEnv(0, 0, 1, torch.device("cpu"))).next_batch()[0][0]
+    with NoHostSync() as mode:
+        masks = T.build_masks(tokens, T.layer_windows(args, (6, 13)), True, args.window_block)
+    assert mode.seen == []
+    assert len({id(m) for m in masks if m is not None}) == 2  # one per window size, shared by the layers
 
 
 def test_model_flops_per_token_counts_matmuls_and_windowed_attention():
     args = T.parse_args(["--preset=speedrun"], True)
     with torch.device("meta"):
         model = T.GPT(args)
-    matmul_params = sum(p.numel() for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n)
-    assert matmul_params == 12 * 12 * 768 * 768 + 50304 * 768  # 4 attention + 8 MLP d^2 per layer, lm_head
-    # One document of 4096 tokens: position i attends to min(i + 1, window) keys.
+    # 10 attention layers of 4 d^2, 11 MLPs of 8 d^2, 10 attention gates (6 x 12), the smear gate, the lm_head
+    matmul_params = 10 * 4 * 768 ** 2 + 11 * 8 * 768 ** 2 + 10 * 6 * 12 + 12 + 50304 * 768
+    # One document of 4096 tokens: position i attends to min(i + 1, window + 1) keys.
     tokens = torch.full((4096,), 7)
     tokens[0] = T.BOS_ID
-    flops = T.model_flops_per_token(args, model, tokens, long_window=1024)
-    contexts = [sum(min(i + 1, w) for i in range(4096)) / 4096 for w in T.layer_windows(args, 1024)]
+    windows = T.layer_windows(args, (3, 7))
+    flops = T.model_flops_per_token(args, model, tokens, windows)
+    contexts = [sum(min(i + 1, w + 1) for i in range(4096)) / 4096 for w in windows if w is not None]
+    assert len(contexts) == 10
     expected = 6 * matmul_params + sum(12 * 768 * c for c in contexts)
     assert flops == pytest.approx(expected, rel=1e-9)
 

@@ -1,4 +1,5 @@
-"""Run under torchrun (gloo): DistAdam against torch.optim.Adam on the mean gradient over ranks."""
+"""Run under torchrun (gloo): DistAdam, stepping every ADAM_EVERY training steps as the trainer does,
+against torch.optim.Adam on the summed (over those steps) mean-over-ranks gradients."""
 
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from torch.testing import assert_close
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train_gpt as T  # noqa: E402
 
-STEPS, MICRO = 5, 2
+STEPS, ADAM_EVERY, MICRO = 4, 2, 2  # Adam steps; training steps per Adam step; micro-batches per step
 SMALL = 16  # parameters below this many elements are coalesced
 # Shapes chosen so that some split evenly over 2 and 3 ranks and some don't, in both kinds of bucket.
 GROUPS = [dict(shapes=[(6, 4), (7, 5), (3,), (1,)], lr=0.01), dict(shapes=[(40,), (2, 2), (9, 3)], lr=0.003)]
@@ -18,7 +19,7 @@ BETAS, EPS = (0.8, 0.95), 1e-8
 
 
 def batch(step: int, micro: int, rank: int, shape) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-(step, micro-batch, rank) data; the loss 0.5*e*p^2 + d*p has gradient d + e*p."""
+    """Per-(training step, micro-batch, rank) data; the loss 0.5*e*p^2 + d*p has gradient d + e*p."""
     g = torch.Generator().manual_seed(1000 * step + 100 * micro + 10 * rank + len(shape) + sum(shape))
     return torch.randn(shape, generator=g), torch.rand(shape, generator=g)
 
@@ -52,22 +53,23 @@ def main():
 
     for step in range(STEPS):
         launched.clear()
-        for micro in range(MICRO):
-            if micro < MICRO - 1:
+        passes = [(ADAM_EVERY * step + sub, micro) for sub in range(ADAM_EVERY) for micro in range(MICRO)]
+        for n, (train_step, micro) in enumerate(passes):
+            if n < len(passes) - 1:
                 with opt.no_sync():
-                    loss_fn(flat_params, step, micro, rank).backward()
+                    loss_fn(flat_params, train_step, micro, rank).backward()
                 assert not launched, f"a reduce-scatter was launched inside no_sync: {launched}"
             else:
-                loss_fn(flat_params, step, micro, rank).backward()
+                loss_fn(flat_params, train_step, micro, rank).backward()
         # All launched by hooks during the last backward, one per bucket, before step() runs.
         assert len(launched) == len(opt.buckets), (len(launched), len(opt.buckets))
 
-        # Reference: plain Adam on the mean over ranks of the accumulated gradients.
+        # Reference: plain Adam on the gradients summed over the training steps, averaged over ranks.
         for ref in flat_refs:
             ref.grad = torch.zeros_like(ref)
         for r in range(world):
-            for micro in range(MICRO):
-                grads = torch.autograd.grad(loss_fn(flat_refs, step, micro, r), flat_refs)
+            for train_step, micro in passes:
+                grads = torch.autograd.grad(loss_fn(flat_refs, train_step, micro, r), flat_refs)
                 for ref, g in zip(flat_refs, grads):
                     ref.grad += g / world
         ref_of = dict(zip(map(id, flat_params), flat_refs))
@@ -103,7 +105,7 @@ def main():
             assert torch.equal(other, flat), "parameters differ across ranks"
 
     dist.destroy_process_group()
-    print(f"rank {rank}: DistAdam matched torch.optim.Adam for {STEPS} steps at world size {world}")
+    print(f"rank {rank}: DistAdam matched torch.optim.Adam for {STEPS} steps of {ADAM_EVERY} at world size {world}")
 
 
 if __name__ == "__main__":

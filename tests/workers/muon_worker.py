@@ -1,4 +1,4 @@
-"""Run under torchrun: Muon on 1 rank or several (gloo); rank 0 saves the final parameters.
+"""Run under torchrun: NorMuon on 1 rank or several (gloo); rank 0 saves the final parameters.
 
 Rank r's gradient is G + (r - (world-1)/2) * H with entries on a 1/16 grid, so the mean over
 ranks is exactly G whatever the world size: every run should end with the same parameters.
@@ -14,7 +14,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train_gpt as T  # noqa: E402
 
-SHAPES = [(8, 16)] * 3 + [(16, 8)] * 2 + [(5, 7)]  # includes chunks shorter than the world size
+# Includes chunks shorter than the world size, a stack of matrices (like the attention's q, k, v, o)
+# and a gate-like 1 x 12 matrix.
+SHAPES = [(8, 16)] * 3 + [(16, 8)] * 2 + [(5, 7), (4, 8, 8), (1, 12)]
 STEPS = 3
 
 
@@ -25,7 +27,7 @@ def main(out_path: str):
     rank = dist.get_rank() if world > 1 else 0
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
-    opt = T.Muon(params, lr=0.05, momentum=0.9)
+    opt = T.NorMuon(params, lr=0.05, momentum=0.9, beta2=0.95, weight_decay=1.2, ns_dtype=torch.float32)
     for step in range(STEPS):
         g = torch.Generator().manual_seed(step)
         for p in params:

@@ -1,0 +1,69 @@
+"""Run under torchrun (gloo): the smoke model's training steps, recording when every DistAdam
+reduce-scatter starts. Each must start from a gradient hook during the backward that completes an
+Adam step, never from step(). A second optimizer with a parameter that gets no gradient shows the
+check can fail: its bucket is reduced late, from step()."""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import train_gpt as T  # noqa: E402
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    args = T.parse_args(["--preset=smoke"], False)
+    env = T.DistEnv(rank, rank, world, torch.device("cpu"))
+    model = T.build_model(args, env)
+    muon, adam = T.build_optimizers(model, args)
+    loader = T.TrainLoader(args, env)
+
+    launches = []  # (where, bucket size) of every reduce-scatter
+    where = ["backward"]
+    original = T.reduce_scatter_async
+    T.reduce_scatter_async = lambda out, inp: (launches.append((where[0], inp.numel())), original(out, inp))[1]
+
+    def marked(optimizer, name):
+        real_step = optimizer.step
+
+        def step():
+            where[0] = name
+            try:
+                real_step()
+            finally:
+                where[0] = "backward"
+        optimizer.step = step
+
+    marked(adam, "step")
+    marked(muon, "muon")  # NorMuon's own reduce-scatters, launched from its step(), are not DistAdam's
+
+    for step in range(4):
+        launches.clear()
+        windows = T.layer_windows(args, T.attention_windows(step, args))
+        T.train_step(model, (muon, adam), loader.next_batch(), windows, step, args, use_flex=False)
+        launches[:] = [launch for launch in launches if launch[0] != "muon"]
+        if T.adam_steps_at(step, args):
+            late = [size for w, size in launches if w == "step"]
+            assert late == [], f"step {step}: buckets of {late} elements were reduced from step(), not their hooks"
+            assert len(launches) == len(adam.buckets), (launches, len(adam.buckets))
+        else:
+            assert launches == [], f"step {step}: no Adam step, but reduce-scatters {launches}"
+    assert adam.late_reductions == 0
+
+    # The control: a parameter without a gradient keeps its bucket from completing during backward.
+    unused = torch.nn.Parameter(torch.zeros(3))
+    control = T.DistAdam([dict(params=[model.skip_gates, unused])])
+    (model.skip_gates.sum() * 2).backward()
+    control.step()
+    assert control.late_reductions == 1, control.late_reductions
+
+    dist.destroy_process_group()
+    print(f"rank {rank}: every DistAdam bucket was reduced from its hook during backward")
+
+
+if __name__ == "__main__":
+    main()
