@@ -44,6 +44,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+if dist.is_available():
+    # torch.distributed.nn.functional binds group.WORLD as a default argument when it is first imported,
+    # which torch.compile and torch.optim do lazily. Imported after init_process_group, it keeps the group
+    # alive past destroy_process_group, so the group's gloo threads outlive Python: one that drops the last
+    # reference to a collective's tensor while the interpreter shuts down aborts the process ("terminate
+    # called without an active exception"). Imported now, before any group exists, it binds None.
+    import torch.distributed.nn.functional  # noqa: F401
+
 
 class ConfigError(ValueError):
     """Bad command line or configuration; the message names the flag."""

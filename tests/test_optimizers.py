@@ -1,7 +1,6 @@
 """NorMuon and DistAdam: distributed runs (gloo, several processes) against single-process references,
 and each part of NorMuon against its definition."""
 
-import math
 
 import pytest
 import torch

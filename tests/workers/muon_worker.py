@@ -20,6 +20,14 @@ SHAPES = [(8, 16)] * 3 + [(16, 8)] * 2 + [(5, 7), (4, 8, 8), (1, 12)]
 STEPS = 3
 
 
+def live_gloo_threads() -> int:
+    """Threads of this process whose name mentions gloo (Linux); 0 where /proc is missing."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return 0
+    return sum("gloo" in (task / "comm").read_text() for task in tasks.iterdir())
+
+
 def main(out_path: str):
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:
@@ -47,6 +55,9 @@ def main(out_path: str):
         assert sum(int(c) for c in counts) == len(params), counts
         assert owned < len(params), "one rank orthogonalised every matrix"
         dist.destroy_process_group()
+        # The group must really be gone now: gloo threads still alive when Python shuts down can abort the
+        # process at exit (see the torch.distributed.nn import in train_gpt.py).
+        assert live_gloo_threads() == 0, f"{live_gloo_threads()} gloo threads outlive destroy_process_group"
     if rank == 0:
         torch.save(flat, out_path)
 
