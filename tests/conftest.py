@@ -34,3 +34,17 @@ def python(*args, timeout: float = 600, extra_env=None):
     """`python args` from the repo root, as a user would run it."""
     return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, env=cpu_env(**(extra_env or {})),
                           capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def final_folder(tmp_path_factory):
+    """The final weights of a short smoke run (train_gpt.py --save_final=true), shared by the sample
+    and HellaSwag tests."""
+    root = tmp_path_factory.mktemp("final")
+    proc = python(REPO / "train_gpt.py", "--num_iterations=4", "--val_loss_every=0", "--batch_tokens=1024",
+                  "--val_tokens=2048", "--save_final=true", f"--checkpoint_dir={root}/ck", "--run_id=s",
+                  f"--logs_dir={root}/logs")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = (root / "logs/s.txt").read_text()
+    assert f"final weights: {root}/ck/s/final" in log
+    return root / "ck/s/final"
