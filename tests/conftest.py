@@ -36,6 +36,16 @@ def python(*args, timeout: float = 600, extra_env=None):
                           capture_output=True, text=True, timeout=timeout)
 
 
+def one_line_error(proc, *fragments) -> str:
+    """Asserts that a command failed as bad input should: exit 2, one `error: ...` line naming the fragments."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
 @pytest.fixture(scope="session")
 def final_folder(tmp_path_factory):
     """The final weights of a short smoke run (train_gpt.py --save_final=true), shared by the sample

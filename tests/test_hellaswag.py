@@ -8,7 +8,7 @@ import torch
 from torch.testing import assert_close
 
 import sample
-from conftest import REPO, python
+from conftest import REPO, one_line_error, python
 from test_sample import random_model
 
 sys.path.insert(0, str(REPO / "data"))
@@ -125,5 +125,5 @@ def test_sample_eval_hellaswag_on_the_fixture(final_folder):
     assert run("--batch_size=1") == whole  # batching does not change any choice
     assert run("--limit=2").startswith("hellaswag: 2 examples")
     missing = python(REPO / "sample.py", final_folder, "--eval=hellaswag", f"--data={FIXTURE.parent / 'nope.jsonl'}")
-    assert missing.returncode == 2 and missing.stderr.strip().endswith("nope.jsonl: no such file")
+    one_line_error(missing, "nope.jsonl: no such file")
 

@@ -7,7 +7,7 @@ from torch.testing import assert_close
 
 import sample
 import train_gpt as T
-from conftest import REPO, python
+from conftest import REPO, one_line_error, python
 
 SAMPLE = REPO / "sample.py"
 
@@ -85,14 +85,6 @@ def test_temperature_and_top_k():
     assert sample.choose(logits, 0.0, 0, torch.Generator()) == 1
     picks = {sample.choose(logits, 1.0, 2, torch.Generator().manual_seed(s)) for s in range(200)}
     assert picks == {1, 2}  # top-2 only, and both of them
-
-
-def one_line_error(proc, *fragments):
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
 
 
 def test_bad_input_is_a_one_line_error(final_folder, tmp_path):

@@ -5,7 +5,7 @@ import re
 import pytest
 
 import train_gpt as T
-from conftest import REPO, python, torchrun
+from conftest import REPO, one_line_error, python, torchrun
 
 TRAIN = REPO / "train_gpt.py"
 
@@ -62,15 +62,6 @@ def test_world_sizes_1_2_4_reach_the_same_val_loss(smoke_run, tmp_path):
         assert losses.keys() == reference.keys()
         assert losses[0] == reference[0]
         assert losses[30] == pytest.approx(reference[30], rel=1e-3), (world_size, losses, reference)
-
-
-def one_line_error(proc, *fragments):
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-    return lines[0]
 
 
 def test_missing_shards(tmp_path):
