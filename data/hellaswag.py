@@ -178,17 +178,29 @@ def download(out: Path = DEFAULT_PATH, url: str = SOURCE_URL, expected_examples:
     if out.exists() and not out.is_file():
         raise HellaSwagError(f"--out {out}: exists and is not a file")
     created_dir = not out.parent.exists()
-    out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial.touch()
+    except OSError as e:
+        if created_dir and out.parent.is_dir() and not any(out.parent.iterdir()):
+            out.parent.rmdir()
+        raise HellaSwagError(f"--out {out}: cannot write there ({e.strerror})") from None
+    try:
         try:
-            with urllib.request.urlopen(url, timeout=NETWORK_TIMEOUT_S) as response, open(partial, "wb") as f:
-                _copy_with_progress(response, f)
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", None) or e
+            response = urllib.request.urlopen(url, timeout=NETWORK_TIMEOUT_S)
+        except urllib.error.HTTPError as e:
+            raise HellaSwagError(f"could not download {url}: the server answered HTTP {e.code} {e.reason}") from None
+        except OSError as e:  # URLError, refused connections and timeouts are all OSErrors
+            reason = str(getattr(e, "reason", None) or e).splitlines()
             raise HellaSwagError(f"could not download {url}: no network connection? Retry when online "
-                                 f"({type(e).__name__}: {str(reason).splitlines()[0] if str(reason) else 'no details'})"
-                                 ) from None
+                                 f"({type(e).__name__}: {reason[0] if reason else 'no details'})") from None
+        with response, open(partial, "wb") as f:
+            try:
+                _copy_with_progress(response, f)
+            except OSError as e:
+                raise HellaSwagError(f"downloading {url} failed midway ({type(e).__name__}: {e}); "
+                                     f"run again to retry") from None
         try:
             found = len(read_examples(partial))
         except UnicodeDecodeError:
