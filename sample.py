@@ -24,6 +24,7 @@ import torch
 REPO = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO / "data"))
 import hellaswag  # noqa: E402  (data/hellaswag.py)
+import tokenize_text  # noqa: E402  (data/tokenize_text.py: GPT-2's BPE from the bundled ranks file)
 import train_gpt as T  # noqa: E402
 
 
@@ -32,7 +33,7 @@ class SampleError(Exception):
 
 
 def load_tokenizer():
-    import tokenize_text  # data/tokenize_text.py: GPT-2's BPE from the bundled ranks file, never downloaded
+    """GPT-2's BPE from data/gpt2.tiktoken: never downloaded."""
     try:
         return tokenize_text.load_encoding(tokenize_text.BUNDLED_BPE)
     except tokenize_text.TokenizeError as e:

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -58,3 +59,20 @@ def final_folder(tmp_path_factory):
     log = (root / "logs/s.txt").read_text()
     assert f"final weights: {root}/ck/s/final" in log
     return root / "ck/s/final"
+
+
+def random_model(seed=0):
+    """The smoke model with random weights (a trained smoke model repeats itself) and short windows,
+    so that generation runs past every window."""
+    import train_gpt as T
+
+    args = T.parse_args(["--preset=smoke", "--window_block=16", "--window_schedule=1,2", "--window_extension=3",
+                         "--window_final_val=4", "--micro_batch_tokens=256", "--batch_tokens=1024",
+                         "--train_max_seq_len=160"], False)
+    torch.manual_seed(seed)
+    model = T.GPT(args)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    model.rotary.set_window(3)
+    return model.eval(), args, {"windows": [1, 4]}

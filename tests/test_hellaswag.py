@@ -8,8 +8,7 @@ import torch
 from torch.testing import assert_close
 
 import sample
-from conftest import REPO, one_line_error, python
-from test_sample import random_model
+from conftest import REPO, one_line_error, python, random_model
 
 sys.path.insert(0, str(REPO / "data"))
 import hellaswag  # noqa: E402

@@ -1,7 +1,6 @@
 """NorMuon and DistAdam: distributed runs (gloo, several processes) against single-process references,
 and each part of NorMuon against its definition."""
 
-
 import pytest
 import torch
 from torch.testing import assert_close

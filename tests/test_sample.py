@@ -7,7 +7,7 @@ from torch.testing import assert_close
 
 import sample
 import train_gpt as T
-from conftest import REPO, one_line_error, python
+from conftest import REPO, one_line_error, python, random_model
 
 SAMPLE = REPO / "sample.py"
 
@@ -35,21 +35,6 @@ def test_sample_prints_text_and_repeats_itself_with_the_same_seed(final_folder):
     assert first.stdout == second.stdout
     other = python(SAMPLE, final_folder, "--prompt=ROMEO:", "--max_new_tokens=20", "--seed=2")
     assert other.stdout != first.stdout
-
-
-def random_model(seed=0):
-    """The smoke model with random weights (a trained smoke model repeats itself) and short windows,
-    so that generation runs past every window."""
-    args = T.parse_args(["--preset=smoke", "--window_block=16", "--window_schedule=1,2", "--window_extension=3",
-                         "--window_final_val=4", "--micro_batch_tokens=256", "--batch_tokens=1024",
-                         "--train_max_seq_len=160"], False)
-    torch.manual_seed(seed)
-    model = T.GPT(args)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
-    model.rotary.set_window(3)
-    return model.eval(), args, {"windows": [1, 4]}
 
 
 def test_cached_and_uncached_generation_agree():
