@@ -12,10 +12,17 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: runs the trainer or a tool as a whole, or several processes; "
+                                       "the inner loop `python -m pytest tests -m \"not slow\"` leaves these out")
+
+
 def cpu_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
-    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    # The allocator setting train_gpt.main makes on CPU (keep_freed_cpu_memory), for the worker scripts too.
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               MALLOC_MMAP_THRESHOLD_=str(1 << 30), MALLOC_TRIM_THRESHOLD_=str(1 << 30), **extra)
     return env
 
 
