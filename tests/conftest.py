@@ -1,6 +1,9 @@
 """Shared helpers: run train_gpt.py or a worker script under torchrun (gloo, CPU)."""
 
+import contextlib
+import io
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +13,9 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+import train_gpt  # noqa: E402
+
+train_gpt.keep_freed_cpu_memory()  # the in-process tests allocate like the trainer does
 
 
 def pytest_configure(config):
@@ -42,6 +48,19 @@ def python(*args, timeout: float = 600, extra_env=None):
     """`python args` from the repo root, as a user would run it."""
     return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, env=cpu_env(**(extra_env or {})),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def run_main(*argv) -> subprocess.CompletedProcess:
+    """train_gpt.main(argv) in this process, from the repo root, without an interpreter's start-up: what
+    `python train_gpt.py argv` would return and print, for the checks that need no separate process."""
+    out, err = io.StringIO(), io.StringIO()
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        with contextlib.chdir(REPO), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = train_gpt.main([str(a) for a in argv])
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    return subprocess.CompletedProcess(["train_gpt.py", *map(str, argv)], code, out.getvalue(), err.getvalue())
 
 
 def one_line_error(proc, *fragments) -> str:
