@@ -1,8 +1,10 @@
-"""Shared helpers: run train_gpt.py or a worker script under torchrun (gloo, CPU)."""
+"""Shared helpers (run train_gpt.py in this process, as a process or under torchrun; gloo, CPU) and the
+training runs that many tests read, made once per test session."""
 
 import contextlib
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+TRAIN = REPO / "train_gpt.py"
 sys.path.insert(0, str(REPO))
 import train_gpt  # noqa: E402
 
@@ -73,18 +76,57 @@ def one_line_error(proc, *fragments) -> str:
     return lines[0]
 
 
+def val_losses(log_text: str) -> dict[int, float]:
+    return {int(m[1]): float(m[2]) for m in re.finditer(r"^step:(\d+)/\d+ val_loss:(\S+) ", log_text, re.M)}
+
+
+# The smoke model trained for 8 steps of 1,024 tokens, in 4 micro-batches of 256 so that world sizes 1, 2 and 4
+# all split them, validating every 2 steps. Small, but it passes through every phase of the smoke schedule:
+# the three window sizes with YaRN between them, the extension's window, Adam every second step, momentum
+# warmup, and the longer final validation window.
+SHORT = ["--num_iterations=8", "--val_loss_every=2", "--batch_tokens=1024", "--micro_batch_tokens=256",
+         "--val_tokens=4096"]
+
+
+class ShortRun:
+    def __init__(self, root: Path, world_size: int):
+        self.world_size, self.logs_dir, self.checkpoint_dir = world_size, root / "logs", root / "ck"
+        self.run_id = f"short{world_size}"
+        self.log = (self.logs_dir / f"{self.run_id}.txt").read_text()
+        self.val_losses = val_losses(self.log)
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoint_dir / self.run_id / f"step_{step:06d}"
+
+
 @pytest.fixture(scope="session")
-def final_folder(tmp_path_factory):
-    """The final weights of a short smoke run (train_gpt.py --save_final=true), shared by the sample
-    and HellaSwag tests."""
-    root = tmp_path_factory.mktemp("final")
-    proc = python(REPO / "train_gpt.py", "--num_iterations=4", "--val_loss_every=0", "--batch_tokens=1024",
-                  "--val_tokens=2048", "--save_final=true", f"--checkpoint_dir={root}/ck", "--run_id=s",
-                  f"--logs_dir={root}/logs")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    log = (root / "logs/s.txt").read_text()
-    assert f"final weights: {root}/ck/s/final" in log
-    return root / "ck/s/final"
+def short_run(tmp_path_factory):
+    """short_run(world_size): the SHORT run at that world size, trained once per test session. World size 1
+    runs in this process and keeps checkpoints every 2 steps and its final weights; others run under
+    torchrun and keep checkpoints every 4 steps. Tests must not write into its folders: copy first."""
+    runs = {}
+
+    def get(world_size: int) -> ShortRun:
+        if world_size not in runs:
+            root = tmp_path_factory.mktemp(f"short{world_size}")
+            argv = [*SHORT, f"--logs_dir={root}/logs", f"--checkpoint_dir={root}/ck", f"--run_id=short{world_size}"]
+            if world_size == 1:
+                proc = run_main(*argv, "--save_every=2", "--save_final=true")
+                assert proc.returncode == 0, proc.stderr[-3000:]
+            else:
+                torchrun(TRAIN, world_size, *argv, "--save_every=4")
+            runs[world_size] = ShortRun(root, world_size)
+        return runs[world_size]
+    return get
+
+
+@pytest.fixture(scope="session")
+def final_folder(short_run):
+    """The final weights of the world-size-1 SHORT run (--save_final=true), for the sample and HellaSwag tests."""
+    run = short_run(1)
+    folder = run.checkpoint_dir / run.run_id / "final"
+    assert f"final weights: {folder}" in run.log
+    return folder
 
 
 def random_model(seed=0):

@@ -2,6 +2,7 @@
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -12,41 +13,31 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, cpu_env, python, torchrun
-
-TRAIN = REPO / "train_gpt.py"
-# The smoke model with fewer, smaller steps: what these tests check does not depend on the size.
-SHORT = ["--num_iterations=8", "--val_loss_every=2", "--batch_tokens=1024", "--val_tokens=4096"]
-
-
-FEW = ["--num_iterations=4", "--val_loss_every=0", "--batch_tokens=1024", "--val_tokens=4096"]
-
-
-def val_losses(text: str) -> dict[int, float]:
-    return {int(m[1]): float(m[2]) for m in re.finditer(r"^step:(\d+)/\d+ val_loss:(\S+) ", text, re.M)}
+from conftest import REPO, SHORT, TRAIN, cpu_env, run_main, torchrun, val_losses
 
 
 def run(world_size: int, *args, check=True, timeout=600):
+    """train_gpt.py at world size 1 in this process, or under torchrun."""
     if world_size == 1:
-        proc = python(TRAIN, *args, timeout=timeout)
+        proc = run_main(*args)
         if check:
             assert proc.returncode == 0, proc.stderr[-3000:]
         return proc
     return torchrun(TRAIN, world_size, *args, check=check, timeout=timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_resume_reaches_the_val_losses_of_an_uninterrupted_run(tmp_path, world_size):
-    common = [*SHORT, f"--logs_dir={tmp_path}/logs", f"--checkpoint_dir={tmp_path}/ck"]
-    run(world_size, *common, "--save_every=4", "--run_id=full")
-    full = val_losses((tmp_path / "logs/full.txt").read_text())
+def test_resume_reaches_the_val_losses_of_an_uninterrupted_run(short_run, tmp_path, world_size):
+    full_run = short_run(world_size)
+    full = full_run.val_losses
     assert sorted(full) == [0, 2, 4, 6, 8]
-    checkpoint = tmp_path / "ck/full/step_000004"
+    checkpoint = full_run.checkpoint(4)
     assert sorted(p.name for p in checkpoint.iterdir()) == sorted(
         ["meta.json", "model.pt"] + [f"rank_{r}.pt" for r in range(world_size)])
 
-    run(world_size, *common, f"--resume={checkpoint}", "--run_id=resumed")
-    resumed_log = (tmp_path / "logs/resumed.txt").read_text()
+    run(world_size, *SHORT, f"--logs_dir={tmp_path}", f"--resume={checkpoint}", "--run_id=resumed")
+    resumed_log = (tmp_path / "resumed.txt").read_text()
     assert f"resumed from {checkpoint} at step 4" in resumed_log
     resumed = val_losses(resumed_log)
     assert sorted(resumed) == [4, 6, 8]
@@ -54,12 +45,6 @@ def test_resume_reaches_the_val_losses_of_an_uninterrupted_run(tmp_path, world_s
     for step in resumed:
         assert resumed[step] == pytest.approx(full[step], rel=1e-6, abs=0), (step, full, resumed)
     assert full[8] < full[4]  # the runs really trained after the checkpoint
-
-
-def make_checkpoint(tmp_path, *extra):
-    run(1, *FEW, "--save_every=2", f"--logs_dir={tmp_path}/logs",
-        f"--checkpoint_dir={tmp_path}/ck", "--run_id=base", *extra)
-    return tmp_path / "ck/base/step_000002"
 
 
 def refused(proc, *fragments):
@@ -70,14 +55,21 @@ def refused(proc, *fragments):
         assert fragment in lines[0], lines[0]
 
 
-def test_mismatched_checkpoints_are_refused(tmp_path):
-    checkpoint = make_checkpoint(tmp_path)
-    common = [*FEW, f"--logs_dir={tmp_path}/logs",
-              f"--checkpoint_dir={tmp_path}/ck"]
+def test_mismatched_checkpoints_are_refused(short_run, tmp_path):
+    checkpoint = short_run(1).checkpoint(2)
+    common = [*SHORT, f"--logs_dir={tmp_path}/logs"]
     # another config
     refused(run(1, *common, "--embed_lr=0.5", f"--resume={checkpoint}", check=False),
             "config differs in embed_lr", "--force_resume")
+    # not a checkpoint at all
+    refused(run(1, *common, f"--resume={tmp_path}", check=False), "not a complete checkpoint")
+
+
+@pytest.mark.slow
+def test_checkpoints_of_another_world_size_or_code_are_refused(short_run, tmp_path):
+    common = [*SHORT, f"--logs_dir={tmp_path}/logs"]
     # another world size: every rank says so, and all stop
+    checkpoint = short_run(1).checkpoint(2)
     proc = run(2, *common, f"--resume={checkpoint}", check=False)
     assert proc.returncode != 0
     for rank in (0, 1):
@@ -88,29 +80,33 @@ def test_mismatched_checkpoints_are_refused(tmp_path):
     proc = subprocess.run([sys.executable, str(edited), *common, f"--resume={checkpoint}"], cwd=REPO,
                           env=cpu_env(), capture_output=True, text=True, timeout=300)
     refused(proc, "different train_gpt.py")
-    # ... unless forced
-    proc = subprocess.run([sys.executable, str(edited), *common, f"--resume={checkpoint}", "--force_resume=true",
-                           "--run_id=forced"], cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=300)
+    # ... unless forced (from the last checkpoint before the end: the shortest run that resumes)
+    proc = subprocess.run([sys.executable, str(edited), *common, f"--resume={short_run(1).checkpoint(6)}",
+                           "--force_resume=true", "--warmup_steps=0", "--run_id=forced"], cwd=REPO, env=cpu_env(), capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    # not a checkpoint at all
-    refused(run(1, *common, f"--resume={tmp_path}", check=False), "not a complete checkpoint")
+    forced = (tmp_path / "logs/forced.txt").read_text()
+    assert "at step 6" in forced and sorted(val_losses(forced)) == [6, 8]
 
 
-def test_resume_latest_and_unsafe_pickles(tmp_path):
-    checkpoint = make_checkpoint(tmp_path)
-    assert (checkpoint.parent / "latest").read_text().strip() == "step_000004"
-    common = [*FEW, f"--logs_dir={tmp_path}/logs",
-              f"--checkpoint_dir={tmp_path}/ck"]
-    run(1, *common, "--resume=latest", "--run_id=latest")
-    assert "at step 4" in (tmp_path / "logs/latest.txt").read_text()
+def test_resume_latest_and_unsafe_pickles(short_run, tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(short_run(1).checkpoint_dir, ck)
+    run_dir = ck / short_run(1).run_id
+    assert (run_dir / "latest").read_text().strip() == "step_000008"
+    # No warmup (a run-control field): what is checked here does not need the kernels warm.
+    common = [*SHORT, f"--logs_dir={tmp_path}/logs", f"--checkpoint_dir={ck}", "--warmup_steps=0"]
+    run(1, *common, "--resume=latest", "--run_id=latest")  # at the last step: only the final validation runs
+    latest = (tmp_path / "logs/latest.txt").read_text()
+    assert "at step 8" in latest and val_losses(latest) == {8: short_run(1).val_losses[8]}
 
     # A checkpoint whose pickle would run code is refused by safe loading.
     class Exploit:
         def __reduce__(self):
             return (os.system, (f"touch {tmp_path}/pwned",))
 
-    torch.save({"optimizers": Exploit()}, checkpoint / "rank_0.pt")
-    refused(run(1, *common, f"--resume={checkpoint}", "--run_id=unsafe", check=False), "cannot load")
+    torch.save({"optimizers": Exploit()}, run_dir / "step_000006/rank_0.pt")
+    refused(run(1, *common, f"--resume={run_dir / 'step_000006'}", "--run_id=unsafe", check=False), "cannot load")
     assert not (tmp_path / "pwned").exists()
 
 
@@ -139,15 +135,18 @@ def test_a_crash_during_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatc
     assert (good / "meta.json").is_file()
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_the_run_with_the_log_intact(tmp_path):
-    # An infinite learning rate makes the weights, then the loss, non-finite.
-    proc = run(2, "--embed_lr=inf", f"--logs_dir={tmp_path}", "--run_id=nan", check=False)
+    # An infinite learning rate makes the weights non-finite at the first Adam step (the second step), then the
+    # train loss of the next two steps; it is checked every 4 steps (no validation comes first).
+    proc = run(2, *SHORT, "--val_loss_every=0", "--train_loss_every=4", "--embed_lr=inf", f"--logs_dir={tmp_path}",
+               "--run_id=nan", check=False)
     assert proc.returncode != 0
-    assert "non-finite train loss (nan) at step 10" in proc.stderr
+    assert "non-finite train loss (nan) at step 4" in proc.stderr
     log = (tmp_path / "nan.txt").read_text()
-    steps = [int(s) for s in re.findall(r"^step:(\d+)/30 (?:train_loss:\S+ )?train_time", log, re.M)]
-    assert steps == list(range(1, 11))
-    assert log.rstrip().splitlines()[-1] == "error: non-finite train loss (nan) at step 10: stopping the run"
+    steps = [int(s) for s in re.findall(r"^step:(\d+)/8 (?:train_loss:\S+ )?train_time", log, re.M)]
+    assert steps == [1, 2, 3, 4]
+    assert log.rstrip().splitlines()[-1] == "error: non-finite train loss (nan) at step 4: stopping the run"
     assert "\nsummary:" not in log.split("=" * 100)[-1]
 
 
@@ -167,6 +166,10 @@ def rank_of(pid: int) -> int | None:
     return None
 
 
+# Small steps, and enough of them that the run is still going when a test kills it.
+LONG_SHORT = [*SHORT, "--num_iterations=100", "--val_loss_every=0"]
+
+
 def wait_for(path, pattern, proc, timeout=300):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -178,11 +181,13 @@ def wait_for(path, pattern, proc, timeout=300):
     pytest.fail(f"{pattern!r} never appeared in {path}")
 
 
+@pytest.mark.slow
 def test_a_dead_rank_ends_the_job_within_the_timeout(tmp_path):
     timeout_s = 30
     log = tmp_path / "kill.txt"
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(TRAIN), f"--logs_dir={tmp_path}", "--run_id=kill", f"--pg_timeout_s={timeout_s}"],
+                             str(TRAIN), *LONG_SHORT, f"--logs_dir={tmp_path}", "--run_id=kill",
+                             f"--pg_timeout_s={timeout_s}"],
                             cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(log, r"^step:3/", proc)
@@ -207,9 +212,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_match_one_node_with_two_ranks(tmp_path):
+@pytest.mark.slow
+def test_two_nodes_match_one_node_with_two_ranks(short_run, tmp_path):
     args = [str(TRAIN), *SHORT, f"--logs_dir={tmp_path}"]
-    torchrun(TRAIN, 2, *args[1:], "--run_id=standalone")
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
                                "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", "--rdzv_id=two-nodes",
@@ -219,12 +224,14 @@ def test_two_nodes_match_one_node_with_two_ranks(tmp_path):
     assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
     two_nodes = (tmp_path / "two_nodes.txt").read_text()
     assert "world_size: 2" in two_nodes
-    assert val_losses(two_nodes) == val_losses((tmp_path / "standalone.txt").read_text())
+    assert val_losses(two_nodes) == short_run(2).val_losses
 
 
+@pytest.mark.slow
 def test_a_killed_run_keeps_every_completed_step_in_its_log(tmp_path):
     log = tmp_path / "durable.txt"
-    proc = subprocess.Popen([sys.executable, str(TRAIN), f"--logs_dir={tmp_path}", "--run_id=durable"], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, str(TRAIN), *LONG_SHORT, f"--logs_dir={tmp_path}", "--run_id=durable"],
+                            cwd=REPO,
                             env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(log, r"^step:4/", proc)
@@ -233,5 +240,5 @@ def test_a_killed_run_keeps_every_completed_step_in_its_log(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    steps = [int(s) for s in re.findall(r"^step:(\d+)/30 (?:train_loss:\S+ )?train_time", log.read_text(), re.M)]
+    steps = [int(s) for s in re.findall(r"^step:(\d+)/100 (?:train_loss:\S+ )?train_time", log.read_text(), re.M)]
     assert steps[:4] == [1, 2, 3, 4] and steps == list(range(1, len(steps) + 1))
