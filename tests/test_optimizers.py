@@ -1,6 +1,8 @@
 """NorMuon and DistAdam: distributed runs (gloo, several processes) against single-process references,
 and each part of NorMuon against its definition."""
 
+import sys
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -8,18 +10,33 @@ from torch.testing import assert_close
 import train_gpt as T
 from conftest import REPO, torchrun
 
+sys.path.insert(0, str(REPO / "tests" / "workers"))
+from muon_worker import run_normuon  # noqa: E402
+
 WORKERS = REPO / "tests" / "workers"
 NO_FUTURE_WARNINGS = {"PYTHONWARNINGS": "error::FutureWarning"}  # 2.13 deprecates the old collective names
 
 
+@pytest.fixture(scope="module")
+def gloo_runs(tmp_path_factory):
+    """tests/workers/gloo_worker.py under torchrun at world sizes 2 and 3: {world size: (stdout, NorMuon's
+    final parameters)}. One launch per world size runs every check; a failed check fails the launch."""
+    runs = {}
+    for world_size in (2, 3):
+        out = tmp_path_factory.mktemp("gloo") / f"normuon_{world_size}.pt"
+        proc = torchrun(WORKERS / "gloo_worker.py", world_size, out, extra_env=NO_FUTURE_WARNINGS)
+        runs[world_size] = proc.stdout, torch.load(out, weights_only=True)
+    return runs
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_dist_adam_matches_torch_adam(world_size):
+def test_dist_adam_matches_torch_adam(gloo_runs, world_size):
     # The worker steps DistAdam every 2 training steps of 2 micro-batches, as the trainer does, and asserts
     # reduced gradient shards, exp_avg/exp_avg_sq shards and parameters against torch.optim.Adam on the
     # summed mean-over-ranks gradients, one reduce-scatter per bucket launched during the last backward
     # and none under no_sync(), and identical parameters on every rank.
-    proc = torchrun(WORKERS / "dist_adam_worker.py", world_size, extra_env=NO_FUTURE_WARNINGS)
-    assert proc.stdout.count("DistAdam matched torch.optim.Adam") == world_size
+    assert gloo_runs[world_size][0].count("DistAdam matched torch.optim.Adam") == world_size
 
 
 def test_dist_adam_single_process_equals_torch_adam():
@@ -53,24 +70,21 @@ def test_dist_adam_state_dict_round_trip_keeps_fp32_state():
     assert fresh.param_groups[0]["lr"] == 0.01
 
 
-def test_every_dist_adam_bucket_is_reduced_from_its_hook_during_backward():
+@pytest.mark.slow
+def test_every_dist_adam_bucket_is_reduced_from_its_hook_during_backward(gloo_runs):
     # The smoke model at world size 2: no bucket may be reduced late, from step(); the worker also shows,
     # with a parameter that gets no gradient, that such a late reduction is detected.
-    proc = torchrun(WORKERS / "hook_worker.py", 2, extra_env=NO_FUTURE_WARNINGS)
-    assert proc.stdout.count("every DistAdam bucket was reduced from its hook during backward") == 2
+    assert gloo_runs[2][0].count("every DistAdam bucket was reduced from its hook during backward") == 2
 
 
-def test_distributed_normuon_equals_single_process(tmp_path):
-    # Rank gradients average exactly to the single-process gradient (see the worker), so the
-    # parameters after three steps must be bit-identical at world sizes 1, 2 and 3.
-    results = {}
-    for world_size in (1, 2, 3):
-        out = tmp_path / f"muon_{world_size}.pt"
-        torchrun(WORKERS / "muon_worker.py", world_size, out, extra_env=NO_FUTURE_WARNINGS)
-        results[world_size] = torch.load(out, weights_only=True)
-    assert torch.equal(results[1], results[2])
-    assert torch.equal(results[1], results[3])
-    assert not torch.equal(results[1], torch.zeros_like(results[1]))
+@pytest.mark.slow
+def test_distributed_normuon_equals_single_process(gloo_runs):
+    # Rank gradients average exactly to the single-process gradient (see the worker), so the parameters
+    # after three steps must be bit-identical at world sizes 1 (here, no process group), 2 and 3.
+    single = run_normuon(rank=0, world=1)
+    assert not torch.equal(single, torch.zeros_like(single))
+    for world_size in (2, 3):
+        assert torch.equal(gloo_runs[world_size][1], single), world_size
 
 
 def spread_matrix(rows, cols, decades, seed=0, dtype=torch.float32):

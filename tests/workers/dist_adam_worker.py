@@ -1,5 +1,5 @@
-"""Run under torchrun (gloo): DistAdam, stepping every ADAM_EVERY training steps as the trainer does,
-against torch.optim.Adam on the summed (over those steps) mean-over-ranks gradients."""
+"""DistAdam in a gloo group, stepping every ADAM_EVERY training steps as the trainer does, against
+torch.optim.Adam on the summed (over those steps) mean-over-ranks gradients."""
 
 import sys
 from pathlib import Path
@@ -32,9 +32,8 @@ def loss_fn(params, step, micro, rank):
     return total / MICRO
 
 
-def main():
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+def check_dist_adam(rank: int, world: int):
+    """Asserts every reduced gradient shard, Adam state shard and parameter; inside an initialised group."""
     torch.manual_seed(0)
     init = [[torch.randn(s) for s in g["shapes"]] for g in GROUPS]
     params = [[torch.nn.Parameter(t.clone()) for t in ts] for ts in init]
@@ -50,7 +49,14 @@ def main():
     launched = []
     original = T.reduce_scatter_async
     T.reduce_scatter_async = lambda out, inp: (launched.append(inp.numel()), original(out, inp))[1]
+    try:
+        run_steps(rank, world, opt, ref_opt, flat_params, flat_refs, launched)
+    finally:
+        T.reduce_scatter_async = original
+    print(f"rank {rank}: DistAdam matched torch.optim.Adam for {STEPS} steps of {ADAM_EVERY} at world size {world}")
 
+
+def run_steps(rank, world, opt, ref_opt, flat_params, flat_refs, launched):
     for step in range(STEPS):
         launched.clear()
         passes = [(ADAM_EVERY * step + sub, micro) for sub in range(ADAM_EVERY) for micro in range(MICRO)]
@@ -103,10 +109,3 @@ def main():
         dist.all_gather(gathered, flat)
         for other in gathered:
             assert torch.equal(other, flat), "parameters differ across ranks"
-
-    dist.destroy_process_group()
-    print(f"rank {rank}: DistAdam matched torch.optim.Adam for {STEPS} steps of {ADAM_EVERY} at world size {world}")
-
-
-if __name__ == "__main__":
-    main()

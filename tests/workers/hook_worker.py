@@ -1,5 +1,4 @@
-"""Run under torchrun (gloo): the smoke model's training steps, recording when every DistAdam
-reduce-scatter starts. Each must start from a gradient hook during the backward that completes an
+"""In a gloo group: the smoke model's training steps, recording when every DistAdam reduce-scatter starts. Each must start from a gradient hook during the backward that completes an
 Adam step, never from step(). A second optimizer with a parameter that gets no gradient shows the
 check can fail: its bucket is reduced late, from step()."""
 
@@ -13,9 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train_gpt as T  # noqa: E402
 
 
-def main():
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+def check_hooks(rank: int, world: int):
+    """Asserts where every reduce-scatter started; inside an initialised group of a size that splits the batch."""
     args = T.parse_args(["--preset=smoke"], False)
     env = T.DistEnv(rank, rank, world, torch.device("cpu"))
     model = T.build_model(args, env)
@@ -26,7 +24,14 @@ def main():
     where = ["backward"]
     original = T.reduce_scatter_async
     T.reduce_scatter_async = lambda out, inp: (launches.append((where[0], inp.numel())), original(out, inp))[1]
+    try:
+        run_steps(args, env, model, muon, adam, loader, launches, where)
+    finally:
+        T.reduce_scatter_async = original
+    print(f"rank {rank}: every DistAdam bucket was reduced from its hook during backward")
 
+
+def run_steps(args, env, model, muon, adam, loader, launches, where):
     def marked(optimizer, name):
         real_step = optimizer.step
 
@@ -60,10 +65,3 @@ def main():
     (model.skip_gates.sum() * 2).backward()
     control.step()
     assert control.late_reductions == 1, control.late_reductions
-
-    dist.destroy_process_group()
-    print(f"rank {rank}: every DistAdam bucket was reduced from its hook during backward")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,10 +1,9 @@
-"""Run under torchrun: NorMuon on 1 rank or several (gloo); rank 0 saves the final parameters.
+"""NorMuon on 1 rank or several (gloo): run_normuon returns the parameters after STEPS steps.
 
 Rank r's gradient is G + (r - (world-1)/2) * H with entries on a 1/16 grid, so the mean over
 ranks is exactly G whatever the world size: every run should end with the same parameters.
 """
 
-import os
 import sys
 from pathlib import Path
 
@@ -20,19 +19,8 @@ SHAPES = [(8, 16)] * 3 + [(16, 8)] * 2 + [(5, 7), (4, 8, 8), (1, 12)]
 STEPS = 3
 
 
-def live_gloo_threads() -> int:
-    """Threads of this process whose name mentions gloo (Linux); 0 where /proc is missing."""
-    tasks = Path("/proc/self/task")
-    if not tasks.is_dir():
-        return 0
-    return sum("gloo" in (task / "comm").read_text() for task in tasks.iterdir())
-
-
-def main(out_path: str):
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if world > 1:
-        dist.init_process_group("gloo")
-    rank = dist.get_rank() if world > 1 else 0
+def run_normuon(rank: int, world: int) -> torch.Tensor:
+    """The parameters after STEPS steps, flattened; at world size > 1 inside an initialised gloo group."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
     opt = T.NorMuon(params, lr=0.05, momentum=0.9, beta2=0.95, weight_decay=1.2, ns_dtype=torch.float32)
@@ -54,13 +42,4 @@ def main(out_path: str):
         # Each matrix's momentum lives on exactly one rank: the work is split, not repeated.
         assert sum(int(c) for c in counts) == len(params), counts
         assert owned < len(params), "one rank orthogonalised every matrix"
-        dist.destroy_process_group()
-        # The group must really be gone now: gloo threads still alive when Python shuts down can abort the
-        # process at exit (see the torch.distributed.nn import in train_gpt.py).
-        assert live_gloo_threads() == 0, f"{live_gloo_threads()} gloo threads outlive destroy_process_group"
-    if rank == 0:
-        torch.save(flat, out_path)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
+    return flat

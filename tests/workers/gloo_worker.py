@@ -1,0 +1,46 @@
+"""Run under torchrun (gloo): every optimizer check that needs real collectives, in one process group per
+launch (starting torchrun and its processes costs more than the checks). Rank 0 saves NorMuon's final
+parameters to the path given, for the test to compare with a single-process run.
+
+    torchrun --standalone --nproc_per_node=N tests/workers/gloo_worker.py OUT
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dist_adam_worker import check_dist_adam  # noqa: E402
+from hook_worker import check_hooks  # noqa: E402
+from muon_worker import run_normuon  # noqa: E402
+
+SMOKE_MICRO_BATCHES = 4  # the hook check trains the smoke preset, whose step is 4 micro-batches
+
+
+def live_gloo_threads() -> int:
+    """Threads of this process whose name mentions gloo (Linux); 0 where /proc is missing."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return 0
+    return sum("gloo" in (task / "comm").read_text() for task in tasks.iterdir())
+
+
+def main(out_path: str):
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    flat = run_normuon(rank, world)
+    check_dist_adam(rank, world)
+    if SMOKE_MICRO_BATCHES % world == 0:
+        check_hooks(rank, world)
+    dist.destroy_process_group()
+    # The group must really be gone now: gloo threads still alive when Python shuts down can abort the
+    # process at exit (see the torch.distributed.nn import in train_gpt.py).
+    assert live_gloo_threads() == 0, f"{live_gloo_threads()} gloo threads outlive destroy_process_group"
+    if rank == 0:
+        torch.save(flat, out_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
