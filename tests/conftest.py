@@ -53,17 +53,23 @@ def python(*args, timeout: float = 600, extra_env=None):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def run_main(*argv) -> subprocess.CompletedProcess:
-    """train_gpt.main(argv) in this process, from the repo root, without an interpreter's start-up: what
-    `python train_gpt.py argv` would return and print, for the checks that need no separate process."""
+def in_process(main, *argv) -> subprocess.CompletedProcess:
+    """main(argv) of one of the project's scripts in this process, from the repo root, without an
+    interpreter's start-up: what `python script argv` would return and print, for the checks that need
+    no separate process."""
     out, err = io.StringIO(), io.StringIO()
     handler = signal.getsignal(signal.SIGTERM)
     try:
         with contextlib.chdir(REPO), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = train_gpt.main([str(a) for a in argv])
+            code = main([str(a) for a in argv])
     finally:
         signal.signal(signal.SIGTERM, handler)
-    return subprocess.CompletedProcess(["train_gpt.py", *map(str, argv)], code, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess([main.__module__, *map(str, argv)], code, out.getvalue(), err.getvalue())
+
+
+def run_main(*argv) -> subprocess.CompletedProcess:
+    """`python train_gpt.py argv`, in this process (see in_process)."""
+    return in_process(train_gpt.main, *argv)
 
 
 def one_line_error(proc, *fragments) -> str:

@@ -8,7 +8,7 @@ import torch
 from torch.testing import assert_close
 
 import sample
-from conftest import REPO, one_line_error, python, random_model
+from conftest import REPO, in_process, one_line_error, python, random_model
 
 sys.path.insert(0, str(REPO / "data"))
 import hellaswag  # noqa: E402
@@ -72,6 +72,7 @@ def test_malformed_lines_are_named(tmp_path, line, message):
         hellaswag.load_examples(tmp_path / "missing.jsonl")
 
 
+@pytest.mark.slow
 def test_download_offline_fails_in_one_line_and_leaves_nothing(tmp_path):
     out = tmp_path / "hs" / "hellaswag_val.jsonl"
     # Port 9 (discard) on localhost refuses at once: the same path as having no network.
@@ -115,7 +116,7 @@ def test_packed_sequences_score_as_if_each_were_alone():
 
 def test_sample_eval_hellaswag_on_the_fixture(final_folder):
     def run(*extra):
-        proc = python(REPO / "sample.py", final_folder, "--eval=hellaswag", f"--data={FIXTURE}", *extra)
+        proc = in_process(sample.main, final_folder, "--eval=hellaswag", f"--data={FIXTURE}", *extra)
         assert proc.returncode == 0, proc.stderr[-2000:]
         return proc.stdout.strip()
 
@@ -123,6 +124,6 @@ def test_sample_eval_hellaswag_on_the_fixture(final_folder):
     assert whole.startswith("hellaswag: 5 examples  acc_norm ")
     assert run("--batch_size=1") == whole  # batching does not change any choice
     assert run("--limit=2").startswith("hellaswag: 2 examples")
-    missing = python(REPO / "sample.py", final_folder, "--eval=hellaswag", f"--data={FIXTURE.parent / 'nope.jsonl'}")
+    missing = in_process(sample.main, final_folder, "--eval=hellaswag", f"--data={FIXTURE.parent / 'nope.jsonl'}")
     one_line_error(missing, "nope.jsonl: no such file")
 

@@ -2,6 +2,8 @@
 
 import sys
 
+import pytest
+
 from conftest import REPO, python
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -30,6 +32,7 @@ def test_weights_gradients_and_optimizer_state_are_counted_right():
     assert one["optimizer-step buffers"] == 0 < eight["optimizer-step buffers"]  # no collectives at world size 1
 
 
+@pytest.mark.slow
 def test_the_command_prints_a_table_that_fits_an_h100():
     proc = python(REPO / "tools/estimate_memory.py", "--world_sizes", "1", "2")
     assert proc.returncode == 0, proc.stderr

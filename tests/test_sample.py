@@ -7,9 +7,11 @@ from torch.testing import assert_close
 
 import sample
 import train_gpt as T
-from conftest import REPO, one_line_error, python, random_model
+from conftest import in_process, one_line_error, random_model
 
-SAMPLE = REPO / "sample.py"
+
+def run_sample(*argv):
+    return in_process(sample.main, *argv)
 
 
 def test_final_weights_are_complete_and_load_safely(final_folder):
@@ -18,9 +20,9 @@ def test_final_weights_are_complete_and_load_safely(final_folder):
     state = torch.load(final_folder / "model.pt", weights_only=True)
     assert not any("optimizer" in k or "exp_avg" in k for k in state)
     info = json.loads((final_folder / "config.json").read_text())
-    assert info["config"]["num_iterations"] == 4 and info["windows"] == [3, 10]
+    assert info["config"]["num_iterations"] == 8 and info["windows"] == [3, 10]
     model, args, _ = T.load_final_weights(final_folder, torch.device("cpu"))
-    assert not model.training and args.num_iterations == 4
+    assert not model.training and args.num_iterations == 8
     for name, tensor in model.state_dict().items():
         if isinstance(tensor, torch.Tensor) and name in state:
             assert torch.equal(tensor, state[name].to(tensor.dtype)), name
@@ -28,12 +30,12 @@ def test_final_weights_are_complete_and_load_safely(final_folder):
 
 
 def test_sample_prints_text_and_repeats_itself_with_the_same_seed(final_folder):
-    command = [SAMPLE, final_folder, "--prompt=ROMEO:", "--max_new_tokens=20", "--seed=1"]
-    first, second = python(*command), python(*command)
+    command = [final_folder, "--prompt=ROMEO:", "--max_new_tokens=20", "--seed=1"]
+    first, second = run_sample(*command), run_sample(*command)
     assert first.returncode == 0, first.stderr
     assert first.stdout.startswith("ROMEO:") and len(first.stdout) > len("ROMEO:\n")
     assert first.stdout == second.stdout
-    other = python(SAMPLE, final_folder, "--prompt=ROMEO:", "--max_new_tokens=20", "--seed=2")
+    other = run_sample(final_folder, "--prompt=ROMEO:", "--max_new_tokens=20", "--seed=2")
     assert other.stdout != first.stdout
 
 
@@ -73,11 +75,11 @@ def test_temperature_and_top_k():
 
 
 def test_bad_input_is_a_one_line_error(final_folder, tmp_path):
-    one_line_error(python(SAMPLE, tmp_path / "missing", "--prompt=x"), "no such folder")
-    one_line_error(python(SAMPLE, tmp_path, "--prompt=x"), "not a final-weights folder")
+    one_line_error(run_sample(tmp_path / "missing", "--prompt=x"), "no such folder")
+    one_line_error(run_sample(tmp_path, "--prompt=x"), "not a final-weights folder")
     (tmp_path / "config.json").write_text('{"format": "something else"}')
     (tmp_path / "model.pt").write_bytes(b"")
-    one_line_error(python(SAMPLE, tmp_path, "--prompt=x"), "config.json", "not train_gpt.py's final-weights config")
-    one_line_error(python(SAMPLE, final_folder, "--prompt="), "--prompt: give a non-empty prompt")
-    one_line_error(python(SAMPLE, final_folder, "--prompt=" + "word " * 600), "exceed the model's context of 512")
-    one_line_error(python(SAMPLE, final_folder, "--prompt=x", "--temperature=-1"), "--temperature=-1.0")
+    one_line_error(run_sample(tmp_path, "--prompt=x"), "config.json", "not train_gpt.py's final-weights config")
+    one_line_error(run_sample(final_folder, "--prompt="), "--prompt: give a non-empty prompt")
+    one_line_error(run_sample(final_folder, "--prompt=" + "word " * 600), "exceed the model's context of 512")
+    one_line_error(run_sample(final_folder, "--prompt=x", "--temperature=-1"), "--temperature=-1.0")

@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_gpt as T
-from conftest import REPO, python
+from conftest import run_main
 
 # Ops that make the host wait for the device: reading a value, or shapes that depend on data.
 SYNCING_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique_dim",
@@ -74,9 +74,11 @@ def test_model_flops_per_token_counts_matmuls_and_windowed_attention():
     assert flops == pytest.approx(expected, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_synthetic_benchmark_runs_on_cpu(tmp_path):
-    proc = python(REPO / "train_gpt.py", "--synthetic=true", "--num_iterations=4", "--val_loss_every=0",
-                  f"--logs_dir={tmp_path}", "--run_id=bench")
+    # Two steps give the perf line its median; no warmup: nothing here compiles.
+    proc = run_main("--synthetic=true", "--num_iterations=2", "--extension_steps=1", "--warmup_steps=0",
+                    "--val_loss_every=0", f"--logs_dir={tmp_path}", "--run_id=bench")
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = (tmp_path / "bench.txt").read_text()
     perf = re.search(r"^perf: step_median:([\d.]+)ms tokens_per_s:(\d+) model_flops_per_token:(\d+) "
