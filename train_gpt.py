@@ -1045,7 +1045,10 @@ class DistAdam(torch.optim.Optimizer):
     the parameter with its shard of the Adam state, and starts an all-gather of it; every gather
     completes before step() returns. Inside `no_sync()` backward only accumulates gradients
     locally, so the micro-batches of several steps cost one reduce-scatter per bucket. At world
-    size 1 there are no hooks and no collectives. Weight decay is decoupled (AdamW).
+    size 1 there are no hooks and no collectives. The update is record #44's,
+    lr * sqrt(1 - beta2^t) / (1 - beta1^t) * m / (sqrt(v) + eps), not torch.optim.Adam's
+    lr / (1 - beta1^t) * m / (sqrt(v / (1 - beta2^t)) + eps): the two differ while sqrt(v) is near eps,
+    in the first steps on small gradients. Weight decay is decoupled (AdamW).
 
     A bucket whose gradient never completed during backward (a parameter without a gradient) is
     reduced from step() instead, and counted in `late_reductions`: that costs the overlap.
@@ -1111,11 +1114,13 @@ class DistAdam(torch.optim.Optimizer):
         grad = grad_shard.float()
         state["exp_avg"].lerp_(grad, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** step)).add_(group["eps"])
-        update = state["exp_avg"] / denom
+        # Record #44's placement of eps and the bias corrections: eps is added to the uncorrected sqrt(v),
+        # so early steps on tiny gradients are damped more than torch.optim.Adam would damp them.
+        update = state["exp_avg"] / state["exp_avg_sq"].sqrt().add_(group["eps"])
         if group["weight_decay"]:
             param_shard.mul_(1 - group["lr"] * group["weight_decay"])
-        param_shard.add_(update.to(param_shard.dtype), alpha=-group["lr"] / (1 - beta1 ** step))
+        step_size = group["lr"] * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
+        param_shard.add_(update.to(param_shard.dtype), alpha=-step_size)
 
     @torch.no_grad()
     def step(self):
