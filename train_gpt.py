@@ -1333,16 +1333,19 @@ def scan_training_shards(files: list[Path], args: Hyperparameters) -> list[Shard
     them when they cannot): a long list of shards costs only the ones the run will read."""
     scans: list[ShardScan] = []
     running: collections.deque[concurrent.futures.Future] = collections.deque()
-    queued = 0
+    queued, supplied = 0, 0
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(SCAN_THREADS, len(files))) as pool:
         try:
-            while sum(scan.steps for scan in scans) < args.num_iterations:
-                while queued < len(files) and len(running) < SCAN_THREADS:
+            while supplied < args.num_iterations:
+                # Once a shard is counted, queue no further than the shards that the steps so far say the run needs.
+                wanted = math.ceil(args.num_iterations * len(scans) / supplied) if supplied else len(files)
+                while queued < min(wanted, len(files)) and len(running) < SCAN_THREADS:
                     running.append(pool.submit(scan_shard, files[queued], args))
                     queued += 1
                 if not running:
                     break
                 scans.append(running.popleft().result())
+                supplied += scans[-1].steps
         finally:  # enough steps, or a bad shard: scans not yet started are dropped
             for future in running:
                 future.cancel()
@@ -1393,11 +1396,13 @@ class TrainLoader:
         sparse = [scan for scan in self.scans if scan.steps * step_tokens < scan.num_tokens / 2]
         if sparse:
             worst = min(sparse, key=lambda scan: scan.steps / scan.num_tokens)
+            # Pieces of a quarter micro-batch lose about an eighth of it where a micro-batch ends.
+            shorter = min(self.max_len, self.micro_tokens // 4)
             lines.append(f"note: the steps use less than half of the tokens of {len(sparse)} shard(s) ({worst.path}: "
                          f"{worst.steps * step_tokens / worst.num_tokens:.0%}): a document gives its first "
                          f"{self.max_len} tokens at most (--train_max_seq_len) and a micro-batch of "
-                         f"{self.micro_tokens + 1} skips the rest of the one it ends in; shorter documents "
-                         f"(data/tokenize_text.py --max-doc-tokens) waste less")
+                         f"{self.micro_tokens + 1} skips the rest of the one it ends in; documents of at most "
+                         f"{shorter} tokens (data/tokenize_text.py --max-doc-tokens={shorter}) would use most of them")
         return lines
 
     def state_dict(self) -> dict:

@@ -120,6 +120,8 @@ def test_the_log_notes_a_shard_of_which_the_steps_use_less_than_half(tmp_path):
     report = T.TrainLoader(args_for(tmp_path, "--num_iterations=3"), CPU).report()
     assert len(report) == 2 and report[1].startswith(
         f"note: the steps use less than half of the tokens of 1 shard(s) ({tmp_path}/t_train_000001.bin: 27%)")
+    assert report[1].endswith("documents of at most 1024 tokens (data/tokenize_text.py --max-doc-tokens=1024) "
+                              "would use most of them")
     write_shard(tmp_path / "t_train_000001.bin", documents([1000] * 300))
     assert len(T.TrainLoader(args_for(tmp_path, "--num_iterations=3"), CPU).report()) == 1
 
@@ -218,17 +220,19 @@ def book(seed: int, paragraphs: int) -> str:
 
 @pytest.fixture(scope="module")
 def few_books(tmp_path_factory):
-    """Five books of about 90k tokens each and a sixth held out for validation, tokenized with
+    """Five books of about 118k tokens each and a sixth held out for validation, tokenized with
     data/tokenize_text.py's defaults (--workers 1 only to spare the CPU: the output does not depend on
-    it); and once more keeping whole books, as the tokenizer did before it split long documents."""
+    it); once more keeping whole books, as the tokenizer did before it split long documents; and once
+    in documents of at most 128 tokens, what the trainer's note suggests for the smoke preset."""
     root = tmp_path_factory.mktemp("books")
     (root / "books").mkdir()
     for i in range(6):
-        (root / "books" / f"book{i}.txt").write_text(book(i, paragraphs=1000))
+        (root / "books" / f"book{i}.txt").write_text(book(i, paragraphs=1500))
     common = [str(root / "books"), "--val-files", str(root / "books/book5.txt"), "--bpe-file",
               str(tokenize_text.BUNDLED_BPE), "--workers", "1"]
     assert tokenize_text.main([*common, "--out", str(root / "split")]) == 0
     assert tokenize_text.main([*common, "--out", str(root / "whole"), "--max-doc-tokens", "0"]) == 0
+    assert tokenize_text.main([*common, "--out", str(root / "short"), "--max-doc-tokens", "128"]) == 0
     return root
 
 
@@ -243,12 +247,19 @@ def share_used(folder, *flags) -> float:
 
 def test_a_few_books_use_nearly_all_their_tokens_at_the_speedrun_sequence_lengths(few_books):
     # The speedrun's sequences: micro-batches of 32,768 tokens, documents cut at 2,048. One micro-batch
-    # per step (--batch_tokens=32768) so that 450k tokens make a dozen steps rather than one or two.
+    # per step (--batch_tokens=32768) so that 590k tokens make 17 steps rather than two.
     speedrun = ["--preset=speedrun", "--batch_tokens=32768"]
     assert share_used(few_books / "split", *speedrun) >= 0.90
     # Whole books: each gives its first 2,048 tokens, and they cannot fill a micro-batch of 32,769
     with pytest.raises(T.DataError, match="cannot fill one step"):
         share_used(few_books / "whole", *speedrun)
+
+
+def test_the_smoke_preset_uses_little_of_long_documents_and_what_the_note_suggests_helps(few_books):
+    # Its micro-batches of 513 tokens take the first 513 of a 2,048-token piece: 13% (the log notes it,
+    # suggesting documents of at most 128 tokens, a quarter micro-batch), 91% with them (measured).
+    assert share_used(few_books / "split", "--preset=smoke") < 0.5
+    assert share_used(few_books / "short", "--preset=smoke") >= 0.85
 
 
 @pytest.mark.slow
