@@ -1,6 +1,6 @@
 """DistAdam against record #44's Adam, written out here independently, on gradients so small that
 where eps sits in the formula matters (torch.optim.Adam puts it elsewhere: its first update on such a
-gradient is up to 2.7 times the record's)."""
+gradient is up to 4.5 times the record's: 0.5 lr instead of 0.18 lr at a gradient of 1e-8)."""
 
 import math
 

@@ -101,14 +101,13 @@ def test_the_default_command_splits_long_files_and_says_so(tmp_path, capsys):
 
 
 def test_val_tokens_keeps_a_split_document_in_one_split(tmp_path):
-    (tmp_path / "a.txt").write_text("\n\n".join(paragraph(f"a{i}", 8) for i in range(60)))
-    (tmp_path / "b.txt").write_text("\n\n".join(paragraph(f"b{i}", 8) for i in range(60)))
-    result = tokenize_text.write_dataset(tmp_path / "out", "t", [(tmp_path / n).read_text() for n in ("a.txt", "b.txt")],
-                                         val_tokens=10, bpe_file=tokenize_text.BUNDLED_BPE, max_doc_tokens=500)
+    docs = ["\n\n".join(paragraph(f"{name}{i}", 8) for i in range(60)) for name in ("a", "b")]
+    result = tokenize_text.write_dataset(tmp_path / "out", "t", docs, val_tokens=10,
+                                         bpe_file=tokenize_text.BUNDLED_BPE, max_doc_tokens=500)
     val = encoding().decode(shards.read_tokens(result["val"][0][0]).tolist())
     train = encoding().decode(shards.read_tokens(result["train"][0][0]).tolist())
     assert result["split_documents"] == 2 and result["val_documents"] > 1
-    # validation needed 10 tokens, but takes all of a.txt's pieces; training gets all of b.txt's
+    # validation needed 10 tokens, but takes all of the first document's pieces; training all of the second's
     assert {word[0] for word in val.replace("<|endoftext|>", " ").split()} == {"a"} and "a59" in val
     assert {word[0] for word in train.replace("<|endoftext|>", " ").split()} == {"b"} and "b0" in train
 
