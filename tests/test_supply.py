@@ -148,19 +148,20 @@ def test_a_run_the_shards_cannot_supply_is_refused_with_the_fix(tmp_path):
 @pytest.mark.slow
 def test_repeat_data_logs_every_time_the_data_starts_over(tmp_path):
     # One micro-batch of 512 tokens per step; 100-token documents: a micro-batch takes six (the sixth cut),
-    # so 13 documents supply 2 steps. Five steps start over twice: at steps 3 and 5.
-    write_shard(tmp_path / "t_train_000001.bin", documents([100] * 13))
+    # so 7 documents supply 1 step. Three steps start over twice: at steps 2 and 3 (the fewest steps
+    # that show a wrap repeats, and the smallest model run that has them).
+    write_shard(tmp_path / "t_train_000001.bin", documents([100] * 7))
     logs = tmp_path / "logs"
-    proc = run_main(f"--train_files={tmp_path}/t_train_*.bin", "--batch_tokens=512", "--num_iterations=5",
+    proc = run_main(f"--train_files={tmp_path}/t_train_*.bin", "--batch_tokens=512", "--num_iterations=3",
                     "--warmup_steps=0", "--val_loss_every=0", "--val_tokens=1024", "--repeat_data=true",
                     f"--logs_dir={logs}", "--run_id=r")
     assert proc.returncode == 0, proc.stderr[-2000:]
     log = (logs / "r.txt").read_text()
-    assert "data: 1 training shard(s) supply 2 steps, the run needs 5;" in log
-    assert "data: --repeat_data=true: after 2 steps the data starts over from the first shard" in log
+    assert "data: 1 training shard(s) supply 1 steps, the run needs 3;" in log
+    assert "data: --repeat_data=true: after 1 steps the data starts over from the first shard" in log
     wraps = re.findall(r"^data: the training shards are used up after (\d+) steps; step (\d+) starts over", log, re.M)
-    assert wraps == [("2", "3"), ("4", "5")]
-    assert log.index("step:2/5 ") < log.index("after 2 steps; step 3") < log.index("step:3/5 ")
+    assert wraps == [("1", "2"), ("2", "3")]
+    assert log.index("step:1/3 ") < log.index("after 1 steps; step 2") < log.index("step:2/3 ")
 
 
 def bad_ids_shard(tmp_path):
