@@ -85,6 +85,8 @@ class Hyperparameters:
     micro_batch_tokens: int = _help("tokens one rank processes in one forward/backward (one packed sequence)", 32_768)
     train_max_seq_len: int = _help("a training document contributes at most its first N tokens", 2048)
     synthetic: bool = _help("feed synthetic tokens with web-like document lengths instead of shards (benchmarks)", False)
+    repeat_data: bool = _help("when the training shards supply fewer steps than num_iterations, start over from "
+                              "the first shard (each time logged) instead of refusing to run", False)
     # model
     vocab_size: int = _help("GPT-2 vocabulary; the embedding is padded to a multiple of 128", 50_257)
     num_layers: int = _help("transformer blocks", 12)
@@ -1045,7 +1047,10 @@ class DistAdam(torch.optim.Optimizer):
     the parameter with its shard of the Adam state, and starts an all-gather of it; every gather
     completes before step() returns. Inside `no_sync()` backward only accumulates gradients
     locally, so the micro-batches of several steps cost one reduce-scatter per bucket. At world
-    size 1 there are no hooks and no collectives. Weight decay is decoupled (AdamW).
+    size 1 there are no hooks and no collectives. The update is record #44's,
+    lr * sqrt(1 - beta2^t) / (1 - beta1^t) * m / (sqrt(v) + eps), not torch.optim.Adam's
+    lr / (1 - beta1^t) * m / (sqrt(v / (1 - beta2^t)) + eps): the two differ while sqrt(v) is near eps,
+    in the first steps on small gradients. Weight decay is decoupled (AdamW).
 
     A bucket whose gradient never completed during backward (a parameter without a gradient) is
     reduced from step() instead, and counted in `late_reductions`: that costs the overlap.
@@ -1111,11 +1116,13 @@ class DistAdam(torch.optim.Optimizer):
         grad = grad_shard.float()
         state["exp_avg"].lerp_(grad, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** step)).add_(group["eps"])
-        update = state["exp_avg"] / denom
+        # Record #44's placement of eps and the bias corrections: eps is added to the uncorrected sqrt(v),
+        # so early steps on tiny gradients are damped more than torch.optim.Adam would damp them.
+        update = state["exp_avg"] / state["exp_avg_sq"].sqrt().add_(group["eps"])
         if group["weight_decay"]:
             param_shard.mul_(1 - group["lr"] * group["weight_decay"])
-        param_shard.add_(update.to(param_shard.dtype), alpha=-group["lr"] / (1 - beta1 ** step))
+        step_size = group["lr"] * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
+        param_shard.add_(update.to(param_shard.dtype), alpha=-step_size)
 
     @torch.no_grad()
     def step(self):
@@ -1212,22 +1219,30 @@ def find_shards(pattern: str, what: str) -> list[Path]:
 
 class DocumentPieces:
     """A token stream's training pieces: each document (from its BOS to the next) contributes its
-    first max_len tokens; the rest of a longer document is not trained on (record #44)."""
+    first max_len tokens; the rest of a longer document is not trained on (record #44). `starts`, the
+    BOS positions, can be passed in when a scan has found them already."""
 
-    def __init__(self, tokens: np.ndarray, max_len: int):
+    def __init__(self, tokens: np.ndarray, max_len: int, starts: np.ndarray | None = None):
         self.tokens = tokens
-        self.starts = np.flatnonzero(tokens == BOS_ID)
+        self.starts = np.flatnonzero(tokens == BOS_ID) if starts is None else starts
         ends = np.append(self.starts[1:], len(tokens))
         self.lengths = np.minimum(ends - self.starts, max_len)
         self.cumulative = np.cumsum(self.lengths)
 
+    def _last_piece(self, first: int, num_tokens: int) -> int | None:
+        """The piece in which num_tokens tokens, counted from the start of piece `first`, end; None
+        when the stream has too few pieces left."""
+        before = int(self.cumulative[first - 1]) if first else 0
+        last = int(np.searchsorted(self.cumulative, before + num_tokens))
+        return last if last < len(self.cumulative) else None
+
     def take(self, first: int, num_tokens: int) -> tuple[np.ndarray, int] | None:
         """Exactly num_tokens tokens: pieces first, first + 1, ..., the last one cut short, and the
         index of the piece after them; None when the stream has too few pieces left."""
-        before = int(self.cumulative[first - 1]) if first else 0
-        last = int(np.searchsorted(self.cumulative, before + num_tokens))
-        if last >= len(self.cumulative):
+        last = self._last_piece(first, num_tokens)
+        if last is None:
             return None
+        before = int(self.cumulative[first - 1]) if first else 0
         lengths = self.lengths[first:last + 1].copy()
         lengths[-1] -= int(self.cumulative[last]) - before - num_tokens
         chunk = np.concatenate([self.tokens[s:s + n] for s, n in zip(self.starts[first:last + 1], lengths)])
@@ -1244,6 +1259,18 @@ class DocumentPieces:
             chunk, first = taken
             micro_batches.append(chunk)
         return micro_batches, first
+
+    def count_steps(self, num_micro: int, micro_tokens: int) -> int:
+        """How many steps take_step gives, from the first piece until it returns None: the same walk
+        over the pieces, without copying tokens."""
+        steps, first = 0, 0
+        while True:
+            for _ in range(num_micro):
+                last = self._last_piece(first, micro_tokens + 1)
+                if last is None:
+                    return steps
+                first = last + 1
+            steps += 1
 
 
 def rank_micro_batches(micro_batches: list[np.ndarray], env: DistEnv) -> list[tuple[Tensor, Tensor]]:
@@ -1262,23 +1289,121 @@ def to_device(tokens: Tensor, device: torch.device) -> Tensor:
     return tokens.long()
 
 
+def check_token_ids(tokens: np.ndarray, path, vocab_size: int):
+    """Every id must index the embedding: past the vocabulary, a CPU run raises deep inside the model
+    and a GPU run dies of a device-side assert."""
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        position = int(np.argmax(tokens >= vocab_size))
+        raise DataError(f"{path}: token id {tokens[position]} at position {position} is outside the vocabulary "
+                        f"(--vocab_size={vocab_size})")
+
+
+@dataclass
+class ShardScan:
+    """What one pass over a training shard found before training starts."""
+    path: Path
+    num_tokens: int
+    starts: np.ndarray  # BOS positions: the loader reuses them when it opens the shard
+    steps: int  # steps the loader takes from it (DocumentPieces.count_steps)
+
+
+SCAN_THREADS = 4  # shards scanned at once; numpy releases the GIL while it reads and compares
+
+
+def scan_shard(path: Path, args: Hyperparameters) -> ShardScan:
+    """One pass over a training shard: its token ids, its BOS positions, the steps it supplies."""
+    tokens = read_shard(path)
+    check_token_ids(tokens, path, args.vocab_size)
+    starts = np.flatnonzero(tokens == BOS_ID)
+    if not len(starts):
+        raise DataError(f"{path}: no document starts in it (no <|endoftext|>, id {BOS_ID}, the token every "
+                        f"training piece starts with); tokenize text with `python data/tokenize_text.py`")
+    num_micro, micro_tokens = args.batch_tokens // args.micro_batch_tokens, args.micro_batch_tokens
+    steps = DocumentPieces(tokens, args.train_max_seq_len, starts).count_steps(num_micro, micro_tokens)
+    if not steps:
+        raise DataError(f"{path}: its documents cannot fill one step of {num_micro} x {micro_tokens + 1} tokens: "
+                        f"a document gives its first {args.train_max_seq_len} tokens at most (--train_max_seq_len) "
+                        f"and a micro-batch skips the rest of the one it ends in; split long documents "
+                        f"(`python data/tokenize_text.py` does, see --max-doc-tokens) or add text")
+    return ShardScan(path, len(tokens), starts, steps)
+
+
+def scan_training_shards(files: list[Path], args: Hyperparameters) -> list[ShardScan]:
+    """Scans shards in order, a few at a time, until they supply args.num_iterations steps (all of
+    them when they cannot): a long list of shards costs only the ones the run will read."""
+    scans: list[ShardScan] = []
+    running: collections.deque[concurrent.futures.Future] = collections.deque()
+    queued, supplied = 0, 0
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(SCAN_THREADS, len(files))) as pool:
+        try:
+            while supplied < args.num_iterations:
+                # Once a shard is counted, queue no further than the shards that the steps so far say the run needs.
+                wanted = math.ceil(args.num_iterations * len(scans) / supplied) if supplied else len(files)
+                while queued < min(wanted, len(files)) and len(running) < SCAN_THREADS:
+                    running.append(pool.submit(scan_shard, files[queued], args))
+                    queued += 1
+                if not running:
+                    break
+                scans.append(running.popleft().result())
+                supplied += scans[-1].steps
+        finally:  # enough steps, or a bad shard: scans not yet started are dropped
+            for future in running:
+                future.cancel()
+    return scans
+
+
 class TrainLoader:
     """Walks the training shards: each step takes the next pieces of the current shard (see
     DocumentPieces), packed into micro-batches whatever the world size. A step never straddles two
-    shards: when a shard cannot fill one, the next shard starts the step (after the last shard, the
-    first). The next shard is read and indexed in a background thread while this one is used."""
+    shards: when a shard cannot fill one, the next shard starts the step. The shards are scanned first
+    (scan_training_shards), so the run knows how many steps they supply: fewer than it needs is
+    refused unless --repeat_data, which starts over from the first shard. The next shard is read in a
+    background thread while this one is used."""
 
     def __init__(self, args: Hyperparameters, env: DistEnv):
-        self.files = find_shards(args.train_files, "training")
+        files = find_shards(args.train_files, "training")
         self.num_micro, self.micro_tokens = args.batch_tokens // args.micro_batch_tokens, args.micro_batch_tokens
-        for f in self.files:
+        for f in files:
             if read_shard_header(f) < self.num_micro * (self.micro_tokens + 1):
                 raise DataError(f"{f}: holds fewer tokens than one step needs ({self.num_micro * (self.micro_tokens + 1)})")
+        self.scans = scan_training_shards(files, args)
+        self.supplied, self.needed = sum(scan.steps for scan in self.scans), args.num_iterations
+        self.unread = len(files) - len(self.scans)
+        if self.supplied < self.needed and not args.repeat_data:
+            per_shard = self.supplied / len(self.scans)
+            enough = math.ceil(self.needed / per_shard)
+            raise DataError(f"--train_files={args.train_files}: its {len(files)} shard(s) supply {self.supplied:,} "
+                            f"steps ({per_shard:,.0f} per shard) but the run needs {self.needed:,}: about {enough} "
+                            f"shards like these would (FineWeb: `python data/cached_fineweb10B.py {enough + 1}`, one "
+                            f"spare), or --repeat_data=true starts over from the first shard")
         self.max_len, self.env = args.train_max_seq_len, env
         self.file_index, self.piece = 0, 0
         self.pieces: DocumentPieces | None = None
+        self.started_over = False  # whether the last batch was the first of another pass over the shards
         self._prefetch = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         self._next: tuple[int, concurrent.futures.Future] | None = None
+
+    def report(self) -> list[str]:
+        """The log's account of the data: one line, and notes where the run repeats or skips much."""
+        step_tokens = self.num_micro * (self.micro_tokens + 1)
+        tokens = sum(scan.num_tokens for scan in self.scans)
+        lines = [f"data: {len(self.scans)} training shard(s) supply {self.supplied:,} steps, the run needs "
+                 f"{self.needed:,}; the steps use {self.supplied * step_tokens / tokens:.1%} of their "
+                 f"{tokens:,} tokens" + (f" ({self.unread} more shard(s) are not needed)" if self.unread else "")]
+        if self.supplied < self.needed:
+            lines.append(f"data: --repeat_data=true: after {self.supplied:,} steps the data starts over from the "
+                         f"first shard (logged each time)")
+        sparse = [scan for scan in self.scans if scan.steps * step_tokens < scan.num_tokens / 2]
+        if sparse:
+            worst = min(sparse, key=lambda scan: scan.steps / scan.num_tokens)
+            # Pieces of a quarter micro-batch lose about an eighth of it where a micro-batch ends.
+            shorter = min(self.max_len, self.micro_tokens // 4)
+            lines.append(f"note: the steps use less than half of the tokens of {len(sparse)} shard(s) ({worst.path}: "
+                         f"{worst.steps * step_tokens / worst.num_tokens:.0%}): a document gives its first "
+                         f"{self.max_len} tokens at most (--train_max_seq_len) and a micro-batch of "
+                         f"{self.micro_tokens + 1} skips the rest of the one it ends in; documents of at most "
+                         f"{shorter} tokens (data/tokenize_text.py --max-doc-tokens={shorter}) would use most of them")
+        return lines
 
     def state_dict(self) -> dict:
         return {"file_index": self.file_index, "piece": self.piece}
@@ -1287,28 +1412,30 @@ class TrainLoader:
         self.file_index, self.piece, self.pieces = int(state["file_index"]), int(state["piece"]), None
 
     def _index(self, file_index: int) -> DocumentPieces:
-        return DocumentPieces(read_shard(self.files[file_index]), self.max_len)
+        scan = self.scans[file_index]
+        return DocumentPieces(read_shard(scan.path), self.max_len, scan.starts)
 
     def _open(self, file_index: int) -> DocumentPieces:
         if self._next is not None and self._next[0] == file_index:
             pieces = self._next[1].result()
         else:
             pieces = self._index(file_index)
-        following = (file_index + 1) % len(self.files)
+        following = (file_index + 1) % len(self.scans)
         self._next = following, self._prefetch.submit(self._index, following)
         return pieces
 
     def next_batch(self) -> list[tuple[Tensor, Tensor]]:
+        self.started_over = False
         while True:
             if self.pieces is None:
                 self.pieces = self._open(self.file_index)
             step = self.pieces.take_step(self.piece, self.num_micro, self.micro_tokens)
             if step is not None:
                 break
-            if self.piece == 0:
-                raise DataError(f"{self.files[self.file_index]}: its documents cannot fill one step of "
-                                f"{self.num_micro} x {self.micro_tokens + 1} tokens")
-            self.file_index, self.piece, self.pieces = (self.file_index + 1) % len(self.files), 0, None
+            if self.piece == 0:  # the scan counted at least one step in every shard
+                raise DataError(f"{self.scans[self.file_index].path}: changed since the start-up scan")
+            self.file_index, self.piece, self.pieces = (self.file_index + 1) % len(self.scans), 0, None
+            self.started_over = self.file_index == 0
         micro_batches, self.piece = step
         return rank_micro_batches(micro_batches, self.env)
 
@@ -1317,10 +1444,15 @@ class SyntheticLoader:
     """Random tokens with BOS at web-like document lengths, packed like the real data; for benchmarks
     that need no download."""
 
+    started_over = False  # an endless supply
+
     def __init__(self, args: Hyperparameters, env: DistEnv):
         self.num_micro, self.micro_tokens = args.batch_tokens // args.micro_batch_tokens, args.micro_batch_tokens
         self.max_len, self.env, self.seed = args.train_max_seq_len, env, args.seed
         self.step = 0
+
+    def report(self) -> list[str]:
+        return ["data: synthetic tokens (--synthetic=true), new ones every step; no shards are read"]
 
     def state_dict(self) -> dict:
         return {"step": self.step}
@@ -1351,8 +1483,8 @@ def load_val_tokens(args: Hyperparameters) -> Tensor:
     for f in files:
         if total >= needed:
             break
-        tokens = read_shard(f)
-        parts.append(tokens[:needed - total])
+        parts.append(read_shard(f)[:needed - total])
+        check_token_ids(parts[-1], f, args.vocab_size)
         total += len(parts[-1])
     if total < needed:
         raise DataError(f"validation shards {args.val_files!r} hold {total} tokens, fewer than "
@@ -1816,6 +1948,8 @@ def train(args: Hyperparameters, env: DistEnv):
     try:
         model = build_model(args, env)
         log_header(log, source, args, env, run_id, model)
+        for line in loader.report():
+            log(line)
         run_training(args, env, log, model, loader, val_tokens, source, run_id, resume)
     except Exception as e:  # the log says how the run ended, whatever ended it
         log(f"error: {type(e).__name__ + ': ' if not isinstance(e, TrainingError) else ''}{e}", console=False)
@@ -1904,7 +2038,11 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, l
 
         step_start = time.perf_counter()
         set_schedules(step, optimizers, args)
-        loss = train_step(model, optimizers, loader.next_batch(), layer_windows(args, windows), step, args, use_flex)
+        batch = loader.next_batch()
+        if loader.started_over:  # only with --repeat_data=true: the set-up refuses a run that would repeat
+            log(f"data: the training shards are used up after {step} steps; step {step + 1} starts over from the "
+                f"first shard (--repeat_data=true)")
+        loss = train_step(model, optimizers, batch, layer_windows(args, windows), step, args, use_flex)
         train_loss_sum += loss
         train_loss_steps += 1
 

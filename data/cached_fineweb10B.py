@@ -1,13 +1,17 @@
 """Download GPT-2-tokenized FineWeb shards from the Hugging Face hub into data/fineweb10B/.
 
-  python data/cached_fineweb10B.py        # the val shard + the first 6 training shards (about 1.4 GB)
+  python data/cached_fineweb10B.py        # the val shard + the first 10 training shards (about 2.2 GB)
   python data/cached_fineweb10B.py 103    # all of FineWeb10B (about 20.8 GB)
 
-Why 6 by default: train_gpt.py's speedrun preset trains 2245 steps of 262,144 tokens (batch_tokens),
-588,496,880 tokens in all, and a training shard holds 100,000,000 tokens: ceil(5.88) = 6 shards.
-Its loader also skips the tail of a shard that cannot fill a whole step, so one shard feeds 381 steps,
-and 2245 steps still fit in 6 shards (2286 steps); with fewer shards it wraps around and repeats
-data. Every shard is 200,001,024 bytes on disk (1 KiB header + 2 bytes per token).
+Why 10 by default: train_gpt.py's speedrun preset trains 2,245 steps, and a shard supplies fewer steps
+than its 100,000,000 tokens suggest: a step is 8 micro-batches of 32,769 tokens, each document gives
+only its first 2,048 tokens, a micro-batch skips the rest of the document it ends in, and a step never
+straddles two shards. Under the synthetic document-length model of train_gpt.py (exponential, mean
+1,000 tokens) a shard supplies 324 or 325 steps, so 7 would do; record #44's instructions download 9; the
+default is those 9 and one spare, enough while a real shard supplies 225 steps or more (its steps use
+59% of its tokens). train_gpt.py counts the steps of the shards it finds before it starts, and refuses
+to run short (naming how many shards to fetch) unless --repeat_data=true.
+Every shard is 200,001,024 bytes on disk (1 KiB header + 2 bytes per token).
 
 Shards already present and valid are skipped. A download goes to a hidden staging folder and is
 moved into place only after its header and size check out, so an interrupted run never leaves a
@@ -15,7 +19,6 @@ file that looks complete.
 """
 
 import argparse
-import math
 import os
 import shutil
 import sys
@@ -26,10 +29,9 @@ import shards
 REPO_ID = "kjj0/fineweb10B-gpt2"
 REPO_TYPE = "dataset"
 TRAIN_SHARDS_IN_REPO = 103  # fineweb_train_000001.bin .. fineweb_train_000103.bin
-SHARD_TOKENS = 100_000_000
-SPEEDRUN_STEPS = 2245
-SPEEDRUN_TOKENS_PER_STEP = 262_144  # train_gpt.py's batch_tokens
-DEFAULT_TRAIN_SHARDS = math.ceil(SPEEDRUN_STEPS * SPEEDRUN_TOKENS_PER_STEP / SHARD_TOKENS)  # 6
+SPEEDRUN_STEPS = 2245  # train_gpt.py's num_iterations
+RECORD_TRAIN_SHARDS = 9  # what record #44's instructions download
+DEFAULT_TRAIN_SHARDS = RECORD_TRAIN_SHARDS + 1  # one spare: the steps a real shard supplies are not measured here
 DEFAULT_OUT = Path(__file__).resolve().parent / "fineweb10B"
 STAGING = ".download"  # inside the output folder, so that the final move is a same-disk rename
 NETWORK_TIMEOUT_S = 10.0
@@ -102,8 +104,9 @@ def fetch(name: str, out_dir: Path) -> str:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=f"Download GPT-2-tokenized FineWeb10B shards ({REPO_ID} on the Hugging Face hub).",
-        epilog=f"Default {DEFAULT_TRAIN_SHARDS} = ceil({SPEEDRUN_STEPS} speedrun steps x {SPEEDRUN_TOKENS_PER_STEP:,} "
-               f"tokens / {SHARD_TOKENS:,} tokens per shard). Each shard takes 200,001,024 bytes on disk.")
+        epilog=f"Default {DEFAULT_TRAIN_SHARDS}: record #44's {RECORD_TRAIN_SHARDS} and a spare, for the speedrun's "
+               f"{SPEEDRUN_STEPS:,} steps (train_gpt.py counts the steps its shards supply before it starts). "
+               f"Each shard takes 200,001,024 bytes on disk.")
     parser.add_argument("num_train", nargs="?", type=int, default=DEFAULT_TRAIN_SHARDS, metavar="N",
                         help=f"training shards to fetch, 0..{TRAIN_SHARDS_IN_REPO} (default {DEFAULT_TRAIN_SHARDS}); "
                              "the val shard is always fetched")

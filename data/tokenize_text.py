@@ -3,9 +3,12 @@
 Inputs are .txt files (one document per file, or several split by --doc-separator lines), .jsonl files
 (one JSON object per line with a "text" field), and folders of both (searched recursively, in sorted
 order). Every document is written as <|endoftext|> (id 50256, the BOS token) followed by its tokens.
+A document longer than --max-doc-tokens (default 2,048, the tokens train_gpt.py trains on per document)
+is written as several, cut at paragraphs, else at line ends, else anywhere, so that none of it is skipped.
 
   python data/tokenize_text.py my_corpus/ --out data/my_corpus --prefix my_corpus --val-tokens 100000
   python data/tokenize_text.py books/ --val-files books/held_out.txt --bpe-file data/gpt2.tiktoken
+  python data/tokenize_text.py chats.txt --doc-separator= --out data/chats   # every paragraph a document
   python data/tokenize_text.py --preset shakespeare --overwrite   # rebuild the bundled sample corpus
 
 Output: PREFIX_val_000000.bin (more val shards count up) and PREFIX_train_000001.bin, ... in --out.
@@ -37,6 +40,9 @@ GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 ENDOFTEXT = "<|endoftext|>"
 GPT2_RANKS = 50256  # byte-level merges' ranks 0..50255; <|endoftext|> takes 50256
 DEFAULT_SHARD_TOKENS = 100_000_000  # same as the FineWeb shards
+# The speedrun's train_max_seq_len: train_gpt.py trains on a document's first 2,048 tokens (BOS included)
+# and skips the rest, so longer documents are cut into pieces no longer than that.
+DEFAULT_MAX_DOC_TOKENS = 2048
 SUFFIXES = (".txt", ".jsonl")
 BATCH_CHARS = 8_000_000  # text handed to the worker pool at a time: bounds memory, keeps workers busy
 SHARD_NAME_RE = r"_(?:train|val)_\d{6}\.bin"
@@ -115,6 +121,55 @@ def encode_document(text: str) -> np.ndarray:
     return out
 
 
+_TOKEN_TABLES = {}  # encoding name -> per token id: whitespace only?, newlines in it, ends with a newline?
+
+
+def token_tables(encoding) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per token id: whether it is whitespace only, how many newlines it holds, whether it ends with
+    one. GPT-2's pre-tokenizer keeps whitespace runs apart from words, so newlines are only ever in
+    whitespace-only tokens."""
+    if encoding.name not in _TOKEN_TABLES:
+        raw = [encoding.decode_single_token_bytes(i) for i in range(shards.BOS_ID)] + [b"<|endoftext|>"]
+        space = np.array([not b.strip(b" \t\r\n\x0b\x0c") for b in raw])
+        newlines = np.array([b.count(b"\n") for b in raw], dtype=np.int64)
+        line_end = np.array([b.endswith(b"\n") for b in raw])
+        _TOKEN_TABLES[encoding.name] = space, newlines, line_end
+    return _TOKEN_TABLES[encoding.name]
+
+
+def split_document(doc: np.ndarray, max_tokens: int) -> list[np.ndarray]:
+    """A document (BOS + tokens) as pieces of at most max_tokens tokens, each starting with BOS, that
+    together hold its tokens exactly, in order. Each piece is as long as it can be: it ends after a
+    blank line (a paragraph) if one lies within reach, else after a line end, else at max_tokens.
+    max_tokens 0 keeps every document whole."""
+    if not max_tokens or len(doc) <= max_tokens:
+        return [doc]
+    ids = doc[1:].astype(np.int64)
+    space, newlines, line_end = token_tables(_ENCODING)
+    # A cut at position i falls between tokens i-1 and i. After a token that ends a line, a cut starts
+    # the next piece at a line's start; when the whitespace run up to that token (the tokens since
+    # the last word) holds two newlines or more, the line was blank: a paragraph ends there.
+    counted = np.cumsum(newlines[ids])
+    last_word = np.maximum.accumulate(np.where(space[ids], -1, np.arange(len(ids))))
+    run_newlines = counted - np.where(last_word >= 0, counted[np.maximum(last_word, 0)], 0)
+    after = np.arange(1, len(ids) + 1)  # the cut after each token
+    line_cuts = after[line_end[ids]]
+    paragraph_cuts = after[line_end[ids] & (run_newlines >= 2)]
+
+    def last_cut(cuts: np.ndarray, start: int, reach: int) -> int | None:
+        index = int(np.searchsorted(cuts, reach, side="right")) - 1
+        return int(cuts[index]) if index >= 0 and cuts[index] > start else None
+
+    pieces, start, room = [], 0, max_tokens - 1  # room: tokens after the BOS
+    while len(ids) - start > room:
+        reach = start + room
+        end = last_cut(paragraph_cuts, start, reach) or last_cut(line_cuts, start, reach) or reach
+        pieces.append(ids[start:end])
+        start = end
+    pieces.append(ids[start:])
+    return [np.concatenate([[shards.BOS_ID], piece]).astype(np.uint16) for piece in pieces]
+
+
 # -----------------------------------------------------------------------------
 # Reading inputs
 
@@ -174,9 +229,10 @@ class DocumentReader:
         self.replaced = {}  # file -> invalid UTF-8 bytes replaced with U+FFFD
         self._separator = None
         if doc_separator is not None:
-            if not doc_separator.strip() or "\n" in doc_separator:
-                raise TokenizeError("--doc-separator must be a non-blank, single-line string")
-            # A separator is a whole line (surrounding spaces/tabs allowed), so it cannot clip words.
+            if "\n" in doc_separator or "\r" in doc_separator:
+                raise TokenizeError("--doc-separator must be a single line (an empty one: blank lines separate)")
+            # A separator is a whole line (surrounding spaces/tabs allowed), so it cannot clip words;
+            # an empty separator makes every blank line one.
             self._separator = re.compile(r"^[ \t]*" + re.escape(doc_separator.strip()) + r"[ \t]*(?:\r?\n|\Z)",
                                          re.MULTILINE)
 
@@ -290,13 +346,15 @@ def _batches(docs, max_chars=BATCH_CHARS):
 
 
 def write_dataset(out_dir, prefix, train_docs, val_docs=None, val_tokens=0, *, bpe_file=None,
-                  shard_tokens=DEFAULT_SHARD_TOKENS, workers=1, overwrite=False, progress=None) -> dict:
+                  shard_tokens=DEFAULT_SHARD_TOKENS, max_doc_tokens=DEFAULT_MAX_DOC_TOKENS, workers=1,
+                  overwrite=False, progress=None) -> dict:
     """Tokenize documents into PREFIX_val_*.bin and PREFIX_train_*.bin shards in out_dir.
 
     The validation set is either val_docs (whole held-out documents), or, with val_tokens > 0, the
-    first documents of train_docs until they hold at least val_tokens tokens. All shards are written
-    into a staging folder and moved into out_dir only once everything succeeded. progress, if given,
-    is called after each batch of documents.
+    first documents of train_docs until they hold at least val_tokens tokens. A document longer than
+    max_doc_tokens is written as several (split_document; 0 keeps it whole), all in the same split.
+    All shards are written into a staging folder and moved into out_dir only once everything
+    succeeded. progress, if given, is called after each batch of documents.
     """
     out_dir = Path(out_dir)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", prefix):
@@ -309,6 +367,9 @@ def write_dataset(out_dir, prefix, train_docs, val_docs=None, val_tokens=0, *, b
         raise TokenizeError("use either held-out validation documents (--val-files) or --val-tokens, not both")
     if workers < 1:
         raise TokenizeError(f"--workers {workers}: must be at least 1")
+    if max_doc_tokens < 0 or max_doc_tokens == 1:
+        raise TokenizeError(f"--max-doc-tokens {max_doc_tokens}: must be 0 (keep documents whole) or at least 2 "
+                            f"(the BOS and one token)")
     if out_dir.exists() and not out_dir.is_dir():
         raise TokenizeError(f"--out {out_dir}: exists and is not a folder")
     old = existing_shards(out_dir, prefix)
@@ -325,30 +386,37 @@ def write_dataset(out_dir, prefix, train_docs, val_docs=None, val_tokens=0, *, b
     try:
         val = ShardSequence(stage, prefix, "val", 0, shard_tokens)
         train = ShardSequence(stage, prefix, "train", 1, shard_tokens)
+        split = {"documents": 0, "pieces": 0}  # documents longer than max_doc_tokens, and what they became
         if workers > 1:
             import multiprocessing
             pool = multiprocessing.get_context().Pool(workers, initializer=_init_worker, initargs=(bpe_file,))
 
         def encode_all(docs):
+            """Each document's pieces (one list per document, usually of one)."""
             for batch in _batches(docs):
                 if pool is None:
                     encoded = [encode_document(d) for d in batch]
                 else:  # map keeps the input order, so the result does not depend on the worker count
                     encoded = pool.map(encode_document, batch, chunksize=max(1, len(batch) // (4 * workers)))
-                yield from encoded
+                for doc in encoded:
+                    pieces = split_document(doc, max_doc_tokens)
+                    if len(pieces) > 1:
+                        split["documents"] += 1
+                        split["pieces"] += len(pieces)
+                    yield pieces
                 if progress:
                     progress()
 
         if val_docs is not None:
-            for doc in encode_all(val_docs):
-                val.add(doc)
+            for pieces in encode_all(val_docs):
+                for piece in pieces:
+                    val.add(piece)
             if not val.documents:
                 raise TokenizeError("the validation inputs hold no text")
-        for doc in encode_all(train_docs):
-            if val.tokens < val_tokens:
-                val.add(doc)
-            else:
-                train.add(doc)
+        for pieces in encode_all(train_docs):
+            sequence = val if val.tokens < val_tokens else train  # a split document stays in one split
+            for piece in pieces:
+                sequence.add(piece)
         if val.tokens < val_tokens:
             raise TokenizeError(f"--val-tokens {val_tokens}: the inputs hold only {val.tokens} tokens "
                                 f"({val.documents} documents); ask for fewer")
@@ -381,7 +449,8 @@ def write_dataset(out_dir, prefix, train_docs, val_docs=None, val_tokens=0, *, b
         return [(out_dir / p.name, n) for p, n in seq.written]
 
     return {"val": listing(val), "train": listing(train), "val_documents": val.documents,
-            "train_documents": train.documents}
+            "train_documents": train.documents, "split_documents": split["documents"],
+            "split_pieces": split["pieces"], "max_doc_tokens": max_doc_tokens}
 
 
 def print_summary(result: dict):
@@ -393,6 +462,10 @@ def print_summary(result: dict):
         print(f"{split}: {total:,} tokens, {result[split + '_documents']:,} documents, {len(files)} shard(s)")
         for path, n in files:
             print(f"  {display(path)}  {n:,} tokens, {path.stat().st_size:,} bytes")
+    if result["split_documents"]:
+        print(f"split: {result['split_documents']:,} document(s) longer than {result['max_doc_tokens']:,} tokens "
+              f"became {result['split_pieces']:,} (cut at paragraphs, else at line ends; --max-doc-tokens 0 keeps "
+              f"documents whole)")
 
 
 # -----------------------------------------------------------------------------
@@ -405,6 +478,16 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
     return value
 
 
@@ -435,7 +518,12 @@ def parse_args(argv=None):
                        help="hold these files/folders out whole as validation (they are removed from the inputs)")
     parser.add_argument("--doc-separator", metavar="LINE",
                         help="in .txt files, a line equal to LINE separates documents, e.g. "
-                             "--doc-separator='<|endoftext|>' or --doc-separator=--- (default: one document per file)")
+                             "--doc-separator='<|endoftext|>' or --doc-separator=---; --doc-separator= (empty): "
+                             "blank lines do (default: one document per file)")
+    parser.add_argument("--max-doc-tokens", type=non_negative_int, default=DEFAULT_MAX_DOC_TOKENS, metavar="N",
+                        help=f"write a longer document as several of at most N tokens, cut at paragraphs, else at "
+                             f"line ends (default {DEFAULT_MAX_DOC_TOKENS:,}: train_gpt.py trains on a document's "
+                             f"first {DEFAULT_MAX_DOC_TOKENS:,} tokens only); 0 keeps documents whole")
     parser.add_argument("--text-field", default="text", help="JSON field holding the text in .jsonl files")
     parser.add_argument("--bpe-file", metavar="PATH",
                         help="GPT-2 ranks in tiktoken's format, e.g. data/gpt2.tiktoken (works offline); "
@@ -449,14 +537,17 @@ def parse_args(argv=None):
 def run_preset(args):
     given = [flag for flag, value in [("inputs", args.inputs), ("--prefix", args.prefix),
                                       ("--shard-tokens", args.shard_tokens), ("--val-tokens", args.val_tokens),
-                                      ("--val-files", args.val_files), ("--doc-separator", args.doc_separator),
+                                      ("--val-files", args.val_files),
+                                      ("--doc-separator", args.doc_separator is not None),
+                                      ("--max-doc-tokens", args.max_doc_tokens != DEFAULT_MAX_DOC_TOKENS),
                                       ("--bpe-file", args.bpe_file)] if value]
     if given:
         raise TokenizeError(f"--preset {args.preset} fixes the inputs and settings; drop {', '.join(given)} "
                             f"(it accepts only --out, --workers and --overwrite)")
     train, val = shakespeare_docs.documents(shakespeare_docs.TEXTS_DIR)
+    # Its documents are scenes and runs of poems, cut by shakespeare_docs itself: kept whole.
     return write_dataset(args.out or shakespeare_docs.OUT_DIR, shakespeare_docs.PREFIX, train, val,
-                         bpe_file=BUNDLED_BPE, workers=args.workers, overwrite=args.overwrite)
+                         bpe_file=BUNDLED_BPE, max_doc_tokens=0, workers=args.workers, overwrite=args.overwrite)
 
 
 def run(args):
@@ -488,7 +579,8 @@ def run(args):
 
         result = write_dataset(args.out, prefix, train_reader, val_reader, args.val_tokens or 0,
                                bpe_file=args.bpe_file, shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
-                               workers=args.workers, overwrite=args.overwrite, progress=progress)
+                               max_doc_tokens=args.max_doc_tokens, workers=args.workers, overwrite=args.overwrite,
+                               progress=progress)
     replaced = {f: n for r in readers for f, n in r.replaced.items()}
     if replaced:
         print(f"note: {sum(replaced.values())} invalid UTF-8 bytes in {len(replaced)} file(s) were replaced "

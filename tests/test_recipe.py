@@ -91,8 +91,9 @@ def write_shard(path, tokens):
 
 
 def loader_args(tmp_path, **overrides):
+    # repeat_data: these tiny shards supply fewer steps than the smoke preset's 30, which is refused otherwise
     values = dict(train_files=f"{tmp_path}/t_train_*.bin", batch_tokens=2048, micro_batch_tokens=256,
-                  train_max_seq_len=300)
+                  train_max_seq_len=300, repeat_data="true")
     values.update(overrides)
     return T.parse_args(["--preset=smoke", *(f"--{k}={v}" for k, v in values.items())], False)
 

@@ -88,6 +88,10 @@ def run_steps(rank, world, opt, ref_opt, flat_params, flat_refs, launched):
             assert_close(bucket.grad_shard / world, expected[lo:lo + bucket.shard_numel])
 
         opt.step()
+        # torch.optim.Adam divides by sqrt(v / (1 - beta2^t)) + eps, record #44 (and DistAdam) by
+        # (sqrt(v) + eps) / sqrt(1 - beta2^t): the same with torch's eps set to eps / sqrt(1 - beta2^t).
+        for group in ref_opt.param_groups:
+            group["eps"] = EPS / (1 - BETAS[1] ** (step + 1)) ** 0.5
         ref_opt.step()
         opt.zero_grad(set_to_none=True)
         ref_opt.zero_grad(set_to_none=True)

@@ -1,0 +1,282 @@
+"""The training data's supply: the start-up scan counts the steps the shards supply under the loader's
+own rules, a run they cannot supply is refused (or, with --repeat_data=true, logs every wrap), shards
+with token ids outside the vocabulary or without a BOS are refused before any log exists, and text
+that users bring (a few books) trains on nearly all of its tokens."""
+
+import random
+import re
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import train_gpt as T
+from conftest import REPO, one_line_error, run_main
+
+sys.path.insert(0, str(REPO / "data"))
+import tokenize_text  # noqa: E402
+
+CPU = T.DistEnv(0, 0, 1, torch.device("cpu"))
+
+
+def documents(lengths, seed=0) -> np.ndarray:
+    """Random tokens, a BOS at the start of each document of the given length."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, T.BOS_ID, int(sum(lengths)), dtype=np.uint16)
+    tokens[np.cumsum(lengths) - lengths] = T.BOS_ID
+    return tokens
+
+
+def write_shard(path, tokens):
+    header = np.zeros(T.SHARD_HEADER_INTS, dtype="<i4")
+    header[:3] = [T.SHARD_MAGIC, T.SHARD_VERSION, len(tokens)]
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(np.asarray(tokens).astype("<u2").tobytes())
+    return path
+
+
+def args_for(tmp_path, *flags):
+    """Sequences like the speedrun's (documents cut at 2,048 tokens), in steps of 2 x 4,096 tokens so
+    that shards of some 100k tokens supply a dozen steps each."""
+    return T.parse_args(["--preset=smoke", f"--train_files={tmp_path}/t_train_*.bin", "--train_max_seq_len=2048",
+                         "--micro_batch_tokens=4096", "--batch_tokens=8192", *flags], False)
+
+
+# -----------------------------------------------------------------------------
+# Counting
+
+@pytest.mark.parametrize("length, expected_steps", [
+    # 3,000-token documents give 2,048-token pieces: a micro-batch of 4,097 takes two pieces and one token
+    # of a third, whose rest is skipped. 40 documents: 13 micro-batches (the 14th would need a 42nd), 6 steps.
+    (3000, 6),
+    # 1,000-token documents: four whole and 97 tokens of a fifth per micro-batch; 8 micro-batches, 4 steps.
+    (1000, 4),
+])
+def test_the_count_of_steps_agrees_with_a_count_by_hand(tmp_path, length, expected_steps):
+    write_shard(tmp_path / "t_train_000001.bin", documents([length] * 40))
+    scan = T.scan_shard(tmp_path / "t_train_000001.bin", args_for(tmp_path))
+    assert scan.steps == expected_steps
+    assert scan.num_tokens == 40 * length and np.array_equal(scan.starts, np.arange(40) * length)
+
+
+def test_the_supply_count_is_the_number_of_steps_the_loader_delivers(tmp_path):
+    # Three shards of documents from 1 to 6,000 tokens (about a third longer than 2,048). Every step
+    # the loader delivers is counted against the shard it came from; after the last shard's last
+    # counted step, the next one starts over with the first shard's first step.
+    rng = np.random.default_rng(0)
+    for i in range(1, 4):
+        write_shard(tmp_path / f"t_train_{i:06d}.bin", documents(rng.integers(1, 6000, 60), seed=i))
+    loader = T.TrainLoader(args_for(tmp_path, "--num_iterations=1000", "--repeat_data=true"), CPU)
+    counted = [scan.steps for scan in loader.scans]
+    assert len(counted) == 3 and min(counted) > 5, counted  # every shard scanned, each supplies several steps
+
+    first_batch = loader.next_batch()
+    delivered = [0, 0, 0]
+    delivered[loader.file_index] += 1
+    for _ in range(sum(counted) - 1):
+        loader.next_batch()
+        assert not loader.started_over
+        delivered[loader.file_index] += 1
+    assert delivered == counted
+    again = loader.next_batch()
+    assert loader.started_over and loader.file_index == 0
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(again, first_batch))
+
+
+def test_the_scan_reads_only_the_shards_the_run_needs(tmp_path):
+    for i in range(1, 4):
+        write_shard(tmp_path / f"t_train_{i:06d}.bin", documents([1000] * 100, seed=i))
+    # a damaged shard after them: never read, since the first shards already supply the run
+    tokens = documents([1000] * 100)
+    tokens[500] = 65535
+    write_shard(tmp_path / "t_train_000009.bin", tokens)
+    loader = T.TrainLoader(args_for(tmp_path, "--num_iterations=15"), CPU)
+    # 100 documents of 1,000 tokens: a micro-batch takes 5 (the fifth cut), so 20 micro-batches, 10 steps
+    assert [scan.steps for scan in loader.scans] == [10, 10]
+    assert loader.report()[0] == ("data: 2 training shard(s) supply 20 steps, the run needs 15; the steps use "
+                                  "81.9% of their 200,000 tokens (2 more shard(s) are not needed)")
+    with pytest.raises(T.DataError, match="t_train_000009.bin: token id 65535 at position 500"):
+        T.TrainLoader(args_for(tmp_path, "--num_iterations=37"), CPU)  # more than the first three supply
+
+
+def test_a_shard_whose_documents_cannot_fill_a_step_names_the_remedy(tmp_path):
+    # Three books as three documents: the smoke preset's micro-batch of 513 tokens takes one piece and a
+    # token of the next, so they fill one micro-batch, not the four of a step.
+    write_shard(tmp_path / "t_train_000001.bin", documents([5000] * 3))
+    args = T.parse_args(["--preset=smoke", f"--train_files={tmp_path}/t_train_*.bin"], False)
+    with pytest.raises(T.DataError) as error:
+        T.TrainLoader(args, CPU)
+    message = str(error.value)
+    assert message.startswith(f"{tmp_path}/t_train_000001.bin: its documents cannot fill one step of 4 x 513 tokens")
+    assert "--train_max_seq_len" in message and "data/tokenize_text.py" in message and "--max-doc-tokens" in message
+
+
+def test_the_log_notes_a_shard_of_which_the_steps_use_less_than_half(tmp_path):
+    # 5,000-token documents: a micro-batch of 4,097 takes 2,048 + 2,048 + 1 tokens of three of them, so
+    # 60 documents give 10 steps of 8,194 tokens: 27% of 300,000
+    write_shard(tmp_path / "t_train_000001.bin", documents([5000] * 60))
+    report = T.TrainLoader(args_for(tmp_path, "--num_iterations=3"), CPU).report()
+    assert len(report) == 2 and report[1].startswith(
+        f"note: the steps use less than half of the tokens of 1 shard(s) ({tmp_path}/t_train_000001.bin: 27%)")
+    assert report[1].endswith("documents of at most 1024 tokens (data/tokenize_text.py --max-doc-tokens=1024) "
+                              "would use most of them")
+    write_shard(tmp_path / "t_train_000001.bin", documents([1000] * 300))
+    assert len(T.TrainLoader(args_for(tmp_path, "--num_iterations=3"), CPU).report()) == 1
+
+
+# -----------------------------------------------------------------------------
+# Refusals, before anything is written
+
+def no_log_written(logs):
+    return not logs.exists() or not any(logs.iterdir())
+
+
+def test_a_run_the_shards_cannot_supply_is_refused_with_the_fix(tmp_path):
+    for i in (1, 2):
+        write_shard(tmp_path / f"t_train_{i:06d}.bin", documents([1000] * 100, seed=i))
+    logs = tmp_path / "logs"
+    proc = run_main(f"--train_files={tmp_path}/t_train_*.bin", "--train_max_seq_len=2048",
+                    "--micro_batch_tokens=4096", "--batch_tokens=8192", "--num_iterations=100", f"--logs_dir={logs}")
+    line = one_line_error(proc, f"--train_files={tmp_path}/t_train_*.bin: its 2 shard(s) supply 20 steps "
+                                "(10 per shard) but the run needs 100: about 10 shards like these would")
+    assert "`python data/cached_fineweb10B.py 11`" in line and "--repeat_data=true" in line
+    assert no_log_written(logs)
+
+
+@pytest.mark.slow
+def test_repeat_data_logs_every_time_the_data_starts_over(tmp_path):
+    # One micro-batch of 512 tokens per step; 100-token documents: a micro-batch takes six (the sixth cut),
+    # so 7 documents supply 1 step. Three steps start over twice: at steps 2 and 3 (the fewest steps
+    # that show a wrap repeats, and the smallest model run that has them).
+    write_shard(tmp_path / "t_train_000001.bin", documents([100] * 7))
+    logs = tmp_path / "logs"
+    proc = run_main(f"--train_files={tmp_path}/t_train_*.bin", "--batch_tokens=512", "--num_iterations=3",
+                    "--warmup_steps=0", "--val_loss_every=0", "--val_tokens=1024", "--repeat_data=true",
+                    f"--logs_dir={logs}", "--run_id=r")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    log = (logs / "r.txt").read_text()
+    assert "data: 1 training shard(s) supply 1 steps, the run needs 3;" in log
+    assert "data: --repeat_data=true: after 1 steps the data starts over from the first shard" in log
+    wraps = re.findall(r"^data: the training shards are used up after (\d+) steps; step (\d+) starts over", log, re.M)
+    assert wraps == [("1", "2"), ("2", "3")]
+    assert log.index("step:1/3 ") < log.index("after 1 steps; step 2") < log.index("step:2/3 ")
+
+
+def bad_ids_shard(tmp_path):
+    tokens = documents([300] * 20)
+    tokens[4321] = 65535
+    return write_shard(tmp_path / "t_train_000001.bin", tokens)
+
+
+def bad_ids_val_shard(tmp_path):
+    tokens = documents([300] * 40)
+    tokens[77] = 60000
+    return write_shard(tmp_path / "t_val_000000.bin", tokens)
+
+
+def no_bos_shard(tmp_path):
+    return write_shard(tmp_path / "t_train_000001.bin", np.arange(6000, dtype=np.uint16) % 5000)
+
+
+BAD_DATA = {
+    "train id 65535": (bad_ids_shard, [], "t_train_000001.bin: token id 65535 at position 4321 is outside the "
+                                          "vocabulary (--vocab_size=50257)"),
+    "val id 60000": (bad_ids_val_shard, [], "t_val_000000.bin: token id 60000 at position 77 is outside the "
+                                            "vocabulary (--vocab_size=50257)"),
+    "vocab_size 1000": (None, ["--vocab_size=1000"], "data/shakespeare/shakespeare_train_000001.bin: token id 50256 "
+                                                     "at position 0 is outside the vocabulary (--vocab_size=1000)"),
+    "no BOS": (no_bos_shard, [], "t_train_000001.bin: no document starts in it (no <|endoftext|>, id 50256"),
+}
+
+
+@pytest.mark.parametrize("make, flags, message", BAD_DATA.values(), ids=BAD_DATA.keys())
+def test_bad_token_data_is_one_line_and_no_log(tmp_path, make, flags, message):
+    files = []
+    if make is not None:
+        made = make(tmp_path)
+        files = [f"--train_files={made if 'train' in made.name else 'data/shakespeare/shakespeare_train_*.bin'}",
+                 f"--val_files={made if 'val' in made.name else 'data/shakespeare/shakespeare_val_*.bin'}"]
+    logs = tmp_path / "logs"
+    one_line_error(run_main(*files, *flags, f"--logs_dir={logs}"), message)
+    assert no_log_written(logs)
+
+
+# -----------------------------------------------------------------------------
+# Users' own text: a few books
+
+WORDS = ("the of and to a in that is was he for it with as his on be at by you had not are but from she they we "
+         "her them their what so up out if about who which me when can like time no just him know take people "
+         "into year your good some could see other than then now look only come over think also back after").split()
+
+
+def book(seed: int, paragraphs: int) -> str:
+    """A book-like text: a title, then paragraphs of 1 to 12 lines of 4 to 16 words, between blank lines."""
+    rng = random.Random(seed)
+    lines = lambda: [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 16))).capitalize() + "."
+                     for _ in range(rng.randint(1, 12))]
+    return f"BOOK {seed}\n\n" + "\n\n".join("\n".join(lines()) for _ in range(paragraphs)) + "\n"
+
+
+@pytest.fixture(scope="module")
+def few_books(tmp_path_factory):
+    """Five books of about 118k tokens each and a sixth held out for validation, tokenized with
+    data/tokenize_text.py's defaults (--workers 1 only to spare the CPU: the output does not depend on
+    it); once more keeping whole books, as the tokenizer did before it split long documents; and once
+    in documents of at most 128 tokens, what the trainer's note suggests for the smoke preset."""
+    root = tmp_path_factory.mktemp("books")
+    (root / "books").mkdir()
+    for i in range(6):
+        (root / "books" / f"book{i}.txt").write_text(book(i, paragraphs=1500))
+    common = [str(root / "books"), "--val-files", str(root / "books/book5.txt"), "--bpe-file",
+              str(tokenize_text.BUNDLED_BPE), "--workers", "1"]
+    assert tokenize_text.main([*common, "--out", str(root / "split")]) == 0
+    assert tokenize_text.main([*common, "--out", str(root / "whole"), "--max-doc-tokens", "0"]) == 0
+    assert tokenize_text.main([*common, "--out", str(root / "short"), "--max-doc-tokens", "128"]) == 0
+    return root
+
+
+def share_used(folder, *flags) -> float:
+    """The share of the training tokens the steps use, as the trainer's start-up scan counts it."""
+    args = T.parse_args([*flags, f"--train_files={folder}/*_train_*.bin", "--num_iterations=1",
+                         "--extension_steps=0"], False)
+    loader = T.TrainLoader(args, CPU)
+    step_tokens = args.batch_tokens // args.micro_batch_tokens * (args.micro_batch_tokens + 1)
+    return loader.supplied * step_tokens / sum(scan.num_tokens for scan in loader.scans)
+
+
+def test_a_few_books_use_nearly_all_their_tokens_at_the_speedrun_sequence_lengths(few_books):
+    # The speedrun's sequences: micro-batches of 32,768 tokens, documents cut at 2,048. One micro-batch
+    # per step (--batch_tokens=32768) so that 590k tokens make 17 steps rather than two.
+    speedrun = ["--preset=speedrun", "--batch_tokens=32768"]
+    assert share_used(few_books / "split", *speedrun) >= 0.90
+    # Whole books: each gives its first 2,048 tokens, and they cannot fill a micro-batch of 32,769
+    with pytest.raises(T.DataError, match="cannot fill one step"):
+        share_used(few_books / "whole", *speedrun)
+
+
+def test_the_smoke_preset_uses_little_of_long_documents_and_what_the_note_suggests_helps(few_books):
+    # Its micro-batches of 513 tokens take the first 513 of a 2,048-token piece: 13% (the log notes it,
+    # suggesting documents of at most 128 tokens, a quarter micro-batch), 91% with them (measured).
+    assert share_used(few_books / "split", "--preset=smoke") < 0.5
+    assert share_used(few_books / "short", "--preset=smoke") >= 0.85
+
+
+@pytest.mark.slow
+def test_a_few_books_train_with_the_default_commands(few_books, tmp_path):
+    # The smoke preset, as on a machine without a GPU (whole books could not fill one step of it). Four
+    # steps of half the batch without warmup, validated on 2,048 tokens, are enough to show it trains.
+    folder = few_books / "split"
+    proc = run_main(f"--train_files={folder}/split_train_*.bin", f"--val_files={folder}/split_val_*.bin",
+                    "--num_iterations=4", "--val_loss_every=4", "--warmup_steps=0", "--val_tokens=2048",
+                    "--batch_tokens=1024",
+                    f"--logs_dir={tmp_path}", "--run_id=books")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    log = (tmp_path / "books.txt").read_text()
+    losses = [float(v) for v in re.findall(r"^step:\d+/4 val_loss:(\S+) ", log, re.M)]
+    assert len(losses) == 2 and losses[1] < losses[0] - 0.1, losses
+    whole = few_books / "whole"
+    refused = run_main(f"--train_files={whole}/whole_train_*.bin", f"--val_files={whole}/whole_val_*.bin",
+                       f"--logs_dir={tmp_path}")
+    one_line_error(refused, "its documents cannot fill one step of 4 x 513 tokens")
