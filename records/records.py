@@ -653,7 +653,7 @@ def warn(message: str) -> None:
 
 def why_not_written(error: OSError) -> str:
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"the disk is full ({error.strerror})"
+        return f"the disk is full: {error.strerror}"
     return error.strerror or str(error)
 
 

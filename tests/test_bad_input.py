@@ -352,7 +352,6 @@ def test_the_flops_average_does_not_visit_every_step(monkeypatch):
     assert flops == pytest.approx(sum(per_stage) / 3, rel=1e-9)
 
 
-@pytest.mark.slow  # builds the model and loads the data
 def test_a_run_of_10_to_the_8_steps_starts_at_once(tmp_path, monkeypatch):
     def stop(*args, **kwargs):
         raise T.TrainingError("stopped by the test at the first step")
@@ -374,11 +373,13 @@ def test_a_config_error_under_torchrun(tmp_path):
     assert [line for line in proc.stderr.splitlines() if line.startswith("error")] == [
         message + ": --batch_tokens=2048 is 4 micro-batches of --micro_batch_tokens=512, not a multiple of 3 "
                   "(a smaller --micro_batch_tokens makes more)"], proc.stderr[-3000:]
-    # torchrun itself always exits 1 when a rank fails; each rank's own exit code is in its summary
+    # torchrun itself always exits 1 when a rank fails, and stops the others (SIGTERM, exit code -15)
+    # as soon as the first has exited: its summary has each rank's own exit code, and the first
+    # failure's error file, our line
     assert proc.returncode == 1
-    assert len(re.findall(r"exitcode\s*: 2 ", proc.stderr)) == 3, proc.stderr[-3000:]
+    assert sorted(set(re.findall(r"exitcode\s*: (-?\d+) ", proc.stderr))) in (["2"], ["-15", "2"]), proc.stderr
     root_cause = proc.stderr[proc.stderr.index("Root Cause"):]
-    assert re.search(rf"traceback\s*: {message}", root_cause), root_cause
+    assert re.search(r"exitcode\s*: 2 ", root_cause) and re.search(rf"traceback\s*: {message}", root_cause), root_cause
     assert list(tmp_path.iterdir()) == []
 
 
@@ -526,7 +527,7 @@ def records_main(capsys, *argv):
 
 def test_records_table_on_a_full_disk(small_disk, capsys):
     proc = records_main(capsys, "table", "--records-dir", small_disk.root)
-    one_line(proc, 1, f"error: {small_disk.root}/RECORDS.md: cannot write (the disk is full (No space left")
+    one_line(proc, 1, f"error: {small_disk.root}/RECORDS.md: cannot write (the disk is full: No space left on device)")
     assert list(small_disk.root.iterdir()) == []  # no temporary file left
 
 
