@@ -139,7 +139,8 @@ class Hyperparameters:
     warmup_steps: int = _help("untimed steps that compile every kernel; the state is restored after them", 2)
     val_loss_every: int = _help("validate every N steps (0: only at the end)", 250)
     train_loss_every: int = _help("log the train loss every N steps (0: never); costs one host sync", 250)
-    run_id: str = _help("name of the log file logs/<run_id>.txt (default: a fresh uuid)", "")
+    run_id: str = _help("a plain name (letters, digits, -_.) for the log logs/<run_id>.txt and the checkpoint folder "
+                        "(default: a timestamp and a random suffix)", "")
     logs_dir: str = _help("where logs are written", "logs")
     pg_timeout_s: int = _help("collective timeout; after it the surviving ranks of a broken job exit", 300)
     save_every: int = _help("save a checkpoint every N steps (0: never); a multiple of adam_every", 0)
