@@ -7,15 +7,16 @@
 The folder is what `train_gpt.py --save_final=true` writes. The model is built by train_gpt.py (one
 definition of it) and reads text with the bundled GPT-2 BPE (data/gpt2.tiktoken), offline. A prompt
 is one document: it starts with <|endoftext|> as every training document did, and generation stops
-at the next <|endoftext|>, at --max_new_tokens, or when the context is full (the longest document
-the model trained on, train_max_seq_len). Generation keeps a cache of keys and values, so each new
-token costs one position's forward, not the whole sequence's; --no_cache recomputes everything
-(for checking: under greedy decoding both give the same tokens).
+at the next <|endoftext|>, at --max_new_tokens, or when the context is full (train_gpt.context_length:
+the longest document the model trained on, within its rotary tables). Generation keeps a cache of
+keys and values, so each new token costs one position's forward, not the whole sequence's;
+--no_cache recomputes everything (for checking: under greedy decoding both give the same tokens).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -72,7 +73,9 @@ class Generator:
 def choose(logits: torch.Tensor, temperature: float, top_k: int, rng: torch.Generator) -> int:
     if temperature == 0:
         return int(logits.argmax())
-    logits = logits / temperature
+    # Shifted so that the largest is 0, and divided in float64: a tiny temperature then sends the
+    # others to -inf (greedy, ties shared), where logits / temperature in float32 would be inf - inf.
+    logits = ((logits - logits.max()).double() / temperature).float()
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -82,11 +85,11 @@ def choose(logits: torch.Tensor, temperature: float, top_k: int, rng: torch.Gene
 def generate(model: T.GPT, args: T.Hyperparameters, info: dict, prompt_tokens: list[int], max_new_tokens: int,
              temperature: float, top_k: int, seed: int, use_cache: bool = True) -> tuple[list[int], str]:
     """The continuation's tokens, and why generation stopped."""
-    context = args.train_max_seq_len
+    context = T.context_length(args)
     ids = [T.BOS_ID] + prompt_tokens
     if len(ids) > context:
         raise SampleError(f"--prompt: {len(prompt_tokens)} tokens (+1 for <|endoftext|>) exceed the model's context "
-                          f"of {context} tokens (its train_max_seq_len)")
+                          f"of {context} tokens")
     gen = Generator(model, args, tuple(info["windows"]), context, use_cache)
     rng = torch.Generator().manual_seed(seed)
     logits = gen.feed(ids)
@@ -104,15 +107,32 @@ def generate(model: T.GPT, args: T.Hyperparameters, info: dict, prompt_tokens: l
         logits = gen.feed([token])
 
 
+def pack(sequences: list[list[int]], limit: int) -> list[list[list[int]]]:
+    """Consecutive sequences in groups that each fit one forward pass: a BOS and the sequence, per
+    sequence, at most `limit` positions in all."""
+    groups, length = [], limit
+    for seq in sequences:
+        if len(seq) + 1 > limit:
+            raise SampleError(f"a sequence of {len(seq)} tokens (+1 for <|endoftext|>) exceeds the model's "
+                              f"{limit} positions")
+        if length + len(seq) + 1 > limit:
+            groups.append([])
+            length = 0
+        groups[-1].append(seq)
+        length += len(seq) + 1
+    return groups
+
+
 def token_losses_fn(model: T.GPT, args: T.Hyperparameters, info: dict):
-    """For data/hellaswag.py: per-position losses of several sequences, packed into one forward pass.
-    Each sequence starts its own document (a BOS in front), so attention and the smear gate keep them
-    apart and each scores exactly as it would alone."""
+    """For data/hellaswag.py: per-position losses of several sequences, packed into as few forward passes
+    as the model's positions allow (so a batch of any size fits). Each sequence starts its own document
+    (a BOS in front), so attention and the smear gate keep them apart and each scores exactly as it
+    would alone."""
     windows = T.layer_windows(args, tuple(info["windows"]))
     device = model.embed.weight.device
 
     @torch.no_grad()
-    def token_losses(sequences):
+    def packed_losses(sequences):
         packed = torch.tensor([t for seq in sequences for t in [T.BOS_ID, *seq]] + [T.BOS_ID], device=device)
         inputs, targets = packed[:-1], packed[1:]
         losses = model(inputs, targets, T.build_masks(inputs, windows, False, args.window_block),
@@ -122,6 +142,9 @@ def token_losses_fn(model: T.GPT, args: T.Hyperparameters, info: dict):
             out.append(losses[start + 1:start + len(seq)])
             start += len(seq) + 1
         return out
+
+    def token_losses(sequences):
+        return [losses for group in pack(sequences, T.max_positions(args)) for losses in packed_losses(group)]
     return token_losses
 
 
@@ -144,8 +167,8 @@ def parse_args(argv):
     for name in ("max_new_tokens", "top_k", "limit"):
         if getattr(options, name) < 0:
             raise SampleError(f"--{name}={getattr(options, name)}: must be zero or positive")
-    if options.temperature < 0:
-        raise SampleError(f"--temperature={options.temperature}: must be zero (greedy) or positive")
+    if not 0 <= options.temperature < math.inf:
+        raise SampleError(f"--temperature={options.temperature}: must be zero (greedy) or a finite positive number")
     if options.batch_size <= 0:
         raise SampleError(f"--batch_size={options.batch_size}: must be positive")
     if options.eval is None and not options.prompt:
@@ -165,7 +188,7 @@ def main(argv=None) -> int:
         if options.eval == "hellaswag":
             examples = hellaswag.load_examples(options.data or hellaswag.DEFAULT_PATH, limit=options.limit or None)
             result = hellaswag.evaluate(examples, token_losses_fn(model, args, info), encoding,
-                                        batch_size=options.batch_size)
+                                        batch_size=options.batch_size, max_tokens=T.max_positions(args) - 1)
             print(hellaswag.format_result(result))
             return 0
         prompt_tokens = encoding.encode_ordinary(options.prompt)

@@ -16,18 +16,22 @@ checkpoints, evaluation and logging, main(). Importing this file has no side eff
 
 from __future__ import annotations
 
+import bisect
 import collections
 import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
 import datetime
+import errno
 import glob
 import hashlib
+import io
 import json
 import math
 import os
 import platform
+import re
 import resource
 import shutil
 import signal
@@ -138,7 +142,8 @@ class Hyperparameters:
     warmup_steps: int = _help("untimed steps that compile every kernel; the state is restored after them", 2)
     val_loss_every: int = _help("validate every N steps (0: only at the end)", 250)
     train_loss_every: int = _help("log the train loss every N steps (0: never); costs one host sync", 250)
-    run_id: str = _help("name of the log file logs/<run_id>.txt (default: a fresh uuid)", "")
+    run_id: str = _help("a plain name (letters, digits, -_.) for the log logs/<run_id>.txt and the checkpoint folder "
+                        "(default: a timestamp and a random suffix)", "")
     logs_dir: str = _help("where logs are written", "logs")
     pg_timeout_s: int = _help("collective timeout; after it the surviving ranks of a broken job exit", 300)
     save_every: int = _help("save a checkpoint every N steps (0: never); a multiple of adam_every", 0)
@@ -239,10 +244,14 @@ def int_list(args: Hyperparameters, name: str) -> tuple[int, ...]:
         raise ConfigError(f"--{name}={text}: expected comma-separated integers, e.g. 0,7") from None
 
 
+MAX_TIMEOUT_S = 7 * 24 * 3600  # a collective that waits longer than a week is a hang, not a slow rank
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,200}")  # one file name: no separators, no way out of logs_dir
+
+
 def validate_config(args: Hyperparameters):
     positive = ["val_tokens", "val_seq_len", "batch_tokens", "micro_batch_tokens", "train_max_seq_len", "vocab_size",
                 "num_layers", "model_dim", "head_dim", "mlp_ratio", "window_block", "window_extension",
-                "window_final_val", "num_iterations", "adam_every", "pg_timeout_s"]
+                "window_final_val", "num_iterations", "adam_every"]
     for name in positive:
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name}={getattr(args, name)}: must be positive")
@@ -250,6 +259,25 @@ def validate_config(args: Hyperparameters):
                  "extension_steps", "muon_momentum_warmup", "muon_momentum_cooldown"]:
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name}={getattr(args, name)}: must be zero or positive")
+    # Values outside these ranges cannot be meant: they would train (and "succeed") on nonsense, or fail
+    # deep inside PyTorch. Written so that NaN fails every test.
+    ranges = [
+        (("embed_lr", "head_lr", "scalar_lr", "muon_lr", "muon_weight_decay", "final_lr_frac"),
+         lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+        (("adam_beta1", "adam_beta2", "muon_beta2", "muon_momentum_start", "muon_momentum_end"),
+         lambda v: 0 <= v < 1, "in [0, 1)"),
+        (("adam_eps", "logit_cap", "logit_cap_width"), lambda v: 0 < v < math.inf, "a finite number > 0"),
+        (("cooldown_frac",), lambda v: 0 <= v <= 1, "in [0, 1]"),
+        (("pg_timeout_s",), lambda v: 0 < v <= MAX_TIMEOUT_S, f"in 1..{MAX_TIMEOUT_S} seconds (a week)"),
+        (("seed",), lambda v: 0 <= v < 2 ** 64, "in 0..2**64-1"),
+    ]
+    for names, in_range, expected in ranges:
+        for name in names:
+            if not in_range(getattr(args, name)):
+                raise ConfigError(f"--{name}={getattr(args, name)}: must be {expected}")
+    if args.run_id and (not RUN_ID_PATTERN.fullmatch(args.run_id) or args.run_id in (".", "..")):
+        raise ConfigError(f"--run_id={args.run_id}: must be a plain name of at most 200 letters, digits, '-', '_' "
+                          f"and '.' (it names the log file and the checkpoint folder)")
     if args.model_dim % args.head_dim:
         raise ConfigError(f"--model_dim={args.model_dim} must be a multiple of --head_dim={args.head_dim}")
     if args.head_dim % 4:
@@ -284,8 +312,6 @@ def validate_config(args: Hyperparameters):
     if args.extension_steps >= args.num_iterations:
         raise ConfigError(f"--extension_steps={args.extension_steps} must be less than "
                           f"--num_iterations={args.num_iterations}")
-    if not 0.0 <= args.cooldown_frac <= 1.0:
-        raise ConfigError(f"--cooldown_frac={args.cooldown_frac}: must lie in [0, 1]")
     if args.save_every % args.adam_every:
         raise ConfigError(f"--save_every={args.save_every} must be a multiple of --adam_every={args.adam_every}: "
                           f"a checkpoint between two Adam steps would lose the gradients accumulated so far")
@@ -373,6 +399,15 @@ def all_ranks_ok(ok: bool, device: torch.device) -> bool:
     flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def gather_from_ranks(obj) -> list:
+    """obj from every rank, in rank order (a list of one without a process group)."""
+    if not distributed():
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
 
 
 # PyTorch 2.13 renames the tensor collectives (the old names warn); 2.11 has only the old ones.
@@ -720,6 +755,20 @@ def padded_vocab(vocab_size: int) -> int:
     return 128 * math.ceil(vocab_size / 128)  # tensor-core friendly; the extra logits learn to stay low
 
 
+# The model's position limits, derived from the config here and nowhere else: the rotary tables,
+# sample.py's generation and its packing of HellaSwag sequences all ask these.
+def max_positions(args: Hyperparameters) -> int:
+    """The longest sequence one forward pass can take: the rotary tables cover a training micro-batch
+    and a validation sequence, whichever is longer."""
+    return max(args.micro_batch_tokens, args.val_seq_len)
+
+
+def context_length(args: Hyperparameters) -> int:
+    """The longest document the model can read: what training let a document contribute
+    (train_max_seq_len), within max_positions."""
+    return min(args.train_max_seq_len, max_positions(args))
+
+
 class GPT(nn.Module):
     def __init__(self, args: Hyperparameters, head_precision: str = "fp32"):
         super().__init__()
@@ -744,8 +793,7 @@ class GPT(nn.Module):
         self.backout_layer = args.backout_layer
         self.backout_scale = nn.Parameter(torch.tensor(BACKOUT_INIT)) if args.backout_layer >= 0 else None
         schedule = int_list(args, "window_schedule")
-        self.rotary = Rotary(args.head_dim, max(args.micro_batch_tokens, args.val_seq_len), args.window_block,
-                             schedule[0])
+        self.rotary = Rotary(args.head_dim, max_positions(args), args.window_block, schedule[0])
         self.head = LossHead(dim, vocab, args.logit_cap, args.logit_cap_width, head_precision)
         # Validation computes the logits of this many tokens at a time: equal chunks, at most a micro-batch.
         self.eval_chunk = math.gcd(args.micro_batch_tokens, args.val_seq_len)
@@ -767,6 +815,9 @@ class GPT(nn.Module):
         """input_ids: (T,) one packed sequence; masks: one per layer. Returns the final stream (1, T, dim).
         With caches (generation), input_ids continue the cached positions. separate_documents: see smear."""
         start = next((c.length for c in caches or [] if c is not None), 0)
+        if start + len(input_ids) > self.rotary.cos.size(0):
+            raise ValueError(f"positions {start}..{start + len(input_ids) - 1}: the model takes at most "
+                             f"{self.rotary.cos.size(0)} (max_positions)")
         embedded = self.embed(input_ids)
         previous = getattr(caches, "last_embedding", None) if start else None
         keep = input_ids != BOS_ID if separate_documents else None
@@ -1520,14 +1571,35 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
     return hi
 
 
+def window_stage(step: int, args: Hyperparameters) -> int:
+    """Which part of the window schedule a step is in: i for the schedule's i-th long window (equal parts
+    of the scheduled steps), len(schedule) for the extension. Never decreases with the step."""
+    stages = len(int_list(args, "window_schedule"))
+    scheduled = scheduled_steps(args)
+    return stages if step >= scheduled else int(stages * (step / scheduled))
+
+
 def attention_windows(step: int, args: Hyperparameters, final_validation: bool = False) -> tuple[int, int]:
     """(short, long) windows in blocks: the schedule's long window by equal parts of the scheduled
     steps, the extension's after them, a longer one for the final validation; short = long // 2."""
     schedule = int_list(args, "window_schedule")
-    scheduled = scheduled_steps(args)
-    long = args.window_extension if step >= scheduled else schedule[int(len(schedule) * (step / scheduled))]
+    stage = window_stage(step, args)
+    long = args.window_extension if stage == len(schedule) else schedule[stage]
     short = long // 2
     return short, (args.window_final_val if final_validation else long)
+
+
+def window_spans(args: Hyperparameters) -> list[tuple[int, int]]:
+    """(first step, number of steps) of each window stage; a stage the run never reaches has 0 steps. The
+    stage boundaries are found by bisection: the cost does not grow with num_iterations."""
+    steps = range(args.num_iterations)
+    stages = len(int_list(args, "window_schedule")) + 1
+    starts = [bisect.bisect_left(steps, stage, key=lambda s: window_stage(s, args)) for stage in range(stages)]
+    return [(start, end - start) for start, end in zip(starts, starts[1:] + [args.num_iterations])]
+
+
+def is_validation_step(step: int, args: Hyperparameters) -> bool:
+    return step == args.num_iterations or bool(args.val_loss_every and step % args.val_loss_every == 0)
 
 
 def layer_windows(args: Hyperparameters, windows: tuple[int, int]) -> list[int | None]:
@@ -1651,13 +1723,13 @@ def model_flops_per_token(args: Hyperparameters, model: GPT, tokens: Tensor, win
 
 def schedule_flops_per_token(args: Hyperparameters, model: GPT, tokens: Tensor) -> float:
     """model_flops_per_token averaged over the training steps' windows."""
-    steps_per_window = collections.Counter(attention_windows(s, args) for s in range(args.num_iterations))
-    return sum(n * model_flops_per_token(args, model, tokens, layer_windows(args, w))
-               for w, n in steps_per_window.items()) / args.num_iterations
+    return sum(count * model_flops_per_token(args, model, tokens, layer_windows(args, attention_windows(first, args)))
+               for first, count in window_spans(args) if count) / args.num_iterations
 
 
 # -----------------------------------------------------------------------------
-# Checkpoints: atomic, per-rank optimizer shards, refused when they don't match
+# Checkpoints: atomic, per-rank optimizer shards, every file's size and sha256 in meta.json, refused
+# when anything doesn't match
 
 def code_hash(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()
@@ -1667,37 +1739,116 @@ def config_for_checkpoint(args: Hyperparameters) -> dict:
     return {k: v for k, v in dataclasses.asdict(args).items() if k not in RUN_CONTROL_FIELDS}
 
 
+def write_error(path, error: OSError) -> TrainingError:
+    """One line for a write that failed: which file, and why in plain words."""
+    full = error.errno in (errno.ENOSPC, errno.EDQUOT)
+    why = f"the disk is full ({error.strerror})" if full else (error.strerror or str(error))
+    return TrainingError(f"cannot write {path}: {why}")
+
+
+def write_all(fd: int, data) -> None:
+    """os.write until every byte is out: a short write is continued, and the write that cannot go on
+    raises the OSError that says why (ENOSPC: the disk is full)."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
+
+
+class _RecordingWriter:
+    """The file object torch.save writes through. Every byte goes out with write_all, so a full disk
+    raises ENOSPC here (torch.save to a path reports it as a zip-format error), and the file's size
+    and sha256 are known as soon as it is complete."""
+
+    def __init__(self, fd: int):
+        self.fd, self.size, self.sha256, self.error = fd, 0, hashlib.sha256(), None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        try:
+            write_all(self.fd, view)
+        except OSError as e:
+            self.error = e
+            raise
+        self.sha256.update(view)
+        self.size += view.nbytes
+        return view.nbytes
+
+    def flush(self):
+        pass
+
+
+def write_file(path: Path, content) -> dict:
+    """Writes a new file: bytes as they are, anything else with torch.save. Returns its size and sha256
+    (for meta.json); a failed write raises a TrainingError that names the file and the cause."""
+    writer = None
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            writer = _RecordingWriter(fd)
+            if isinstance(content, bytes):
+                writer.write(content)
+            else:
+                torch.save(content, writer)
+        finally:
+            os.close(fd)
+    except Exception as e:
+        cause = writer.error if writer is not None and writer.error is not None else e
+        if not isinstance(cause, OSError):
+            raise
+        raise write_error(path, cause) from None
+    return {"bytes": writer.size, "sha256": writer.sha256.hexdigest()}
+
+
 def save_checkpoint(step: int, train_time_ms: float, model: GPT, optimizers, loader, args: Hyperparameters,
                     env: DistEnv, source: str, run_id: str) -> Path:
-    """checkpoint_dir/<run_id>/step_NNNNNN/: model.pt (rank 0), rank_R.pt (each rank's optimizer shards),
-    meta.json written last. Everything goes to a temporary folder renamed at the end, so a crash
-    mid-save never leaves a checkpoint that looks complete."""
+    """checkpoint_dir/<run_id>/step_NNNNNN/: model.pt (rank 0), rank_R.pt (each rank's optimizer shards
+    and RNG states, and the step), meta.json written last with every file's size and sha256. Everything
+    goes to a temporary folder renamed at the end, so a crash mid-save never leaves a checkpoint that
+    looks complete; a write that fails (a full disk) removes that folder and stops every rank."""
     run_dir = Path(args.checkpoint_dir) / run_id
-    final = run_dir / f"step_{step:06d}"
-    tmp = run_dir / f".step_{step:06d}.partial"
+    final, tmp = run_dir / f"step_{step:06d}", run_dir / f".step_{step:06d}.partial"
+    error = None
     if env.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    if env.world_size > 1:
-        dist.barrier()
-    rank_state = {"optimizers": [opt.state_dict() for opt in optimizers],
-                  "cpu_rng": torch.get_rng_state(),
-                  "cuda_rng": torch.cuda.get_rng_state() if env.device.type == "cuda" else torch.empty(0)}
-    torch.save(rank_state, tmp / f"rank_{env.rank}.pt")
-    if env.is_main:
-        torch.save(model.state_dict(), tmp / "model.pt")
-    if env.world_size > 1:
-        dist.barrier()
-    if env.is_main:
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            error = write_error(tmp, e)
+    if not all_ranks_ok(error is None, env.device):
+        raise error or TrainingError(f"rank 0 could not create {tmp}")
+    files = {}
+    try:
+        rank_state = {"step": step, "optimizers": [opt.state_dict() for opt in optimizers],
+                      "cpu_rng": torch.get_rng_state(),
+                      "cuda_rng": torch.cuda.get_rng_state() if env.device.type == "cuda" else torch.empty(0)}
+        files[f"rank_{env.rank}.pt"] = write_file(tmp / f"rank_{env.rank}.pt", rank_state)
+        if env.is_main:
+            files["model.pt"] = write_file(tmp / "model.pt", model.state_dict())
+    except TrainingError as e:
+        error = e
+    every_rank = gather_from_ranks(None if error else files)
+    failed = [rank for rank, written in enumerate(every_rank) if written is None]
+    if env.is_main and not failed:
         meta = {"step": step, "train_time_ms": train_time_ms, "world_size": env.world_size,
-                "loader": loader.state_dict(), "config": config_for_checkpoint(args), "code_sha256": code_hash(source)}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        publish_folder(tmp, final)
+                "loader": loader.state_dict(), "config": config_for_checkpoint(args), "code_sha256": code_hash(source),
+                "files": {name: written[name] for written in every_rank for name in sorted(written)}}
         latest_tmp = run_dir / ".latest.tmp"
-        latest_tmp.write_text(final.name + "\n")
-        os.replace(latest_tmp, run_dir / "latest")
-    if env.world_size > 1:
-        dist.barrier()
+        try:
+            write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
+            publish_folder(tmp, final)
+            write_file(latest_tmp, (final.name + "\n").encode())
+            os.replace(latest_tmp, run_dir / "latest")
+        except TrainingError as e:
+            error = e
+        except OSError as e:
+            error = write_error(final, e)
+        latest_tmp.unlink(missing_ok=True)
+    if env.is_main and tmp.exists():  # the save failed before the rename: leave nothing half-written
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = error or f"rank {failed[0]} could not write its part of the checkpoint"
+        error = TrainingError(f"{reason}; the unfinished checkpoint {tmp} was removed")
+    if not all_ranks_ok(error is None, env.device):
+        raise error or TrainingError(f"checkpoint {final} could not be written (rank 0 says why)")
     return final
 
 
@@ -1714,17 +1865,24 @@ def save_final_weights(model: GPT, args: Hyperparameters, source: str, run_id: s
                        val_loss: float) -> Path:
     """checkpoint_dir/<run_id>/final/ (rank 0): model.pt, every weight and the rotary state but no
     optimizer state, and config.json, what rebuilds the model; written like a checkpoint, into a
-    temporary folder renamed at the end."""
+    temporary folder renamed at the end and removed if a write fails."""
     final = Path(args.checkpoint_dir) / run_id / "final"
     tmp = final.with_name(".final.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    torch.save(model.state_dict(), tmp / "model.pt")
     info = {"format": FINAL_WEIGHTS_FORMAT, "config": dataclasses.asdict(args), "step": step, "val_loss": val_loss,
             "windows": attention_windows(args.num_iterations, args, final_validation=True),
             "code_sha256": code_hash(source)}
-    (tmp / "config.json").write_text(json.dumps(info, indent=1))
-    publish_folder(tmp, final)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        try:
+            tmp.mkdir(parents=True)
+            write_file(tmp / "model.pt", model.state_dict())
+            write_file(tmp / "config.json", json.dumps(info, indent=1).encode())
+            publish_folder(tmp, final)
+        except OSError as e:
+            raise write_error(tmp, e) from None
+    except TrainingError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise TrainingError(f"{e}; the unfinished {tmp} was removed") from None
     return final
 
 
@@ -1742,6 +1900,10 @@ def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters
         names = {f.name for f in dataclasses.fields(Hyperparameters)}
         args = Hyperparameters(**{k: v for k, v in info["config"].items() if k in names})
         validate_config(args)
+        windows = info.get("windows")
+        if not (isinstance(windows, list) and len(windows) == 2
+                and all(type(w) is int and w > 0 for w in windows)):  # type(): a bool is no block count
+            raise ValueError(f'"windows" must be the final (short, long) windows in blocks, got {windows!r}')
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise DataError(f"{path / 'config.json'}: not train_gpt.py's final-weights config ({e})") from None
     model = cast_for_device(GPT(args, "bf16" if device.type == "cuda" else "fp32").to(device), device)
@@ -1762,8 +1924,47 @@ def resolve_checkpoint(resume: str, args: Hyperparameters) -> Path:
     return Path(resume)
 
 
-def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: str) -> dict:
-    """The checkpoint's meta.json, if it belongs to this run; runs before any training work."""
+# What meta.json must hold, and of which JSON types (a bool is never a number here).
+CHECKPOINT_META = {"step": int, "train_time_ms": (int, float), "world_size": int, "loader": dict, "config": dict,
+                   "code_sha256": str, "files": dict}
+
+
+@dataclass
+class Resume:
+    """A checked checkpoint: its meta.json, and this rank's files, loaded to the CPU."""
+    path: Path
+    meta: dict
+    model_state: dict
+    rank_state: dict
+
+
+def read_checkpoint_file(path: Path, name: str, meta: dict):
+    """One of a checkpoint's files, checked against the size and sha256 meta.json recorded for it, then
+    loaded with weights_only (a checkpoint can hold tensors and plain containers, never code)."""
+    listed = meta["files"].get(name)
+    if not (isinstance(listed, dict) and type(listed.get("bytes")) is int and isinstance(listed.get("sha256"), str)):
+        raise TrainingError(f"--resume={path}: meta.json does not list {name} with its size and sha256")
+    try:
+        data = (path / name).read_bytes()
+    except OSError as e:
+        raise TrainingError(f"--resume={path}: cannot read {name} ({e.strerror})") from None
+    if len(data) != listed["bytes"]:
+        raise TrainingError(f"--resume={path}: {name} has {len(data)} bytes, meta.json recorded {listed['bytes']} "
+                            f"(truncated, or not this checkpoint's file)")
+    if hashlib.sha256(data).hexdigest() != listed["sha256"]:
+        raise TrainingError(f"--resume={path}: {name} is not the file saved with this meta.json (its sha256 differs)")
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TrainingError(f"--resume={path}: cannot load {name} safely ({first})") from None
+
+
+def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: str) -> Resume:
+    """Everything about a checkpoint that can be wrong, checked before the run creates anything:
+    meta.json's shape; that the checkpoint belongs to this run (world size, config, code); and that
+    meta.json describes the files beside it (their sizes and sha256, and the step this rank's
+    optimizer file was saved at)."""
     meta_path = path / "meta.json"
     if not meta_path.is_file():
         raise TrainingError(f"--resume={path}: not a complete checkpoint (no meta.json)")
@@ -1771,6 +1972,13 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError) as e:
         raise TrainingError(f"--resume={path}: unreadable meta.json ({e})") from None
+    if not isinstance(meta, dict):
+        raise TrainingError(f"--resume={path}: meta.json is not a checkpoint's (a JSON {type(meta).__name__}, "
+                            f"not an object)")
+    for key, kind in CHECKPOINT_META.items():
+        if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
+            raise TrainingError(f"--resume={path}: meta.json has no valid {key!r} (edited, or written by an older "
+                                f"train_gpt.py?)")
     if meta["world_size"] != env.world_size:
         raise TrainingError(f"--resume={path}: written at world size {meta['world_size']}, this run has "
                             f"{env.world_size}; DistAdam and NorMuon state are sharded per rank, so resume with "
@@ -1784,49 +1992,77 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
         if meta["code_sha256"] != code_hash(source):
             raise TrainingError(f"--resume={path}: written by a different train_gpt.py "
                                 f"(use --force_resume=true to resume anyway)")
-    return meta
+    model_state = read_checkpoint_file(path, "model.pt", meta)
+    rank_state = read_checkpoint_file(path, f"rank_{env.rank}.pt", meta)
+    saved_at = rank_state.get("step") if isinstance(rank_state, dict) else None
+    if saved_at != meta["step"]:
+        raise TrainingError(f"--resume={path}: meta.json says step {meta['step']}, but rank_{env.rank}.pt was "
+                            f"saved at step {saved_at}")
+    return Resume(path, meta, model_state, rank_state)
 
 
-def load_checkpoint(path: Path, meta: dict, model: GPT, optimizers, loader, env: DistEnv) -> tuple[int, float]:
-    try:  # weights_only: a checkpoint can hold tensors and plain containers, never code
-        model_state = torch.load(path / "model.pt", map_location=env.device, weights_only=True)
-        rank_state = torch.load(path / f"rank_{env.rank}.pt", map_location=env.device, weights_only=True)
-    except Exception as e:
+def load_checkpoint(resume: Resume, model: GPT, optimizers, loader, env: DistEnv) -> tuple[int, float]:
+    try:
+        model.load_state_dict(resume.model_state)
+        for opt, state in zip(optimizers, resume.rank_state["optimizers"], strict=True):
+            opt.load_state_dict(state)
+        loader.load_state_dict(resume.meta["loader"])
+        torch.set_rng_state(resume.rank_state["cpu_rng"].cpu())
+        if env.device.type == "cuda" and resume.rank_state["cuda_rng"].numel():
+            torch.cuda.set_rng_state(resume.rank_state["cuda_rng"].cpu())
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TrainingError(f"--resume={path}: cannot load the checkpoint safely ({first})") from None
-    model.load_state_dict(model_state)
-    for opt, state in zip(optimizers, rank_state["optimizers"]):
-        opt.load_state_dict(state)
-    torch.set_rng_state(rank_state["cpu_rng"].cpu())
-    if env.device.type == "cuda" and rank_state["cuda_rng"].numel():
-        torch.cuda.set_rng_state(rank_state["cuda_rng"].cpu())
-    loader.load_state_dict(meta["loader"])
-    return meta["step"], meta["train_time_ms"]
+        raise TrainingError(f"--resume={resume.path}: the checkpoint does not fit this run ({first})") from None
+    return resume.meta["step"], float(resume.meta["train_time_ms"])
 
 
 # -----------------------------------------------------------------------------
 # Logging: the log file starts with this file's source, then versions, hardware and config
 
 class Logger:
-    """Rank 0 writes logs/<run_id>.txt and the console; every line is flushed as written."""
+    """Rank 0 writes logs/<run_id>.txt and the console. Each line reaches the file as it is logged, so
+    a killed run keeps every step it finished. A write that fails (a full disk) is taken back to the
+    last complete line and raises a TrainingError naming the file."""
 
     def __init__(self, path: Path | None):
-        self.file = None
+        self.path, self.fd, self.size = path, None, 0
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(path, "x", encoding="utf-8")  # never overwrite another run's log
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)  # never overwrite another run's log
 
     def __call__(self, line: str = "", console: bool = True):
-        if self.file is not None:
-            self.file.write(line + "\n")
-            self.file.flush()
-            if console:
-                print(line, flush=True)
+        if self.fd is None:
+            return
+        data = (line + "\n").encode("utf-8", "backslashreplace")
+        try:
+            write_all(self.fd, data)
+        except OSError as e:
+            with contextlib.suppress(OSError):  # no half line: the log keeps every complete one
+                os.ftruncate(self.fd, self.size)
+                os.lseek(self.fd, self.size, os.SEEK_SET)
+            raise write_error(self.path, e) from None
+        self.size += len(data)
+        if console:
+            print(line, flush=True)
+
+    def last_line(self, line: str):
+        """The line that says how a run ended, if the disk still has room for it."""
+        with contextlib.suppress(TrainingError):
+            self(line, console=False)
 
     def close(self):
-        if self.file is not None:
-            os.fsync(self.file.fileno())
-            self.file.close()
+        """Puts the log on the disk; a failure here (some file systems report a full disk only now) is an
+        error of the run too."""
+        if self.fd is None:
+            return
+        fd, self.fd = self.fd, None
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            raise write_error(self.path, e) from None
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def nvidia_smi() -> str:
@@ -1918,32 +2154,28 @@ def train(args: Hyperparameters, env: DistEnv):
     run_id = args.run_id or f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:8]}"
     check_world_size(args, env.world_size)
 
-    # Everything that can fail on bad input happens before the first collective of training,
-    # and all ranks agree on it, so one rank's error never leaves the others waiting.
-    log, error = Logger(None), None
+    # Every input check (data, checkpoint, run id) runs before anything is created, so bad input leaves
+    # no log and no folder behind and takes no run id. All ranks agree on the outcome before the log is
+    # created and again after, so one rank's error never leaves the others waiting in a collective.
+    log, error, resume = Logger(None), None, None
+    log_path = Path(args.logs_dir) / f"{run_id}.txt"
     try:
         loader = SyntheticLoader(args, env) if args.synthetic else TrainLoader(args, env)
         val_tokens = (torch.randint(0, BOS_ID, (args.val_tokens + 1,), generator=torch.Generator().manual_seed(0))
                       if args.synthetic else load_val_tokens(args))
-        if env.is_main:  # the log is created last: bad input never leaves one behind
-            log_path = Path(args.logs_dir) / f"{run_id}.txt"
-            if log_path.exists():
-                raise ConfigError(f"--run_id={run_id}: {log_path} already exists; choose another run id")
-            try:
-                log = Logger(log_path)
-            except OSError as e:
-                raise ConfigError(f"--logs_dir={args.logs_dir}: cannot write the log ({e.strerror})") from None
-        resume = None
         if args.resume:
-            path = resolve_checkpoint(args.resume, args)
-            resume = path, check_checkpoint(path, args, env, source)
+            resume = check_checkpoint(resolve_checkpoint(args.resume, args), args, env, source)
+        if env.is_main and log_path.exists():
+            raise ConfigError(f"--run_id={run_id}: {log_path} already exists; choose another run id")
     except (ConfigError, DataError, TrainingError) as e:
         error = e
+    if all_ranks_ok(error is None, env.device) and env.is_main:
+        try:
+            log = Logger(log_path)
+        except OSError as e:
+            error = ConfigError(f"--logs_dir={args.logs_dir}: cannot write the log ({e.strerror})")
     if not all_ranks_ok(error is None, env.device):
-        if error is None:
-            error = TrainingError("another rank failed during setup")
-        log.close()
-        raise error
+        raise error or TrainingError("another rank failed during setup")
 
     try:
         model = build_model(args, env)
@@ -1951,11 +2183,13 @@ def train(args: Hyperparameters, env: DistEnv):
         for line in loader.report():
             log(line)
         run_training(args, env, log, model, loader, val_tokens, source, run_id, resume)
+        log.close()  # a log that cannot reach the disk is a failed run too
     except Exception as e:  # the log says how the run ended, whatever ended it
-        log(f"error: {type(e).__name__ + ': ' if not isinstance(e, TrainingError) else ''}{e}", console=False)
+        log.last_line(f"error: {type(e).__name__ + ': ' if not isinstance(e, TrainingError) else ''}{e}")
         raise
     finally:
-        log.close()
+        with contextlib.suppress(TrainingError):
+            log.close()
 
 
 def snapshot(state: dict) -> dict:
@@ -1963,14 +2197,12 @@ def snapshot(state: dict) -> dict:
 
 
 def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, loader, val_tokens: Tensor,
-                 source: str, run_id: str, resume: tuple[Path, dict] | None):
+                 source: str, run_id: str, resume: Resume | None):
     use_flex = resolve_attention(args, env.device) == "flex"
     if args.compile:
         compile_model(model)
     optimizers = build_optimizers(model, args)
     initial_loader = loader.state_dict()
-    val_steps = [s for s in range(args.num_iterations + 1)
-                 if s == args.num_iterations or (args.val_loss_every and s % args.val_loss_every == 0)]
 
     # Untimed warmup: training steps (from the second on, one that steps Adam) and a validation
     # compile and run every kernel. Windows, documents, rotary tables and the attention scale are
@@ -1999,15 +2231,14 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, l
 
     start_step, train_time_ms = 0, 0.0
     if resume:
-        path, meta = resume
         error = None
         try:
-            start_step, train_time_ms = load_checkpoint(path, meta, model, optimizers, loader, env)
+            start_step, train_time_ms = load_checkpoint(resume, model, optimizers, loader, env)
         except TrainingError as e:
             error = e
         if not all_ranks_ok(error is None, env.device):  # one rank's bad file stops them all
             raise error or TrainingError("another rank could not load the checkpoint")
-        log(f"resumed from {path} at step {start_step}")
+        log(f"resumed from {resume.path} at step {start_step}")
 
     sync(env.device)
     t0 = time.perf_counter()
@@ -2017,7 +2248,7 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, l
         last_step = step == args.num_iterations
         windows = attention_windows(step, args)
         model.rotary.set_window(windows[1])  # YaRN, when the long window grows
-        if step in val_steps:
+        if is_validation_step(step, args):
             sync(env.device)
             train_time_ms += 1000 * (time.perf_counter() - t0)  # the clock stops for validation
             val_windows = layer_windows(args, attention_windows(step, args, final_validation=last_step))
@@ -2061,10 +2292,14 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, l
         else:
             log(format_step(step + 1, args, now_ms))
 
+    error = None
     if args.save_final and env.is_main:  # after the clock has stopped
-        log(f"final weights: {save_final_weights(model, args, source, run_id, args.num_iterations, final_val_loss)}")
-    if env.world_size > 1:
-        dist.barrier()
+        try:
+            log(f"final weights: {save_final_weights(model, args, source, run_id, args.num_iterations, final_val_loss)}")
+        except TrainingError as e:
+            error = e
+    if not all_ranks_ok(error is None, env.device):
+        raise error or TrainingError("rank 0 could not write the final weights")
     if optimizers[1].late_reductions:
         log(f"note: {optimizers[1].late_reductions} DistAdam bucket reductions started in step(), not during "
             f"backward (a parameter without a gradient)")
@@ -2097,6 +2332,20 @@ def stop_on_sigterm(signum, frame):
     raise TrainingError(f"stopped by {signal.Signals(signum).name} (torchrun stops every rank when one fails)")
 
 
+def report_error(line: str, exit_code: int, print_it: bool = True) -> int:
+    """Prints a failed run's one line and returns its exit code. Under torchrun the line also goes to the
+    rank's error file (TORCHELASTIC_ERROR_FILE, which torchrun sets), so that torchrun's own summary of
+    the failure shows it instead of a pointer to its documentation."""
+    if print_it:
+        print(line, file=sys.stderr)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+        with contextlib.suppress(OSError):
+            Path(error_file).write_text(json.dumps(record))
+    return exit_code
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", 0))
@@ -2105,26 +2354,19 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv, torch.cuda.is_available())
         env = setup_distributed(args)
     except ConfigError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report_error(f"error: {e}", 2, print_it=rank == 0)
     if env.device.type == "cpu":
         keep_freed_cpu_memory()
     try:
         train(args, env)
         return 0
     except (ConfigError, DataError) as e:  # the same on every rank: rank 0 speaks for all
-        if env.is_main:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report_error(f"error: {e}", 2, print_it=env.is_main)
     except TrainingError as e:
-        print(f"error [rank {env.rank}]: {e}", file=sys.stderr)
-        return 1
+        return report_error(f"error [rank {env.rank}]: {e}", 1)
     except dist.DistError as e:  # a peer died or a collective timed out
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"error [rank {env.rank}]: a collective failed, another rank probably died: {first_line}",
-              file=sys.stderr)
-        return 1
+        return report_error(f"error [rank {env.rank}]: a collective failed, another rank probably died: {first_line}", 1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

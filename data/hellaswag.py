@@ -129,21 +129,29 @@ def choose(ending_losses: list) -> tuple[int, int]:
     return sums.index(min(sums)), means.index(min(means))
 
 
-def evaluate(examples: list[Example], token_losses, encoding, batch_size: int = 8, progress: bool = True) -> Result:
+def evaluate(examples: list[Example], token_losses, encoding, batch_size: int = 8, progress: bool = True,
+             max_tokens: int | None = None) -> Result:
     """Scores the examples, batch_size at a time (4 sequences each).
 
     token_losses(sequences) takes lists of token ids and returns, per sequence, a tensor of len(seq) - 1
     losses: entry j is the loss of seq[j + 1] given seq[:j + 1], each sequence read as its own document
-    (sample.py's token_losses_fn packs them into one forward pass)."""
+    (sample.py's token_losses_fn packs them into as few forward passes as the model allows). An example
+    whose context and ending are longer than max_tokens is an error, found before any scoring."""
     from tqdm import tqdm
 
+    rendered = [render(example, encoding) for example in examples]
+    if max_tokens is not None:
+        for number, (context, endings) in enumerate(rendered, 1):
+            longest = len(context) + max(len(ending) for ending in endings)
+            if longest > max_tokens:
+                raise HellaSwagError(f"example {number}: its context and longest ending are {longest} tokens, "
+                                     f"more than the model reads ({max_tokens})")
     correct = correct_norm = 0
     with tqdm(total=len(examples), unit="example", desc="hellaswag", disable=not progress) as bar:
         for start in range(0, len(examples), batch_size):
             batch = examples[start:start + batch_size]
             sequences, ending_lengths = [], []
-            for example in batch:
-                context, endings = render(example, encoding)
+            for context, endings in rendered[start:start + batch_size]:
                 for ending in endings:
                     sequences.append(context + ending)
                     ending_lengths.append(len(ending))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import errno
 import hashlib
 import io
 import json
@@ -650,17 +651,42 @@ def warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
 
+def why_not_written(error: OSError) -> str:
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"the disk is full: {error.strerror}"
+    return error.strerror or str(error)
+
+
+def write_bytes(path: Path, data: bytes, shown: Path | None = None) -> None:
+    """A new file holding data, written with os.write: a write that fails (a full disk) is a ToolError
+    naming the file (`shown`, if the user knows it by another name)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise ToolError(f"{shown or path}: cannot write ({why_not_written(e)})") from None
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Write via a temp file in the same folder and rename: readers never see half a file."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+    except OSError as e:
+        raise ToolError(f"{path}: cannot write ({why_not_written(e)})") from None
+    try:
+        write_bytes(Path(tmp), data, shown=path)
         os.replace(tmp, path)
-    except BaseException:
+    except OSError as e:
+        raise ToolError(f"{path}: cannot write ({why_not_written(e)})") from None
+    finally:
         Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # =============================================================================
@@ -795,10 +821,7 @@ def cmd_extract(args) -> int:
     if log.declared_hash and sha256_text(log.source) != log.declared_hash:
         raise ToolError(f"{log.name}: embedded source does not match its code_sha256 line (the log was edited)")
     out = Path(args.output)
-    try:
-        write_atomic(out, log.source.encode("utf-8"))
-    except OSError as e:
-        raise ToolError(f"{out}: cannot write ({e.strerror or e})") from None
+    write_atomic(out, log.source.encode("utf-8"))
     print(f"wrote {out} ({len(log.source.encode('utf-8'))} bytes, sha256 {log.code_hash})")
     return 0
 
@@ -849,10 +872,7 @@ def cmd_plot(args) -> int:
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
-    try:
-        write_atomic(out, png.getvalue())
-    except OSError as e:
-        raise ToolError(f"{out}: cannot write ({e.strerror or e})") from None
+    write_atomic(out, png.getvalue())
     print(f"wrote {out} ({len(logs)} runs, {len(groups)} code version(s))")
     return 0
 
@@ -1043,15 +1063,16 @@ def cmd_new(args) -> int:
     tmp = Path(tempfile.mkdtemp(dir=records_dir, prefix=".new-"))
     try:
         for lg in logs:
-            shutil.copyfile(lg.path, tmp / lg.path.name)
+            write_bytes(tmp / lg.path.name, lg.path.read_bytes(), shown=folder / lg.path.name)
         meta = {"name": args.name, "date": date, "track": track, "target": args.target}
-        (tmp / "record.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        write_bytes(tmp / "record.json", (json.dumps(meta, indent=2) + "\n").encode("utf-8"),
+                    shown=folder / "record.json")
         rel = folder.resolve().relative_to(records_dir.resolve().parent).as_posix()
         copies = [read_log(tmp / lg.path.name) for lg in logs]
         for copy, lg in zip(copies, logs):
             copy.path = folder / lg.path.name
-        (tmp / "README.md").write_text(record_readme(args.name, date, track, args.target, copies, rel),
-                                       encoding="utf-8")
+        write_bytes(tmp / "README.md", record_readme(args.name, date, track, args.target, copies, rel).encode("utf-8"),
+                    shown=folder / "README.md")
         os.rename(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -1179,7 +1200,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:   # a folder or file the command had to write
-        print(f"error: {e.filename}: {e.strerror or e}", file=sys.stderr)
+        print(f"error: {str(e.filename) + ': ' if e.filename else ''}{why_not_written(e)}", file=sys.stderr)
         return 1
 
 

@@ -1,0 +1,546 @@
+"""Bad inputs and faults (the fuzzing pass of issue 17), kept as tables: each row is an input or a fault
+and what it must give (exit code, one `error: ...` line holding these fragments, nothing left behind).
+The next fuzzing pass starts here: add a row.
+
+Disk full is simulated in-process: `small_disk` replaces os.write, for files under one folder only, with
+a write that stores what fits and then fails with ENOSPC, as a real full disk does; train_gpt.py and
+records.py write every byte through os.write, so their real error paths run. One test also uses a real
+kernel limit (RLIMIT_FSIZE, no privileges needed) for the same paths."""
+
+import contextlib
+import errno
+import importlib.util
+import io
+import json
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import sample
+import train_gpt as T
+from conftest import REPO, one_line_error, random_model, run_main, torchrun
+
+TRAIN = REPO / "train_gpt.py"
+# The smoke model, one micro-batch of 256 tokens a step and one 1,024-token validation sequence: the
+# smallest run that still trains, validates and checkpoints through the real code.
+TINY = ["--preset=smoke", "--num_iterations=2", "--extension_steps=1", "--val_loss_every=0", "--batch_tokens=256",
+        "--micro_batch_tokens=256", "--val_tokens=1024", "--warmup_steps=0"]
+
+
+def one_line(proc, code: int, *fragments) -> str:
+    """The command failed with this exit code and one error line holding every fragment."""
+    assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error"), proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+# -----------------------------------------------------------------------------
+# train_gpt.py: values that cannot be meant (exit 2, before anything is created)
+
+FLAG_CASES = [
+    # (flags, fragments of the error line)
+    (["--embed_lr=-0.1"], ["--embed_lr=-0.1: must be a finite number >= 0"]),
+    (["--muon_lr=nan"], ["--muon_lr=nan"]),
+    (["--head_lr=inf"], ["--head_lr=inf"]),
+    (["--muon_weight_decay=-1"], ["--muon_weight_decay=-1.0"]),
+    (["--final_lr_frac=-0.5"], ["--final_lr_frac=-0.5"]),
+    (["--adam_beta1=1"], ["--adam_beta1=1.0: must be in [0, 1)"]),
+    (["--adam_beta2=1.5"], ["--adam_beta2=1.5"]),
+    (["--muon_beta2=-0.1"], ["--muon_beta2=-0.1"]),
+    (["--muon_momentum_end=1"], ["--muon_momentum_end=1.0"]),
+    (["--adam_eps=0"], ["--adam_eps=0.0: must be a finite number > 0"]),
+    (["--logit_cap=0"], ["--logit_cap=0.0"]),
+    (["--logit_cap_width=0"], ["--logit_cap_width=0.0"]),
+    (["--cooldown_frac=nan"], ["--cooldown_frac=nan"]),
+    (["--pg_timeout_s=100000000000000"], ["--pg_timeout_s=100000000000000: must be in 1..604800"]),
+    (["--pg_timeout_s=1e14"], ["--pg_timeout_s=1e14: expected int"]),
+    (["--seed=-1"], ["--seed=-1: must be in 0..2**64-1"]),
+    (["--run_id=../../escape"], ["--run_id=../../escape: must be a plain name"]),
+    (["--run_id=a/b"], ["--run_id=a/b"]),
+    (["--run_id=.."], ["--run_id=..: must be a plain name"]),
+    (["--run_id=" + "x" * 201], ["must be a plain name of at most 200"]),
+    (["--num_iterations=0"], ["--num_iterations=0: must be positive"]),
+    (["--batch_tokens=1000"], ["--batch_tokens=1000 must be a multiple of --micro_batch_tokens=256"]),
+    (["--preset=nope"], ["--preset=nope: unknown preset"]),
+]
+
+
+@pytest.mark.parametrize("flags, fragments", FLAG_CASES, ids=[" ".join(f) for f, _ in FLAG_CASES])
+def test_values_that_cannot_be_meant_are_refused(tmp_path, flags, fragments):
+    proc = run_main(*TINY, f"--logs_dir={tmp_path}/logs", f"--checkpoint_dir={tmp_path}/ck", *flags)
+    one_line_error(proc, *fragments)
+    assert list(tmp_path.iterdir()) == []  # no log, no folder
+
+
+# -----------------------------------------------------------------------------
+# Resuming: meta.json is checked against what it describes (exit 1, no log, the run id stays free)
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A real checkpoint at step 2 of the TINY run, made in-process: two training steps, then
+    save_checkpoint (what the trainer does at --save_every=2)."""
+    root = tmp_path_factory.mktemp("resume")
+    args = T.parse_args([*TINY, f"--checkpoint_dir={root}"], False)
+    env = T.DistEnv(0, 0, 1, torch.device("cpu"))
+    model = T.build_model(args, env)
+    optimizers = T.build_optimizers(model, args)
+    loader = T.TrainLoader(args, env)
+    for step in range(2):
+        T.set_schedules(step, optimizers, args)
+        windows = T.layer_windows(args, T.attention_windows(step, args))
+        T.train_step(model, optimizers, loader.next_batch(), windows, step, args, use_flex=False)
+    return T.save_checkpoint(2, 1234.0, model, optimizers, loader, args, env, TRAIN.read_text(), "base")
+
+
+def copy_of(checkpoint, tmp_path):
+    """The checkpoint's files as hard links in a new folder: a case replaces a file, never edits one in place."""
+    copy = tmp_path / checkpoint.name
+    copy.mkdir()
+    for f in checkpoint.iterdir():
+        os.link(f, copy / f.name)
+    return copy
+
+
+def replace(path, data: bytes):
+    path.unlink()
+    path.write_bytes(data)
+
+
+def edit_meta(change):
+    def edit(folder):
+        meta = json.loads((folder / "meta.json").read_text())
+        meta = change(meta)
+        replace(folder / "meta.json", json.dumps(meta).encode())
+    return edit
+
+
+def flip_a_byte(name):
+    def edit(folder):
+        data = bytearray((folder / name).read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        replace(folder / name, bytes(data))
+    return edit
+
+
+def truncate(name):
+    def edit(folder):
+        replace(folder / name, (folder / name).read_bytes()[:1000])
+    return edit
+
+
+def with_key(key, value):
+    def change(meta):
+        meta[key] = value
+        return meta
+    return change
+
+
+def without_key(key):
+    def change(meta):
+        del meta[key]
+        return meta
+    return change
+
+
+RESUME_CASES = [
+    # (what is wrong, how the checkpoint is changed, fragments of the error line)
+    ("meta.json is {}", edit_meta(lambda meta: {}), ["meta.json has no valid 'step'"]),
+    ("meta.json is a list", edit_meta(lambda meta: [1, 2]), ["meta.json is not a checkpoint's (a JSON list"]),
+    ("step edited", edit_meta(with_key("step", 4)), ["meta.json says step 4, but rank_0.pt was saved at step 2"]),
+    ("step is text", edit_meta(with_key("step", "2")), ["meta.json has no valid 'step'"]),
+    ("loader is a list", edit_meta(with_key("loader", [])), ["meta.json has no valid 'loader'"]),
+    ("no file list (older format)", edit_meta(without_key("files")), ["meta.json has no valid 'files'"]),
+    ("file not listed", edit_meta(with_key("files", {})), ["meta.json does not list model.pt"]),
+    ("model.pt replaced", flip_a_byte("model.pt"), ["model.pt is not the file saved with this meta.json"]),
+    ("rank file truncated", truncate("rank_0.pt"), ["rank_0.pt has 1000 bytes, meta.json recorded"]),
+    ("rank file missing", lambda folder: (folder / "rank_0.pt").unlink(), ["cannot read rank_0.pt"]),
+]
+
+
+@pytest.mark.slow  # the fixture trains two steps
+@pytest.mark.parametrize("what, edit, fragments", RESUME_CASES, ids=[case[0] for case in RESUME_CASES])
+def test_a_checkpoint_that_does_not_match_its_meta_json_is_refused(checkpoint, tmp_path, what, edit, fragments):
+    folder = copy_of(checkpoint, tmp_path)
+    edit(folder)
+    proc = run_main(*TINY, f"--resume={folder}", f"--logs_dir={tmp_path}/logs", f"--checkpoint_dir={tmp_path}/ck",
+                    "--run_id=again")
+    one_line(proc, 1, f"error [rank 0]: --resume={folder}: ", *fragments)
+    # nothing was created, so the run id is still free for the corrected resume
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "ck").exists()
+
+
+@pytest.mark.slow  # the fixture trains two steps
+def test_an_untouched_checkpoint_passes_every_check(checkpoint):
+    args = T.parse_args(TINY, False)
+    resume = T.check_checkpoint(checkpoint, args, T.DistEnv(0, 0, 1, torch.device("cpu")), TRAIN.read_text())
+    assert resume.meta["step"] == resume.rank_state["step"] == 2
+    assert sorted(resume.meta["files"]) == ["model.pt", "rank_0.pt"]
+    for name, listed in resume.meta["files"].items():
+        assert listed["bytes"] == (checkpoint / name).stat().st_size
+
+
+# -----------------------------------------------------------------------------
+# A full disk: one line naming the file, nothing half-written
+
+class SmallDisk:
+    """Files under `root` live on a simulated disk with `room` bytes (the sizes of the files under root
+    count against it, so a truncated or removed file gives its room back)."""
+
+    def __init__(self, root, room: int):
+        self.root, self.room = root, room
+
+    def free(self) -> int:
+        used = sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())
+        return self.room - used
+
+
+@pytest.fixture
+def small_disk(tmp_path, monkeypatch):
+    disk = SmallDisk(tmp_path / "disk", room=0)
+    disk.root.mkdir()
+    real_write = os.write
+
+    def write(fd, data):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            target = ""
+        if not target.startswith(f"{disk.root}{os.sep}"):
+            return real_write(fd, data)
+        view = memoryview(data).cast("B")
+        fits = min(len(view), disk.free())
+        if fits <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, view[:fits])  # a short write, then ENOSPC on the next call
+
+    monkeypatch.setattr(os, "write", write)
+    return disk
+
+
+def test_a_full_disk_under_the_log_is_one_line_and_the_log_says_so(small_disk):
+    small_disk.room = 20_000  # less than the source of train_gpt.py, the log's first line
+    proc = run_main(*TINY, f"--logs_dir={small_disk.root}", "--run_id=full")
+    log = small_disk.root / "full.txt"
+    line = one_line(proc, 1, f"cannot write {log}: the disk is full (No space left on device)")
+    # the half-written source was taken back, which left room for the line saying why the run ended
+    assert log.read_text() == line.replace("error [rank 0]: ", "error: ") + "\n"
+
+
+def test_a_log_that_fills_the_disk_keeps_every_complete_line(small_disk):
+    source = TRAIN.read_bytes()
+    small_disk.room = len(source) + 1 + 300  # the disk fills a few lines after the source
+    proc = run_main(*TINY, f"--logs_dir={small_disk.root}", "--run_id=full")
+    one_line(proc, 1, "the disk is full")
+    text = (small_disk.root / "full.txt").read_bytes()
+    assert text.startswith(source) and text.endswith(b"\n")  # no half line at the end
+    header = text[len(source) + 1:].decode().splitlines()
+    assert header[0] == "=" * 100 and header[1].startswith("Running Python ")
+
+
+def tiny_model(checkpoint_dir):
+    """The smoke model with a 512-token vocabulary: a checkpoint of a few MB (the files' size does not
+    matter to what these tests check)."""
+    args = T.parse_args(["--preset=smoke", "--vocab_size=512", f"--checkpoint_dir={checkpoint_dir}"], False)
+    env = T.DistEnv(0, 0, 1, torch.device("cpu"))
+    model = T.build_model(args, env)
+    return args, env, model, T.build_optimizers(model, args), T.SyntheticLoader(args, env)
+
+
+def test_a_checkpoint_that_fills_the_disk_is_removed_and_the_last_good_one_stays(small_disk):
+    small_disk.room = 10 ** 9
+    args, env, model, optimizers, loader = tiny_model(small_disk.root)
+    source = TRAIN.read_text()
+    good = T.save_checkpoint(2, 1.0, model, optimizers, loader, args, env, source, "run")
+    model_bytes = (good / "model.pt").stat().st_size
+    small_disk.room = small_disk.room - small_disk.free() + model_bytes // 2  # the next model.pt fits half-way
+    partial = small_disk.root / "run/.step_000004.partial"
+    with pytest.raises(T.TrainingError) as failure:
+        T.save_checkpoint(4, 2.0, model, optimizers, loader, args, env, source, "run")
+    assert str(failure.value) == (f"cannot write {partial}/model.pt: the disk is full (No space left on device); "
+                                  f"the unfinished checkpoint {partial} was removed")
+    assert sorted(p.name for p in (small_disk.root / "run").iterdir()) == ["latest", "step_000002"]
+    assert (small_disk.root / "run/latest").read_text() == "step_000002\n"
+    T.check_checkpoint(good, args, env, source)  # the last good checkpoint is intact
+
+
+def test_final_weights_that_fill_the_disk_are_removed(small_disk):
+    small_disk.room = 100_000  # less than model.pt
+    args, _, model, _, _ = tiny_model(small_disk.root)
+    with pytest.raises(T.TrainingError, match=r"cannot write .*/run/\.final\.partial/model\.pt: the disk is full .*"
+                                              r"the unfinished .*\.final\.partial was removed"):
+        T.save_final_weights(model, args, TRAIN.read_text(), "run", 30, 5.0)
+    assert list((small_disk.root / "run").iterdir()) == []
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """RLIMIT_FSIZE for this process: the kernel refuses to grow any file past `limit` bytes (EFBIG,
+    with SIGXFSZ ignored). Lowering it and restoring it needs no privileges."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+@pytest.mark.slow  # two training steps
+def test_a_real_write_error_during_a_checkpoint_ends_the_run_in_one_line(tmp_path):
+    # 1 MB: room for the log (~110 kB), not for a checkpoint's files (50-100 MB).
+    with file_size_limit(1 << 20):
+        proc = run_main(*TINY, "--save_every=2", f"--logs_dir={tmp_path}", f"--checkpoint_dir={tmp_path}/ck",
+                        "--run_id=limited")
+    partial = tmp_path / "ck/limited/.step_000002.partial"
+    line = one_line(proc, 1, f"cannot write {partial}/rank_0.pt: File too large",
+                    f"the unfinished checkpoint {partial} was removed")
+    assert list((tmp_path / "ck/limited").iterdir()) == []
+    log = (tmp_path / "limited.txt").read_text()
+    assert log.endswith(line.replace("error [rank 0]: ", "error: ") + "\n")
+
+
+# -----------------------------------------------------------------------------
+# Start-up cost does not grow with num_iterations
+
+def test_window_spans_count_the_steps_of_each_window():
+    for flags in (["--num_iterations=30", "--extension_steps=2"], ["--num_iterations=7", "--extension_steps=0"],
+                  ["--num_iterations=2245", "--extension_steps=40", "--window_schedule=3,3,7,11,13"],
+                  ["--num_iterations=3", "--extension_steps=1", "--window_schedule=3,7,11"]):
+        args = T.parse_args(["--preset=smoke", *flags], False)
+        stages = [T.window_stage(step, args) for step in range(args.num_iterations)]
+        expected = [(stages.index(s), stages.count(s)) if s in stages else (None, 0)
+                    for s in range(len(T.int_list(args, "window_schedule")) + 1)]
+        assert [(first if count else None, count) for first, count in T.window_spans(args)] == expected
+
+
+class CallBudget:
+    """Fails a test that calls the wrapped function more than `limit` times."""
+
+    def __init__(self, fn, limit: int):
+        self.fn, self.limit, self.calls = fn, limit, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        assert self.calls <= self.limit, "a loop over every step"
+        return self.fn(*args, **kwargs)
+
+
+def test_the_flops_average_does_not_visit_every_step(monkeypatch):
+    args = T.parse_args(["--preset=smoke", "--num_iterations=1000000000000", "--vocab_size=512"], False)
+    model = T.GPT(args)
+    tokens = torch.randint(0, 512, (args.micro_batch_tokens,))
+    monkeypatch.setattr(T, "attention_windows", CallBudget(T.attention_windows, 10_000))
+    if hasattr(T, "window_stage"):
+        monkeypatch.setattr(T, "window_stage", CallBudget(T.window_stage, 10_000))
+    flops = T.schedule_flops_per_token(args, model, tokens)
+    # the extension's windows for 40 of 10^12 steps do not move the average: it is the schedule's
+    per_stage = [T.model_flops_per_token(args, model, tokens, T.layer_windows(args, (w // 2, w))) for w in (2, 4, 6)]
+    assert flops == pytest.approx(sum(per_stage) / 3, rel=1e-9)
+
+
+def test_a_run_of_10_to_the_8_steps_starts_at_once(tmp_path, monkeypatch):
+    def stop(*args, **kwargs):
+        raise T.TrainingError("stopped by the test at the first step")
+
+    monkeypatch.setattr(T, "train_step", stop)
+    monkeypatch.setattr(T, "attention_windows", CallBudget(T.attention_windows, 10_000))
+    # (--repeat_data: the bundled shard supplies 680 of these steps; the run would start over from it)
+    proc = run_main(*TINY, "--num_iterations=100000000", "--repeat_data=true", f"--logs_dir={tmp_path}",
+                    "--run_id=long")
+    one_line(proc, 1, "stopped by the test at the first step")
+    assert (tmp_path / "long.txt").read_text().endswith("\nerror: stopped by the test at the first step\n")
+
+
+# -----------------------------------------------------------------------------
+# Under torchrun: a config error is exit 2 on every rank, and torchrun's summary shows its line
+
+@pytest.mark.slow  # three processes under torchrun
+def test_a_config_error_under_torchrun(tmp_path):
+    proc = torchrun(TRAIN, 3, f"--logs_dir={tmp_path}", check=False, timeout=300)
+    message = "error: world size 3 cannot split the batch"
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error")] == [
+        message + ": --batch_tokens=2048 is 4 micro-batches of --micro_batch_tokens=512, not a multiple of 3 "
+                  "(a smaller --micro_batch_tokens makes more)"], proc.stderr[-3000:]
+    # torchrun itself always exits 1 when a rank fails, and stops the others (SIGTERM, exit code -15)
+    # as soon as the first has exited: its summary has each rank's own exit code, and the first
+    # failure's error file, our line
+    assert proc.returncode == 1
+    assert sorted(set(re.findall(r"exitcode\s*: (-?\d+) ", proc.stderr))) in (["2"], ["-15", "2"]), proc.stderr
+    root_cause = proc.stderr[proc.stderr.index("Root Cause"):]
+    assert re.search(r"exitcode\s*: 2 ", root_cause) and re.search(rf"traceback\s*: {message}", root_cause), root_cause
+    assert list(tmp_path.iterdir()) == []
+
+
+# -----------------------------------------------------------------------------
+# sample.py: bad values and configs, the context, HellaSwag batches of any size
+
+@pytest.fixture(scope="module")
+def final_folder_in_process(tmp_path_factory):
+    """Final weights of the smoke model, written by save_final_weights; random weights, so that
+    HellaSwag's endings score differently (a trained smoke model takes a 30 s run)."""
+    root = tmp_path_factory.mktemp("final")
+    args = T.parse_args(["--preset=smoke", f"--checkpoint_dir={root}"], False)
+    model = T.build_model(args, T.DistEnv(0, 0, 1, torch.device("cpu")))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    return T.save_final_weights(model, args, TRAIN.read_text(), "s", args.num_iterations, 10.8)
+
+
+def sample_main(*argv):
+    """sample.main(argv) in this process: its exit code and what it printed."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = sample.main([str(a) for a in argv])
+    return subprocess.CompletedProcess(["sample.py", *argv], code, out.getvalue(), err.getvalue())
+
+
+def edit_config(change):
+    def edit(folder):
+        info = json.loads((folder / "config.json").read_text())
+        replace(folder / "config.json", json.dumps(change(info)).encode())
+    return edit
+
+
+SAMPLE_CASES = [
+    # (what, how the final folder is changed, sample.py flags, fragments)
+    ("temperature nan", None, ["--prompt=x", "--temperature=nan"], ["--temperature=nan: must be zero (greedy) or a"]),
+    ("temperature inf", None, ["--prompt=x", "--temperature=inf"], ["--temperature=inf"]),
+    ("no windows", edit_config(without_key("windows")), ["--prompt=x"],
+     ["config.json: not train_gpt.py's final-weights config", '"windows" must be']),
+    ("windows of 0 blocks", edit_config(with_key("windows", [0, 10])), ["--prompt=x"], ['"windows" must be']),
+    ("windows not a list", edit_config(with_key("windows", "3,10")), ["--prompt=x"], ['"windows" must be']),
+    ("config not an object", edit_config(with_key("config", 5)), ["--prompt=x"], ["config.json: not train_gpt.py's"]),
+    ("config.json a list", edit_config(lambda info: [1]), ["--prompt=x"], ["config.json: not train_gpt.py's"]),
+]
+
+
+@pytest.mark.parametrize("what, edit, flags, fragments", SAMPLE_CASES, ids=[case[0] for case in SAMPLE_CASES])
+def test_sample_refuses_bad_values_and_configs(final_folder_in_process, tmp_path, what, edit, flags, fragments):
+    folder = final_folder_in_process
+    if edit is not None:
+        folder = copy_of(final_folder_in_process, tmp_path)
+        edit(folder)
+    one_line_error(sample_main(folder, *flags), *fragments)
+
+
+def test_a_tiny_temperature_samples_greedily():
+    logits = torch.tensor([0.0, 5.0, 4.9, -3.0, float("-inf")])
+    for temperature in (1e-300, 1e-30, 5e-324):
+        for top_k in (0, 2):
+            picks = {sample.choose(logits, temperature, top_k, torch.Generator().manual_seed(s)) for s in range(20)}
+            assert picks == {1}
+
+
+def positions_model(train_max_seq_len: int, positions: int):
+    """A random smoke model whose rotary tables hold `positions` (its micro-batch and validation length)."""
+    args = T.parse_args(["--preset=smoke", "--window_block=16", "--window_schedule=1,2", "--window_extension=3",
+                         "--window_final_val=4", f"--micro_batch_tokens={positions}", f"--batch_tokens={4 * positions}",
+                         f"--val_seq_len={positions}", f"--val_tokens={4 * positions}",
+                         f"--train_max_seq_len={train_max_seq_len}"], False)
+    torch.manual_seed(0)
+    model = T.GPT(args)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+        model.head.lm_head.weight[T.BOS_ID] = 0  # a middling logit: generation never ends on <|endoftext|>
+    model.rotary.set_window(3)
+    return model.eval(), args, {"windows": [1, 4]}
+
+
+def test_generation_stops_at_the_rotary_tables_when_training_documents_were_longer():
+    # trained with documents of up to 4,096 tokens, but the rotary tables hold 128 positions
+    model, args, info = positions_model(train_max_seq_len=4096, positions=128)
+    assert T.context_length(args) == 128
+    tokens, why = sample.generate(model, args, info, [464], 1000, 0.0, 0, 0)
+    assert why == "the context is full (128 tokens)"
+    assert 2 + len(tokens) - 1 == 128  # BOS, the prompt, and each token but the last was read
+
+
+def test_hellaswag_batches_of_any_size_fit_the_model():
+    model, args, info = random_model()  # its rotary tables hold 1,024 positions
+    token_losses = sample.token_losses_fn(model, args, info)
+    generator = torch.Generator().manual_seed(0)
+    # 16 examples x 4 endings of 55 tokens: 3,584 positions packed, as HellaSwag's real lengths give
+    sequences = [torch.randint(0, 50_000, (55,), generator=generator).tolist() for _ in range(64)]
+    losses = token_losses(sequences)
+    assert [len(x) for x in losses] == [54] * 64
+    for i in (0, 17, 18, 35, 36, 63):  # sequences at both ends of the packed groups of 18
+        assert_close(losses[i], token_losses([sequences[i]])[0], rtol=1e-5, atol=1e-5)
+
+
+def hellaswag_file(path, examples: int, context_words: int):
+    lines = [json.dumps({"ctx": " ".join(["The man keeps walking down the road"] * (context_words // 7)),
+                         "endings": [f"and then he sees {w} ahead of him on the long and winding road" for w in
+                                     ("a dog", "a cat", "the sea", "a house")],
+                         "label": i % 4}) for i in range(examples)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_hellaswag_scores_real_length_examples_at_the_default_batch_size(final_folder_in_process, tmp_path):
+    data = hellaswag_file(tmp_path / "val.jsonl", examples=16, context_words=35)
+    batched = sample_main(final_folder_in_process, "--eval=hellaswag", f"--data={data}", "--batch_size=16")
+    assert batched.returncode == 0, batched.stderr[-2000:]
+    alone = sample_main(final_folder_in_process, "--eval=hellaswag", f"--data={data}", "--batch_size=1")
+    assert batched.stdout.startswith("hellaswag: 16 examples") and batched.stdout == alone.stdout
+
+
+def test_hellaswag_example_longer_than_the_model_is_one_line(final_folder_in_process, tmp_path):
+    data = hellaswag_file(tmp_path / "val.jsonl", examples=1, context_words=1400)
+    one_line_error(sample_main(final_folder_in_process, "--eval=hellaswag", f"--data={data}"),
+                   "example 1: its context and longest ending are 1415 tokens, more than the model reads (1023)")
+
+
+# -----------------------------------------------------------------------------
+# records.py: a full disk is one line naming the file
+
+def records_tool():
+    if "records_tool" not in sys.modules:  # test_records.py loads it under this name too
+        spec = importlib.util.spec_from_file_location("records_tool", REPO / "records/records.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["records_tool"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["records_tool"]
+
+
+HANDMADE = sorted((REPO / "tests/fixtures/handmade").glob("b-cpu-run*.txt"))
+
+
+def records_main(capsys, *argv):
+    code = records_tool().main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(["records.py", *argv], code, captured.out, captured.err)
+
+
+def test_records_table_on_a_full_disk(small_disk, capsys):
+    proc = records_main(capsys, "table", "--records-dir", small_disk.root)
+    one_line(proc, 1, f"error: {small_disk.root}/RECORDS.md: cannot write (the disk is full: No space left on device)")
+    assert list(small_disk.root.iterdir()) == []  # no temporary file left
+
+
+def test_records_new_on_a_full_disk(small_disk, capsys):
+    small_disk.room = sum(p.stat().st_size for p in HANDMADE) + 10  # the logs fit, record.json does not
+    proc = records_main(capsys, "new", "x", *HANDMADE, "--records-dir", small_disk.root, "--target", "7.5",
+                        "--track", "CPU smoke")
+    one_line(proc, 1, "x/record.json: cannot write (the disk is full")
+    assert list(small_disk.root.iterdir()) == []  # neither the record nor its temporary folder
+
+
+def test_records_plot_on_a_full_disk(small_disk, capsys):
+    pytest.importorskip("matplotlib")
+    png = small_disk.root / "curves.png"
+    proc = records_main(capsys, "plot", *HANDMADE, "-o", png)
+    one_line(proc, 1, f"error: {png}: cannot write (the disk is full")
+    assert list(small_disk.root.iterdir()) == []
