@@ -19,6 +19,10 @@ sys.path.insert(0, str(REPO))
 import train_gpt  # noqa: E402
 
 train_gpt.keep_freed_cpu_memory()  # the in-process tests allocate like the trainer does
+# One intra-op thread, as the processes the tests start have (OMP_NUM_THREADS=1 in cpu_env): the tests' tensors
+# are small, and on a 2-core machine with another process busy, a second thread that spins waiting for the
+# first made in-process work 5x slower (measured: 150 generated tokens, 1.9 s with one thread, 10.2 s with two).
+torch.set_num_threads(1)
 
 
 def pytest_configure(config):
