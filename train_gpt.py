@@ -100,8 +100,9 @@ class Hyperparameters:
                                "the head; -1: none", 8)
     logit_cap: float = _help("logits are squashed to (0, cap) with cap * sigmoid(x / logit_cap_width)", 30.0)
     logit_cap_width: float = _help("see logit_cap", 7.5)
-    lm_head_precision: str = _help("auto (fp8 on GPUs of compute capability >= 8.9, else bf16 on GPUs, fp32 on "
-                                   "CPU), fp8, bf16 or fp32; fp8 applies to training, evaluation uses bf16", "auto")
+    lm_head_precision: str = _help("auto (fp8 on GPUs of compute capability >= 8.9 when model_dim and "
+                                   "micro_batch_tokens are multiples of 16, else bf16 on GPUs, fp32 on CPU), fp8, "
+                                   "bf16 or fp32; fp8 applies to training, evaluation uses bf16", "auto")
     # attention (window sizes in blocks of window_block tokens)
     attention: str = _help("auto (flex on CUDA, sdpa elsewhere), flex (FlexAttention block masks) or sdpa "
                            "(dense boolean mask)", "auto")
@@ -132,7 +133,7 @@ class Hyperparameters:
     # run control
     seed: int = _help("seed for the initial weights (identical on every rank)", 1337)
     device: str = _help("auto, cuda or cpu", "auto")
-    compile: bool = _help("torch.compile each block and the loss head", True)
+    compile: bool = _help("torch.compile each block and the loss head (false: FlexAttention alone, on CUDA)", True)
     warmup_steps: int = _help("untimed steps that compile every kernel; the state is restored after them", 2)
     val_loss_every: int = _help("validate every N steps (0: only at the end)", 250)
     train_loss_every: int = _help("log the train loss every N steps (0: never); costs one host sync", 250)
