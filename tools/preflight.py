@@ -10,7 +10,8 @@ this CPU-only PyTorch hold them on device "cuda"): setup_distributed with the re
 build_model with its dtypes, prepare_training (torch.compile, the optimizers), the block masks, the
 warmup's two training steps (the first without Adam, the second with it, which is where compilation
 happens), a validation at the final windows, a checkpoint when --save_every or --save_final ask for
-one, and two more training steps with every optimizer state in place, which are measured. World
+one, and two more training steps with every optimizer state in place, which are measured. The
+batches are synthetic tokens with web-like documents, packed as the loader packs shards. World
 size W is torch's fake process group: DistAdam's hooks and NorMuon's chunks issue the collectives of
 rank 0 of W, with their real shapes, and nothing is sent.
 
@@ -316,6 +317,8 @@ def run_preflight(flags: list[str], world_size: int = 8, backend: str = "aot_eag
     """Runs the configuration as rank 0 of world_size H100s would; raises PreflightFailure on the first
     thing that would fail there."""
     args = T.parse_args(flags, True)
+    if args.device == "cpu":
+        raise T.ConfigError("--device=cpu: the preflight runs the CUDA path; leave --device at auto or cuda")
     T.check_world_size(args, world_size)
     kernels = fake_cuda.fake_sm90_triton() if backend == "inductor" else []
     torch._dynamo.reset()  # graphs compiled by an earlier run in this process would not be counted
