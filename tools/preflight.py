@@ -48,6 +48,11 @@ def parse_options(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--backend", choices=("aot_eager", "inductor"), default="aot_eager",
                         help="torch.compile backend: aot_eager (graphs and autograd, no kernels; the default) or "
                              "inductor (also generates and compiles every Triton kernel for sm_90; needs triton)")
+    def one_line_error(message: str):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    parser.error = one_line_error  # argparse's own adds the usage: bad input gets one line
     options = parser.parse_args(ours)
     if options.world_size < 1:
         parser.error(f"--world_size={options.world_size}: must be positive")
@@ -462,8 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         print("error: tools/fake_cuda.py's load() must run before torch is imported", file=sys.stderr)
         return 2
     if options.backend == "inductor" and importlib.util.find_spec("triton") is None:
-        print("error: --backend=inductor needs triton: pip install triton (the version your PyTorch's CUDA "
-              "build names; see the README)", file=sys.stderr)
+        print("error: --backend=inductor needs triton, the version your PyTorch's CUDA wheel pins (PyTorch 2.13: "
+              "pip install triton==3.7.1; see the README)", file=sys.stderr)
         return 2
     fake_cuda.pretend_h100()
     torch._logging.set_logs(all=logging.CRITICAL)  # errors come back as one line; torch's logging would bury it
