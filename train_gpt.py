@@ -106,8 +106,9 @@ class Hyperparameters:
                                "the head; -1: none", 8)
     logit_cap: float = _help("logits are squashed to (0, cap) with cap * sigmoid(x / logit_cap_width)", 30.0)
     logit_cap_width: float = _help("see logit_cap", 7.5)
-    lm_head_precision: str = _help("auto (fp8 on GPUs of compute capability >= 8.9, else bf16 on GPUs, fp32 on "
-                                   "CPU), fp8, bf16 or fp32; fp8 applies to training, evaluation uses bf16", "auto")
+    lm_head_precision: str = _help("auto (fp8 on GPUs of compute capability >= 8.9 when model_dim and "
+                                   "micro_batch_tokens are multiples of 16, else bf16 on GPUs, fp32 on CPU), fp8, "
+                                   "bf16 or fp32; fp8 applies to training, evaluation uses bf16", "auto")
     # attention (window sizes in blocks of window_block tokens)
     attention: str = _help("auto (flex on CUDA, sdpa elsewhere), flex (FlexAttention block masks) or sdpa "
                            "(dense boolean mask)", "auto")
@@ -138,7 +139,7 @@ class Hyperparameters:
     # run control
     seed: int = _help("seed for the initial weights (identical on every rank)", 1337)
     device: str = _help("auto, cuda or cpu", "auto")
-    compile: bool = _help("torch.compile each block and the loss head", True)
+    compile: bool = _help("torch.compile each block and the loss head (false: FlexAttention alone, on CUDA)", True)
     warmup_steps: int = _help("untimed steps that compile every kernel; the state is restored after them", 2)
     val_loss_every: int = _help("validate every N steps (0: only at the end)", 250)
     train_loss_every: int = _help("log the train loss every N steps (0: never); costs one host sync", 250)
@@ -319,6 +320,14 @@ def validate_config(args: Hyperparameters):
                           ("lm_head_precision", ("auto", "fp8", "bf16", "fp32"))):
         if getattr(args, name) not in choices:
             raise ConfigError(f"--{name}={getattr(args, name)}: choose {', '.join(choices)}")
+    if args.lm_head_precision == "fp8" and not fp8_head_fits(args):
+        raise ConfigError(f"--lm_head_precision=fp8: FP8 matmuls need --model_dim (here {args.model_dim}) and "
+                          f"--micro_batch_tokens (here {args.micro_batch_tokens}) to be multiples of 16; use bf16")
+
+
+def fp8_head_fits(args: Hyperparameters) -> bool:
+    """torch._scaled_mm takes only multiples of 16 for the dimensions the FP8 head multiplies over."""
+    return args.model_dim % 16 == 0 and args.micro_batch_tokens % 16 == 0
 
 
 def check_world_size(args: Hyperparameters, world_size: int) -> int:
@@ -344,10 +353,11 @@ def resolve_attention(args: Hyperparameters, device: torch.device, training: boo
 
 
 def resolve_head_precision(args: Hyperparameters, device: torch.device) -> str:
-    """fp8 needs the FP8 tensor cores of compute capability 8.9 (Ada, Hopper) and later."""
+    """fp8 needs the FP8 tensor cores of compute capability 8.9 (Ada, Hopper) and later, and widths
+    FP8 matmuls take (fp8_head_fits); auto falls back to bf16 without them, and the log header says so."""
     fp8_capable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
     if args.lm_head_precision == "auto":
-        return "fp8" if fp8_capable else ("bf16" if device.type == "cuda" else "fp32")
+        return "fp8" if fp8_capable and fp8_head_fits(args) else ("bf16" if device.type == "cuda" else "fp32")
     if args.lm_head_precision == "fp8" and device.type == "cuda" and not fp8_capable:
         raise ConfigError(f"--lm_head_precision=fp8: {torch.cuda.get_device_name(device)} has no FP8 tensor cores "
                           f"(compute capability 8.9 or later); use bf16")
@@ -381,7 +391,7 @@ def setup_distributed(args: Hyperparameters) -> DistEnv:
         torch.cuda.set_device(device)
     resolve_attention(args, device)  # refuse what this device cannot train before any process group exists
     resolve_head_precision(args, device)
-    if world_size > 1:
+    if world_size > 1 and not dist.is_initialized():  # tools/preflight.py brings its own (fake) group
         dist.init_process_group(backend="nccl" if use_cuda else "gloo",
                                 timeout=datetime.timedelta(seconds=args.pg_timeout_s),
                                 device_id=device if use_cuda else None)
@@ -481,7 +491,8 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a: float, scale_b: float, out_dtype: t
 
 
 class FP8Linear(torch.autograd.Function):
-    """x @ w.T in FP8 (bf16 out); backward in FP8 with fp32 weight gradients."""
+    """x @ w.T in FP8 (bf16 out); backward in FP8. The weight gradient leaves the FP8 matmul in fp32, and
+    autograd rounds it to the weight's own dtype (bf16 on GPUs) before it reaches w.grad."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, x_scale: float) -> Tensor:
@@ -655,6 +666,7 @@ class CausalSelfAttention(nn.Module):
             self.qkvo[3].zero_()
         self.gate = CastedLinear(GATE_CHANNELS, self.num_heads)  # per-head output gate, sigmoid(0) = 0.5 at init
         self.value_mix = nn.Parameter(torch.tensor([0.5, 0.5] if has_value_embed else [0.5]))  # (v, value embed)
+        self.attend = attention  # compile_model(attention_only=True) puts a compiled attention here
 
     def forward(self, x: Tensor, value_embed: Tensor | None, mask, cos: Tensor, sin: Tensor, scale: Tensor,
                 cache: LayerCache | None = None) -> Tensor:
@@ -667,7 +679,7 @@ class CausalSelfAttention(nn.Module):
             v = v + self.value_mix[1] * value_embed.view_as(v)
         if cache is not None:
             k, v = cache.extend(k, v)
-        y = attention((q * scale).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask).transpose(1, 2)
+        y = self.attend((q * scale).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask).transpose(1, 2)
         y = y * torch.sigmoid(self.gate(x[..., :GATE_CHANNELS])).unsqueeze(-1)  # a head can switch itself off
         return F.linear(y.reshape(B, T, dim), self.qkvo[3].type_as(y))
 
@@ -740,8 +752,8 @@ class LossHead(nn.Module):
             logits = FP8Linear.apply(x.flatten(0, -2), w, self.x_scale).view(*x.shape[:-1], -1)
         elif self.precision in ("fp8", "bf16"):
             logits = F.linear(x.bfloat16(), w.bfloat16())
-        else:
-            logits = F.linear(x, w.type_as(x))
+        else:  # fp32 whatever the stream's dtype (bf16 on GPUs)
+            logits = F.linear(x.float(), w.float())
         return self.cap * torch.sigmoid(logits / self.cap_width)
 
     def forward(self, x: Tensor, target_ids: Tensor, reduction: str) -> Tensor:
@@ -867,7 +879,7 @@ class KVCache(list):
         self.last_embedding = None
 
 
-def compile_model(model: GPT, backend="inductor"):
+def compile_model(model: GPT, backend="inductor", attention_only: bool = False):
     """Compile each block's and the loss head's forward on their own, not the whole model. Backward
     then runs graph by graph, so the gradient hooks of the lm_head and of each block fire as soon as
     that part is done and DistAdam's reduce-scatters overlap the rest of backward; a whole-model graph
@@ -877,7 +889,17 @@ def compile_model(model: GPT, backend="inductor"):
     block compiles once per sequence length (training, validation). Dynamo keeps compiled graphs per
     code object: the blocks share Block.forward's, and blocks of the same structure share graphs; the
     speedrun's three structures (attention with and without value embeddings, MLP only) make 6
-    graphs there, under dynamo's limit of 8, and the head has LossHead.forward's 2."""
+    graphs there, under dynamo's limit of 8, and the head has LossHead.forward's 2.
+
+    attention_only (--compile=false with FlexAttention) compiles the attention call alone: FlexAttention
+    run uncompiled materialises the whole score matrix, 24 GiB for one 32,768-token micro-batch and
+    about 1.5 TiB for a 262,144-token validation sequence."""
+    if attention_only:
+        compiled = torch.compile(attention, backend=backend, dynamic=False, fullgraph=True)
+        for block in model.blocks:
+            if block.attn is not None:
+                block.attn.attend = compiled
+        return
     for module in [block for block in model.blocks if block.active] + [model.head]:
         module.forward = torch.compile(module.forward, backend=backend, dynamic=False, fullgraph=True)
 
@@ -2083,8 +2105,12 @@ def log_header(log: Logger, source: str, args: Hyperparameters, env: DistEnv, ru
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     log(f"device: {env.device.type} ({device_name})  world_size: {env.world_size}  "
         f"backend: {dist.get_backend() if distributed() else 'none'}  date: {now}")
-    log(f"attention: {resolve_attention(args, env.device)}  lm_head: {model.head.precision}  "
-        f"compile: {'per block' if args.compile else 'off'}")
+    attention_kind = resolve_attention(args, env.device)
+    head = model.head.precision
+    if head == "bf16" and args.lm_head_precision == "auto" and not fp8_head_fits(args):
+        head += " (fp8 needs --model_dim and --micro_batch_tokens multiples of 16)"
+    compiled = "per block" if args.compile else ("FlexAttention only" if attention_kind == "flex" else "off")
+    log(f"attention: {attention_kind}  lm_head: {head}  compile: {compiled}")
     smi = nvidia_smi()
     if smi:
         log(smi, console=False)
@@ -2127,17 +2153,21 @@ def keep_freed_cpu_memory():
 
 def cast_for_device(model: GPT, device: torch.device) -> GPT:
     """On GPUs, record #44's parameter dtypes: bf16 embeddings, lm_head and gates; the hidden matrices
-    and scalars stay fp32 (Muon's small updates survive; CastedLinear multiplies in bf16). On CPU all fp32."""
+    and scalars stay fp32 (Muon's small updates survive; CastedLinear multiplies in bf16). An fp32 head
+    (--lm_head_precision=fp32) keeps its weight in fp32. On CPU all fp32."""
     if device.type == "cuda":
         gates = [block.attn.gate for block in model.blocks if block.attn is not None]
-        for module in [model.embed, *model.value_embeds, model.head.lm_head, model.smear_gate, *gates]:
+        head = [model.head.lm_head] if model.head.precision != "fp32" else []
+        for module in [model.embed, *model.value_embeds, *head, model.smear_gate, *gates]:
             module.bfloat16()
     return model
 
 
 def build_model(args: Hyperparameters, env: DistEnv) -> GPT:
+    """Built and cast on the host, then moved to the device in one go (tools/preflight.py moves it to a
+    fake H100 there)."""
     torch.manual_seed(args.seed)
-    model = cast_for_device(GPT(args, resolve_head_precision(args, env.device)).to(env.device), env.device)
+    model = cast_for_device(GPT(args, resolve_head_precision(args, env.device)), env.device).to(env.device)
     if env.world_size > 1:  # identical weights on every rank whatever the device's RNG does
         for p in model.parameters():
             dist.broadcast(p.data, src=0)
@@ -2192,16 +2222,53 @@ def train(args: Hyperparameters, env: DistEnv):
             log.close()
 
 
+class StepTimer:
+    """Per-step times without a per-step device sync. On CUDA an event is recorded after each step and
+    the events are read only where the loop synchronises anyway (validation, checkpoints, the end), so
+    the host keeps running ahead; a step's time is the device's, from one event to the next. On CPU,
+    where the host computes the step itself, its clock is read instead."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.step_ms: list[float] = []
+        self.marks: list = []  # since start(): CUDA events, or host times on CPU
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self):
+        """Call after a device sync: the next step starts now."""
+        self.marks = [self._mark()]
+
+    def step_done(self):
+        self.marks.append(self._mark())
+
+    def read(self):
+        """Call after a device sync: adds the times of the steps since start() to step_ms."""
+        pairs = zip(self.marks, self.marks[1:])
+        self.step_ms += [a.elapsed_time(b) if self.cuda else 1000 * (b - a) for a, b in pairs]
+        self.marks = []
+
+
 def snapshot(state: dict) -> dict:
     return {k: v.clone() if isinstance(v, Tensor) else dict(v) for k, v in state.items()}
 
 
+def prepare_training(model: GPT, args: Hyperparameters, env: DistEnv, backend="inductor") -> tuple[tuple, bool]:
+    """Compiles what the run compiles and builds its optimizers: (optimizers, whether attention is flex)."""
+    use_flex = resolve_attention(args, env.device) == "flex"
+    if args.compile or use_flex:
+        compile_model(model, backend, attention_only=not args.compile)
+    return build_optimizers(model, args), use_flex
+
+
 def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, loader, val_tokens: Tensor,
                  source: str, run_id: str, resume: Resume | None):
-    use_flex = resolve_attention(args, env.device) == "flex"
-    if args.compile:
-        compile_model(model)
-    optimizers = build_optimizers(model, args)
+    optimizers, use_flex = prepare_training(model, args, env)
     initial_loader = loader.state_dict()
 
     # Untimed warmup: training steps (from the second on, one that steps Adam) and a validation
@@ -2227,7 +2294,7 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, l
     peak_flops = matmul_peak_flops(env.device, matmul_dtype)
     flops_per_token = schedule_flops_per_token(args, model, loader.next_batch()[0][0])
     loader.load_state_dict(initial_loader)
-    step_ms: list[float] = []
+    timer = StepTimer(env.device)
 
     start_step, train_time_ms = 0, 0.0
     if resume:
@@ -2240,8 +2307,11 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, l
             raise error or TrainingError("another rank could not load the checkpoint")
         log(f"resumed from {resume.path} at step {start_step}")
 
+    # The host runs ahead of the device: the loop synchronises only where the clock stops (validation,
+    # checkpoints, the end) and where the train loss is logged (every train_loss_every steps).
     sync(env.device)
     t0 = time.perf_counter()
+    timer.start()
     train_loss_sum, train_loss_steps = torch.zeros((), device=env.device), 0
     final_val_loss = float("nan")
     for step in range(start_step, args.num_iterations + 1):
@@ -2251,23 +2321,26 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, l
         if is_validation_step(step, args):
             sync(env.device)
             train_time_ms += 1000 * (time.perf_counter() - t0)  # the clock stops for validation
+            timer.read()
             val_windows = layer_windows(args, attention_windows(step, args, final_validation=last_step))
             final_val_loss = evaluate(model, val_tokens, val_windows, args, env, use_flex)
             log(format_step(step, args, train_time_ms, val_loss=final_val_loss))
             check_finite(final_val_loss, "val loss", step)
             sync(env.device)
             t0 = time.perf_counter()
+            timer.start()
         if args.save_every and step > start_step and step % args.save_every == 0:
             sync(env.device)
             train_time_ms += 1000 * (time.perf_counter() - t0)  # nor for saving
+            timer.read()
             path = save_checkpoint(step, train_time_ms, model, optimizers, loader, args, env, source, run_id)
             log(f"checkpoint: {path}", console=False)
             sync(env.device)
             t0 = time.perf_counter()
+            timer.start()
         if last_step:
             break
 
-        step_start = time.perf_counter()
         set_schedules(step, optimizers, args)
         batch = loader.next_batch()
         if loader.started_over:  # only with --repeat_data=true: the set-up refuses a run that would repeat
@@ -2276,11 +2349,9 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, l
         loss = train_step(model, optimizers, batch, layer_windows(args, windows), step, args, use_flex)
         train_loss_sum += loss
         train_loss_steps += 1
-
-        sync(env.device)
-        step_end = time.perf_counter()
-        step_ms.append(1000 * (step_end - step_start))
-        now_ms = train_time_ms + 1000 * (step_end - t0)
+        timer.step_done()
+        # On CUDA the host's clock, which runs ahead of the device; exact at validation and at the end.
+        now_ms = train_time_ms + 1000 * (time.perf_counter() - t0)
         if args.train_loss_every and (step + 1) % args.train_loss_every == 0:
             if env.world_size > 1:  # every rank sees the same value, so all stop together on a NaN
                 dist.all_reduce(train_loss_sum)
@@ -2312,8 +2383,8 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, l
     def mfu(tokens_per_s: float) -> float:
         return 100 * flops_per_token * tokens_per_s / (peak_flops * env.world_size)
 
-    if step_ms:  # the median step: what a benchmark compares
-        median_ms = float(np.median(step_ms))
+    if timer.step_ms:  # the median step: what a benchmark compares
+        median_ms = float(np.median(timer.step_ms))
         median_tokens_per_s = args.batch_tokens / (median_ms / 1000)
         log(f"perf: step_median:{median_ms:.2f}ms tokens_per_s:{median_tokens_per_s:.0f} "
             f"model_flops_per_token:{flops_per_token:.0f} matmul_peak_tflops:{peak_flops / 1e12:.2f} "

@@ -357,7 +357,7 @@ def test_gpu_parameter_dtypes_are_record_44s():
     args = T.parse_args(["--preset=speedrun", "--num_layers=4", "--no_attention_layers=0",
                          "--long_window_layers=3", "--backout_layer=2", "--num_value_embeds=1"], True)
     with torch.device("meta"):
-        model = T.cast_for_device(T.GPT(args), torch.device("cuda"))
+        model = T.cast_for_device(T.GPT(args, "fp8"), torch.device("cuda"))
     dtypes = {name: p.dtype for name, p in model.named_parameters()}
     bf16 = sorted(n for n, d in dtypes.items() if d == torch.bfloat16)
     assert bf16 == sorted(["embed.weight", "value_embeds.0.weight", "head.lm_head.weight", "smear_gate.weight",

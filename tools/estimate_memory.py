@@ -19,7 +19,8 @@ Arguments after `--` are train_gpt.py flags. Per rank it counts:
     every chunk in flight at once, DistAdam's flat copies of coalesced buckets), at world size > 1.
 Peak = max(end of the last micro-batch's forward + the backward transient, optimizer step), over
 the state that persists (weights, gradients, optimizer state). Allocator fragmentation, CUDA/NCCL
-context and compiled-kernel workspaces are not counted.
+context and compiled-kernel workspaces are not counted. tools/preflight.py makes the same count
+(breakdown below) with the saved activations measured on the compiled step on a fake H100.
 """
 
 from __future__ import annotations
@@ -92,6 +93,30 @@ def dist_adam_bytes(model: T.GPT, world_size: int) -> tuple[int, int]:
     return state, buffers
 
 
+def mask_bytes(masks: list) -> int:
+    """Bytes of the distinct block masks of one micro-batch (layers with the same window share one)."""
+    return sum(t.nbytes for m in {id(m): m for m in masks if m is not None}.values()
+               for t in m.as_tuple()[2:] if isinstance(t, torch.Tensor))
+
+
+def breakdown(model: T.GPT, args: T.Hyperparameters, world_size: int, saved_activations: int,
+              block_masks: int) -> dict[str, float]:
+    """The peak of a training step on rank 0 of world_size, in bytes, from the model in its GPU dtypes,
+    the bytes one micro-batch's forward keeps for backward and those of its block masks. Shared with
+    tools/preflight.py, which measures the saved activations on the compiled step."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    muon_state, muon_buffers = normuon_bytes(model, world_size, rank=0)
+    adam_state, adam_buffers = dist_adam_bytes(model, world_size)
+    logits = args.micro_batch_tokens * T.padded_vocab(args.vocab_size) * 2  # bf16
+    persistent = 2 * weights + muon_state + adam_state  # weights + gradients + optimizer state
+    backward = persistent + saved_activations + 2 * logits + block_masks
+    step = persistent + muon_buffers + adam_buffers
+    return {"weights": weights, "gradients": weights, "NorMuon state": muon_state, "DistAdam state": adam_state,
+            "saved activations": saved_activations, "logits + their gradient": 2 * logits,
+            "block masks": block_masks, "optimizer-step buffers": muon_buffers + adam_buffers,
+            "peak": max(backward, step)}
+
+
 def estimate(argv: list[str], world_size: int) -> dict[str, float]:
     args = T.parse_args(["--preset=speedrun", *argv], True)
     T.check_world_size(args, world_size)
@@ -111,23 +136,11 @@ def estimate(argv: list[str], world_size: int) -> dict[str, float]:
             tokens = torch.randint(0, T.BOS_ID, (args.micro_batch_tokens + 1,))
             tokens[::1000] = T.BOS_ID
             masks = T.build_masks(tokens[:-1], T.layer_windows(args, (6, 13)), True, args.window_block)
-            mask_bytes = sum(t.nbytes for m in {id(m): m for m in masks if m is not None}.values()
-                             for t in m.as_tuple()[2:] if isinstance(t, torch.Tensor))
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
                 model(tokens[:-1], tokens[1:], masks)
-            weights = sum(p.numel() * p.element_size() for p in model.parameters())
-            muon_state, muon_buffers = normuon_bytes(model, world_size, rank=0)
-            adam_state, adam_buffers = dist_adam_bytes(model, world_size)
+            return breakdown(model, args, world_size, sum(saved.values()), mask_bytes(masks))
     finally:
         T.attention = real_attention
-    logits = args.micro_batch_tokens * T.padded_vocab(args.vocab_size) * 2  # bf16
-    persistent = 2 * weights + muon_state + adam_state  # weights + gradients + optimizer state
-    activations = sum(saved.values())
-    backward = persistent + activations + 2 * logits + mask_bytes
-    step = persistent + muon_buffers + adam_buffers
-    return {"weights": weights, "gradients": weights, "NorMuon state": muon_state, "DistAdam state": adam_state,
-            "saved activations": activations, "logits + their gradient": 2 * logits, "block masks": mask_bytes,
-            "optimizer-step buffers": muon_buffers + adam_buffers, "peak": max(backward, step)}
 
 
 def main(argv=None) -> int:
