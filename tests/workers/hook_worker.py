@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train_gpt as T  # noqa: E402
