@@ -406,7 +406,7 @@ def all_ranks_ok(ok: bool, device: torch.device) -> bool:
     """True only if every rank says ok: lets all ranks stop together instead of hanging."""
     if not distributed():
         return ok
-    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+    flag = torch.full((1,), int(ok), dtype=torch.int32, device=device)  # a factory: fake tensors (preflight) too
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 

@@ -73,12 +73,14 @@ if __name__ == "__main__":
 import collections  # noqa: E402
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
+import hashlib  # noqa: E402
 import importlib.util  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
+import unittest.mock  # noqa: E402
 import warnings  # noqa: E402
 
 import torch  # noqa: E402
@@ -226,7 +228,9 @@ class FakeGPU(TorchDispatchMode):
         if name in SYNCING_OPS:
             self.host_sync(name)
             if name == "aten::_local_scalar_dense":
-                return float("nan") if args[0].is_floating_point() else 0
+                # A fake tensor has no value: a float reads as nan (a loss), an int as 1 (the flag with
+                # which all_ranks_ok lets every rank agree: the ranks this process stands for agree).
+                return float("nan") if args[0].is_floating_point() else 1
         if name.startswith("c10d::"):
             kind = next((k for key, k in COLLECTIVES.items() if key in name), None)
             if kind is not None:  # the whole buffer: a reduce-scatter's input, an all-gather's output
@@ -399,11 +403,27 @@ def run_steps(args: T.Hyperparameters, world_size: int, backend: str) -> Report:
     return report
 
 
+def write_file_seekable(path: Path, content) -> dict:
+    """T.write_file for fake tensors: torch.save without tensor data (skip_data) seeks in its file, which
+    the trainer's streaming writer cannot, so the file is written plainly and hashed afterwards."""
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        torch.save(content, path)
+    data = path.read_bytes()
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
 def save_checkpoints(model, optimizers, loader, args: T.Hyperparameters, env: T.DistEnv) -> int:
     """The trainer's checkpoint and final-weights writers, into a temporary folder, without tensor data;
-    returns the bytes they wrote."""
+    returns the bytes they wrote. Two host-side helpers are swapped: the writing of one file's bytes (see
+    write_file_seekable), and the gathering of Python objects from the ranks, which the fake process
+    group cannot carry (every rank is taken to report what rank 0 reports)."""
     source = TRAINER.read_text(encoding="utf-8")
-    with tempfile.TemporaryDirectory() as folder, torch.serialization.skip_data(materialize_fake_tensors=True):
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    with tempfile.TemporaryDirectory() as folder, torch.serialization.skip_data(materialize_fake_tensors=True), \
+            unittest.mock.patch.object(T, "write_file", write_file_seekable), \
+            unittest.mock.patch.object(T, "gather_from_ranks", lambda obj: [obj] * world_size):
         here = dataclasses.replace(args, checkpoint_dir=folder)
         if args.save_every:
             T.save_checkpoint(args.save_every, 0.0, model, optimizers, loader, here, env, source, "preflight")
