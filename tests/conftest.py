@@ -30,6 +30,21 @@ def pytest_configure(config):
                                        "the inner loop `python -m pytest tests -m \"not slow\"` leaves these out")
 
 
+# pytest.ini runs the suite on two pytest-xdist workers, one test file at a time (--dist=loadfile): the tests
+# that share an expensive fixture (a training run, the preflight scenarios, the gloo launches) are in one file,
+# so each fixture is made once. The files that took longest (measured on a 2-core machine) start first, so
+# that neither worker is left with a long file at the end while the other is idle; the rest follow in order.
+LONGEST_FILES_FIRST = ("test_world_sizes.py", "test_train.py", "test_reliability.py", "test_preflight.py",
+                       "test_optimizers.py", "test_bad_input.py")
+
+
+def pytest_collection_modifyitems(items):
+    def position(item) -> int:
+        name = item.path.name
+        return LONGEST_FILES_FIRST.index(name) if name in LONGEST_FILES_FIRST else len(LONGEST_FILES_FIRST)
+    items.sort(key=position)  # stable: each file's tests stay together and in order
+
+
 def cpu_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
@@ -74,6 +89,16 @@ def in_process(main, *argv) -> subprocess.CompletedProcess:
 def run_main(*argv) -> subprocess.CompletedProcess:
     """`python train_gpt.py argv`, in this process (see in_process)."""
     return in_process(train_gpt.main, *argv)
+
+
+def train_at(world_size: int, *args, check=True, timeout=600):
+    """train_gpt.py at world size 1 in this process, or under torchrun."""
+    if world_size == 1:
+        proc = run_main(*args)
+        if check:
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+    return torchrun(TRAIN, world_size, *args, check=check, timeout=timeout)
 
 
 def one_line_error(proc, *fragments) -> str:

@@ -2,9 +2,7 @@
 
 import sys
 
-import pytest
-
-from conftest import REPO, python
+from conftest import REPO, in_process
 
 sys.path.insert(0, str(REPO / "tools"))
 import estimate_memory  # noqa: E402
@@ -32,11 +30,10 @@ def test_weights_gradients_and_optimizer_state_are_counted_right():
     assert one["optimizer-step buffers"] == 0 < eight["optimizer-step buffers"]  # no collectives at world size 1
 
 
-@pytest.mark.slow
 def test_the_command_prints_a_table_that_fits_an_h100():
-    proc = python(REPO / "tools/estimate_memory.py", "--world_sizes", "1", "2")
+    proc = in_process(estimate_memory.main, "--world_sizes", "1", "2")
     assert proc.returncode == 0, proc.stderr
     peak = next(line for line in proc.stdout.splitlines() if line.startswith("| peak |"))
     assert all(0 < float(v) < 79.6 for v in peak.strip("|").split("|")[1:])
-    bad = python(REPO / "tools/estimate_memory.py", "--world_sizes", "3")
+    bad = in_process(estimate_memory.main, "--world_sizes", "3")
     assert bad.returncode == 2 and bad.stderr.startswith("error: world size 3 cannot split")

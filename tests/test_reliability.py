@@ -1,12 +1,13 @@
-"""Exact resume, checkpoint safety, non-finite loss, a dead rank, several nodes, durable logs."""
+"""Checkpoint safety (refused resumes, unsafe pickles, a crash mid-save), non-finite loss, a dead rank,
+durable logs. Exact resume at several world sizes and two nodes: test_world_sizes.py."""
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,38 +16,7 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, SHORT, TRAIN, cpu_env, run_main, torchrun, val_losses
-
-
-def run(world_size: int, *args, check=True, timeout=600):
-    """train_gpt.py at world size 1 in this process, or under torchrun."""
-    if world_size == 1:
-        proc = run_main(*args)
-        if check:
-            assert proc.returncode == 0, proc.stderr[-3000:]
-        return proc
-    return torchrun(TRAIN, world_size, *args, check=check, timeout=timeout)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_resume_reaches_the_val_losses_of_an_uninterrupted_run(short_run, tmp_path, world_size):
-    full_run = short_run(world_size)
-    full = full_run.val_losses
-    assert sorted(full) == [0, 2, 4, 6, 8]
-    checkpoint = full_run.checkpoint(4)
-    assert sorted(p.name for p in checkpoint.iterdir()) == sorted(
-        ["meta.json", "model.pt"] + [f"rank_{r}.pt" for r in range(world_size)])
-
-    run(world_size, *SHORT, f"--logs_dir={tmp_path}", f"--resume={checkpoint}", "--run_id=resumed")
-    resumed_log = (tmp_path / "resumed.txt").read_text()
-    assert f"resumed from {checkpoint} at step 4" in resumed_log
-    resumed = val_losses(resumed_log)
-    assert sorted(resumed) == [4, 6, 8]
-    print(f"world size {world_size}: uninterrupted {full}, resumed {resumed}")
-    for step in resumed:
-        assert resumed[step] == pytest.approx(full[step], rel=1e-6, abs=0), (step, full, resumed)
-    assert full[8] < full[4]  # the runs really trained after the checkpoint
+from conftest import REPO, SHORT, TRAIN, cpu_env, in_process, train_at, val_losses
 
 
 def refused(proc, *fragments):
@@ -61,31 +31,38 @@ def test_mismatched_checkpoints_are_refused(short_run, tmp_path):
     checkpoint = short_run(1).checkpoint(2)
     common = [*SHORT, f"--logs_dir={tmp_path}/logs"]
     # another config
-    refused(run(1, *common, "--embed_lr=0.5", f"--resume={checkpoint}", check=False),
+    refused(train_at(1, *common, "--embed_lr=0.5", f"--resume={checkpoint}", check=False),
             "config differs in embed_lr", "--force_resume")
     # not a checkpoint at all
-    refused(run(1, *common, f"--resume={tmp_path}", check=False), "not a complete checkpoint")
+    refused(train_at(1, *common, f"--resume={tmp_path}", check=False), "not a complete checkpoint")
 
 
 @pytest.mark.slow
-def test_checkpoints_of_another_world_size_or_code_are_refused(short_run, tmp_path):
-    common = [*SHORT, f"--logs_dir={tmp_path}/logs"]
-    # another world size: every rank says so, and all stop
+def test_checkpoints_of_another_world_size_are_refused_by_every_rank(short_run, tmp_path):
     checkpoint = short_run(1).checkpoint(2)
-    proc = run(2, *common, f"--resume={checkpoint}", check=False)
+    proc = train_at(2, *SHORT, f"--logs_dir={tmp_path}/logs", f"--resume={checkpoint}", check=False)
     assert proc.returncode != 0
-    for rank in (0, 1):
+    for rank in (0, 1):  # every rank says so, and all stop
         assert f"error [rank {rank}]: --resume={checkpoint}: written at world size 1" in proc.stderr
-    # another version of the code
-    edited = tmp_path / "train_gpt.py"
-    edited.write_text(TRAIN.read_text() + "\n# an edit\n")
-    proc = subprocess.run([sys.executable, str(edited), *common, f"--resume={checkpoint}"], cwd=REPO,
-                          env=cpu_env(), capture_output=True, text=True, timeout=300)
-    refused(proc, "different train_gpt.py")
-    # ... unless forced (from the last checkpoint before the end: the shortest run that resumes)
-    proc = subprocess.run([sys.executable, str(edited), *common, f"--resume={short_run(1).checkpoint(6)}",
-                           "--force_resume=true", "--warmup_steps=0", "--run_id=forced"], cwd=REPO, env=cpu_env(), capture_output=True,
-                          text=True, timeout=300)
+
+
+def test_checkpoints_of_other_code_are_refused_unless_forced(short_run, tmp_path):
+    common = [*SHORT, f"--logs_dir={tmp_path}/logs"]
+    checkpoint = short_run(1).checkpoint(2)
+    # A copy of train_gpt.py with a comment added, loaded in this process.
+    edited_path = tmp_path / "train_gpt.py"
+    edited_path.write_text(TRAIN.read_text() + "\n# an edit\n")
+    spec = importlib.util.spec_from_file_location("edited_train_gpt", edited_path)
+    edited = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = edited  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(edited)
+        refused(in_process(edited.main, *common, f"--resume={checkpoint}"), "different train_gpt.py")
+        # ... unless forced (from the last checkpoint before the end: the shortest run that resumes)
+        proc = in_process(edited.main, *common, f"--resume={short_run(1).checkpoint(6)}", "--force_resume=true",
+                          "--warmup_steps=0", "--run_id=forced")
+    finally:
+        del sys.modules[spec.name]
     assert proc.returncode == 0, proc.stderr
     forced = (tmp_path / "logs/forced.txt").read_text()
     assert "at step 6" in forced and sorted(val_losses(forced)) == [6, 8]
@@ -98,7 +75,7 @@ def test_resume_latest_and_unsafe_pickles(short_run, tmp_path):
     assert (run_dir / "latest").read_text().strip() == "step_000008"
     # No warmup (a run-control field): what is checked here does not need the kernels warm.
     common = [*SHORT, f"--logs_dir={tmp_path}/logs", f"--checkpoint_dir={ck}", "--warmup_steps=0"]
-    run(1, *common, "--resume=latest", "--run_id=latest")  # at the last step: only the final validation runs
+    train_at(1, *common, "--resume=latest", "--run_id=latest")  # at the last step: only the final validation runs
     latest = (tmp_path / "logs/latest.txt").read_text()
     assert "at step 8" in latest and val_losses(latest) == {8: short_run(1).val_losses[8]}
 
@@ -113,7 +90,7 @@ def test_resume_latest_and_unsafe_pickles(short_run, tmp_path):
     data = (checkpoint / "rank_0.pt").read_bytes()
     meta["files"]["rank_0.pt"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (checkpoint / "meta.json").write_text(json.dumps(meta))
-    refused(run(1, *common, f"--resume={checkpoint}", "--run_id=unsafe", check=False), "cannot load")
+    refused(train_at(1, *common, f"--resume={checkpoint}", "--run_id=unsafe", check=False), "cannot load")
     assert not (tmp_path / "pwned").exists()
 
 
@@ -146,7 +123,7 @@ def test_a_crash_during_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatc
 def test_non_finite_loss_stops_the_run_with_the_log_intact(tmp_path):
     # A huge learning rate makes the weights non-finite in NorMuon's first steps, then the train loss; it is
     # checked every 4 steps (no validation comes first).
-    proc = run(2, *SHORT, "--val_loss_every=0", "--train_loss_every=4", "--muon_lr=1e30", f"--logs_dir={tmp_path}",
+    proc = train_at(2, *SHORT, "--val_loss_every=0", "--train_loss_every=4", "--muon_lr=1e30", f"--logs_dir={tmp_path}",
                "--run_id=nan", check=False)
     assert proc.returncode != 0
     assert "non-finite train loss (nan) at step 4" in proc.stderr
@@ -211,27 +188,6 @@ def test_a_dead_rank_ends_the_job_within_the_timeout(tmp_path):
     assert took < timeout_s + 30
     last = log.read_text().rstrip().splitlines()[-1]
     assert last.startswith("error: "), last
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.slow
-def test_two_nodes_match_one_node_with_two_ranks(short_run, tmp_path):
-    args = [str(TRAIN), *SHORT, f"--logs_dir={tmp_path}"]
-    endpoint = f"127.0.0.1:{free_port()}"
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-                               "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", "--rdzv_id=two-nodes",
-                               *args, "--run_id=two_nodes"], cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    outputs = [node.communicate(timeout=600) for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
-    two_nodes = (tmp_path / "two_nodes.txt").read_text()
-    assert "world_size: 2" in two_nodes
-    assert val_losses(two_nodes) == short_run(2).val_losses
 
 
 @pytest.mark.slow

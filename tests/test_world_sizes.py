@@ -1,0 +1,73 @@
+"""The same training at several world sizes, resumed from a checkpoint, and across two nodes: all read the
+session's SHORT runs at world sizes 1, 2 and 4 (under pytest-xdist, this file runs on one worker, which
+makes the world-size-2 run once)."""
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, SHORT, TRAIN, cpu_env, train_at, val_losses
+
+
+@pytest.mark.slow
+def test_world_sizes_1_2_4_reach_the_same_val_loss(short_run):
+    # Same tokens per step at every world size; only the order of floating-point sums differs. In the
+    # first steps some gradients are zero in exact arithmetic (the zero-initialised blocks make the stream
+    # a multiple of the embedding, and the final norm ignores scale), and Adam can turn their rounding
+    # noise into full-size steps, so runs at different world sizes agree closely but not to the last bit.
+    # Wrong gradient averaging or a wrong share of the data moves the loss by far more (checked: dividing
+    # the summed loss by the local instead of the global micro-batch count).
+    reference = short_run(1).val_losses
+    assert sorted(reference) == [0, 2, 4, 6, 8]
+    for world_size in (2, 4):
+        run = short_run(world_size)
+        assert f"world_size: {world_size}" in run.log
+        assert run.val_losses.keys() == reference.keys()
+        assert run.val_losses[0] == reference[0]
+        for step in reference:
+            assert run.val_losses[step] == pytest.approx(reference[step], rel=1e-3), (world_size, run.val_losses,
+                                                                                      reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_resume_reaches_the_val_losses_of_an_uninterrupted_run(short_run, tmp_path, world_size):
+    full_run = short_run(world_size)
+    full = full_run.val_losses
+    assert sorted(full) == [0, 2, 4, 6, 8]
+    checkpoint = full_run.checkpoint(4)
+    assert sorted(p.name for p in checkpoint.iterdir()) == sorted(
+        ["meta.json", "model.pt"] + [f"rank_{r}.pt" for r in range(world_size)])
+
+    train_at(world_size, *SHORT, f"--logs_dir={tmp_path}", f"--resume={checkpoint}", "--run_id=resumed")
+    resumed_log = (tmp_path / "resumed.txt").read_text()
+    assert f"resumed from {checkpoint} at step 4" in resumed_log
+    resumed = val_losses(resumed_log)
+    assert sorted(resumed) == [4, 6, 8]
+    print(f"world size {world_size}: uninterrupted {full}, resumed {resumed}")
+    for step in resumed:
+        assert resumed[step] == pytest.approx(full[step], rel=1e-6, abs=0), (step, full, resumed)
+    assert full[8] < full[4]  # the runs really trained after the checkpoint
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_match_one_node_with_two_ranks(short_run, tmp_path):
+    args = [str(TRAIN), *SHORT, f"--logs_dir={tmp_path}"]
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                               "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", "--rdzv_id=two-nodes",
+                               *args, "--run_id=two_nodes"], cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [node.communicate(timeout=600) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
+    two_nodes = (tmp_path / "two_nodes.txt").read_text()
+    assert "world_size: 2" in two_nodes
+    assert val_losses(two_nodes) == short_run(2).val_losses
