@@ -1,6 +1,7 @@
-"""In a gloo group: the smoke model's training steps, recording when every DistAdam reduce-scatter starts. Each must start from a gradient hook during the backward that completes an
-Adam step, never from step(). A second optimizer with a parameter that gets no gradient shows the
-check can fail: its bucket is reduced late, from step()."""
+"""In a gloo group: the smoke model's training steps, recording when every DistAdam reduce-scatter
+starts. Each must start from a gradient hook during the backward that completes an Adam step, never
+from step(). A second optimizer with a parameter that gets no gradient shows the check can fail: its
+bucket is reduced late, from step()."""
 
 import sys
 from pathlib import Path
@@ -13,7 +14,8 @@ import train_gpt as T  # noqa: E402
 
 def check_hooks(rank: int, world: int):
     """Asserts where every reduce-scatter started; inside an initialised group of a size that splits the batch."""
-    args = T.parse_args(["--preset=smoke"], False)
+    # Smoke steps of 4 micro-batches of 256 tokens: what is checked does not depend on their length.
+    args = T.parse_args(["--preset=smoke", "--batch_tokens=1024", "--micro_batch_tokens=256"], False)
     env = T.DistEnv(rank, rank, world, torch.device("cpu"))
     model = T.build_model(args, env)
     muon, adam = T.build_optimizers(model, args)
