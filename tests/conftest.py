@@ -115,12 +115,13 @@ def val_losses(log_text: str) -> dict[int, float]:
     return {int(m[1]): float(m[2]) for m in re.finditer(r"^step:(\d+)/\d+ val_loss:(\S+) ", log_text, re.M)}
 
 
-# The smoke model trained for 8 steps of 1,024 tokens, in 4 micro-batches of 256 so that world sizes 1, 2 and 4
-# all split them, validating every 4 steps on 4 sequences of 512 tokens. Small, but it passes through every
-# phase of the smoke schedule: the three window sizes with YaRN between them, the extension's window, Adam
-# every second step, momentum warmup, and the longer final validation window.
-# No untimed warmup: on CPU nothing compiles, and test_equivalence.py shows that it changes nothing.
-SHORT = ["--num_iterations=8", "--val_loss_every=4", "--batch_tokens=1024", "--micro_batch_tokens=256",
+# The smoke model trained for 8 steps of 512 tokens, in 4 micro-batches of 128 so that world sizes 1, 2 and 4
+# all split them, validating every 4 steps on 4 sequences of 512 tokens. Small (its cost is mostly the
+# 50,304-way head, and each process's start-up), but it passes through every phase of the smoke schedule:
+# the three window sizes with YaRN between them, the extension, Adam every second step, momentum warmup, and
+# the longer final validation window. No untimed warmup: on CPU nothing compiles, and test_equivalence.py
+# shows that it changes nothing.
+SHORT = ["--num_iterations=8", "--val_loss_every=4", "--batch_tokens=512", "--micro_batch_tokens=128",
          "--val_tokens=2048", "--val_seq_len=512", "--warmup_steps=0"]
 
 
