@@ -12,6 +12,7 @@ import torch
 from conftest import REPO, SHORT, TRAIN, cpu_env, train_at, val_losses
 
 
+@pytest.mark.slow
 def test_the_untimed_warmup_leaves_model_optimizers_and_data_as_they_were(short_run, tmp_path):
     # The warmup trains two steps (the second steps Adam) and validates, then restores everything: the
     # run must then be the same run as one without warmup, to the last bit of every final weight.
