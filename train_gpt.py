@@ -279,6 +279,9 @@ def validate_config(args: Hyperparameters):
     if args.run_id and (not RUN_ID_PATTERN.fullmatch(args.run_id) or args.run_id in (".", "..")):
         raise ConfigError(f"--run_id={args.run_id}: must be a plain name of at most 200 letters, digits, '-', '_' "
                           f"and '.' (it names the log file and the checkpoint folder)")
+    if args.synthetic and args.vocab_size <= BOS_ID:  # shards say so themselves (check_token_ids)
+        raise ConfigError(f"--vocab_size={args.vocab_size}: --synthetic=true documents start with <|endoftext|>, "
+                          f"token {BOS_ID}; the vocabulary must hold it")
     if args.model_dim % args.head_dim:
         raise ConfigError(f"--model_dim={args.model_dim} must be a multiple of --head_dim={args.head_dim}")
     if args.head_dim % 4:

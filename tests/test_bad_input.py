@@ -72,6 +72,8 @@ FLAG_CASES = [
     (["--num_iterations=0"], ["--num_iterations=0: must be positive"]),
     (["--batch_tokens=1000"], ["--batch_tokens=1000 must be a multiple of --micro_batch_tokens=256"]),
     (["--preset=nope"], ["--preset=nope: unknown preset"]),
+    (["--synthetic=true", "--vocab_size=1000"], ["--vocab_size=1000: --synthetic=true documents start with "
+                                                 "<|endoftext|>, token 50256"]),
 ]
 
 
