@@ -4,6 +4,7 @@ gradient, and the timed loop's device syncs."""
 
 import importlib.util
 import json
+import os
 import re
 import sys
 import warnings
@@ -19,6 +20,8 @@ import fake_cuda  # noqa: E402  (stdlib only: importing it loads nothing)
 
 GIB = 2 ** 30
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+# RMSNorm's fused kernel exists in CUDA builds of PyTorch only; elsewhere rms_norm runs its composite form.
+FUSED_RMS_NORM_ON_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm", "CUDA")
 
 
 # --- the preflight, in one worker process -----------------------------------------------------
@@ -110,7 +113,13 @@ def test_preflight_memory_is_estimate_memorys_count(preflight_runs):
     differ = {row for row in eager["memory"] if eager["memory"][row] != eager["estimate"][row]}
     assert differ == {"saved activations", "peak"}
     kept_by_flex = 2 * 4 * (256 * 256 * 4 + 256 * 4) + 32768 * 8 + 2 * 8
-    assert eager["memory"]["saved activations"] - eager["estimate"]["saved activations"] == kept_by_flex
+    kept_beyond_the_estimate = eager["memory"]["saved activations"] - eager["estimate"]["saved activations"]
+    if FUSED_RMS_NORM_ON_CUDA:
+        # A CUDA build's fused RMSNorm keeps the bf16 input where the composite form that
+        # estimate_memory counts keeps fp32 copies (measured with 2.11.0+cu130: 264,241,152 bytes less).
+        assert kept_beyond_the_estimate < kept_by_flex
+    else:  # a CPU build: the fake CUDA device runs the composite form too
+        assert kept_beyond_the_estimate == kept_by_flex
     # Compiled: the same count with the saved activations measured on the compiled graphs, which keep
     # less than eager (the estimate is an upper bound) but more than nothing.
     compiled = preflight_runs["world_size_8"]
@@ -192,6 +201,15 @@ def test_the_fake_device_explains_what_it_lacks_in_one_line(tmp_path):
     with pytest.raises(fake_cuda.ShimError, match="before torch is imported"):
         fake_cuda.load(tmp_path)  # this process has imported torch
     assert not list(tmp_path.iterdir())  # nothing half-built left behind
+
+
+def test_the_registry_notice_of_a_cuda_build_is_dropped_and_other_output_kept(capfd):
+    # On a CUDA build of PyTorch the shim's hooks take priority over the build's own, and c10 prints a
+    # notice for the registration it skips, straight to file descriptor 2.
+    notice = "Higher priority item already registered, skipping registration of CUDAHooks"
+    with fake_cuda.stderr_without(notice):
+        os.write(2, f"before\n{notice}\nafter\n".encode())
+    assert capfd.readouterr().err == "before\nafter\n"
 
 
 # --- the bugs, on CPU -------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-// A fake CUDA device for a CPU-only build of PyTorch, so that FakeTensorMode can hold tensors on
-// device "cuda" and run the trainer's CUDA code path without a GPU (tools/preflight.py).
+// A fake CUDA device for PyTorch without a GPU (a CPU build, or a CUDA build on a machine without
+// one), so that FakeTensorMode can hold tensors on device "cuda" and run the trainer's CUDA code path
+// (tools/preflight.py).
 //
 // Two registrations are all it takes. c10's own FakeGuardImpl answers as the CUDA device guard:
 // without it, indexing a CUDA tensor fails ("PyTorch is not linked with support for cuda
@@ -36,8 +37,19 @@ struct FakeCUDAHooks final : CUDAHooksInterface {
 }  // namespace
 
 // Registry.h's registries live in namespace at; the key is the one at::detail::getCUDAHooks asks for.
-C10_REGISTER_TYPED_CLASS(CUDAHooksRegistry, "CUDAHooks", FakeCUDAHooks)
+// Preferred over the default priority at which a CUDA build's own hooks register when torch loads
+// them (after this library), so those are skipped.
+C10_REGISTER_TYPED_CLASS_WITH_PRIORITY(CUDAHooksRegistry, "CUDAHooks", c10::REGISTRY_PREFERRED, FakeCUDAHooks)
 
 }  // namespace at
 
-C10_REGISTER_GUARD_IMPL(CUDA, c10::impl::FakeGuardImpl<c10::DeviceType::CUDA>);
+namespace {
+const c10::impl::FakeGuardImpl<c10::DeviceType::CUDA> fake_guard;
+const c10::impl::DeviceGuardImplRegistrar fake_guard_registrar(c10::DeviceType::CUDA, &fake_guard);
+}  // namespace
+
+// A CUDA build registers its own device guard when torch loads it, replacing the one above:
+// tools/fake_cuda.py calls this once torch is imported.
+extern "C" void fake_cuda_register_guard() {
+  c10::impl::DeviceGuardImplRegistrar(c10::DeviceType::CUDA, &fake_guard);
+}

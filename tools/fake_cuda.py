@@ -1,5 +1,5 @@
-"""A fake H100 for a CPU-only PyTorch: what lets tools/preflight.py run the trainer's CUDA code path
-on fake tensors, without a GPU.
+"""A fake H100 for PyTorch without a GPU (a CPU build, or a CUDA build on a machine without one):
+what lets tools/preflight.py run the trainer's CUDA code path on fake tensors.
 
 `load()` builds tools/fake_cuda.cpp with g++ against the installed PyTorch's headers (once per
 PyTorch install and source version, into .cache/fake_cuda/) and loads it: a CUDA device guard and
@@ -15,6 +15,7 @@ and devices but no data.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import importlib.metadata
@@ -23,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -106,11 +108,36 @@ def load(cache_dir: Path = CACHE_DIR) -> Path:
                         "hooks once)")
     library = build(cache_dir)
     try:
-        ctypes.CDLL(str(library))
+        shim = ctypes.CDLL(str(library))
     except OSError as e:
         raise ShimError(f"{library}: cannot load the fake CUDA device ({e})") from None
+    # A CUDA build of PyTorch registers its own hooks and device guard as torch loads them: its hooks
+    # are skipped (the shim's have priority; the registry says so on stderr, the one line dropped here)
+    # and its guard is replaced again once torch is in.
+    with stderr_without("Higher priority item already registered, skipping registration of CUDAHooks"):
+        import torch  # noqa: F401
+    shim.fake_cuda_register_guard()
     loaded = library
     return library
+
+
+@contextlib.contextmanager
+def stderr_without(line: str):
+    """What C++ code writes to the process's stderr (file descriptor 2) meanwhile, less that one line."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [text for text in captured.read().decode(errors="replace").splitlines(keepends=True)
+                    if text.rstrip("\n") != line]
+            sys.stderr.write("".join(kept))
 
 
 def pretend_h100():
@@ -119,9 +146,13 @@ def pretend_h100():
         raise ShimError("load() the fake CUDA device before pretend_h100()")
     import torch
     from torch._dynamo import device_interface
+    from torch._subclasses import fake_tensor
 
     cuda = torch.cuda
-    cuda._initialized = True  # torch.cuda's lazy initialisation would look for a CUDA build
+    cuda._initialized = True  # torch.cuda's lazy initialisation would look for a driver
+    # FakeTensorMode makes one real CUDA tensor first, to set up a CUDA build's context for backward;
+    # the fake device needs none.
+    fake_tensor.init_gpu_context = lambda device: None
     answers = dict(
         is_available=lambda: True, device_count=lambda: 1, current_device=lambda: 0, set_device=lambda device: None,
         get_device_capability=lambda device=None: (H100.major, H100.minor),
