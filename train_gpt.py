@@ -352,7 +352,26 @@ def resolve_attention(args: Hyperparameters, device: torch.device, training: boo
     if choice == "flex" and device.type != "cuda" and training:
         raise ConfigError("--attention=flex: PyTorch has no FlexAttention backward on CPU; train on CPU with "
                           "--attention=sdpa (flex serves forward passes there)")
+    if choice == "sdpa" and training:
+        longest = max(args.micro_batch_tokens, args.val_seq_len)
+        need, have = dense_mask_bytes(longest), device_memory_bytes(device)
+        if need > have:  # certain to run out of memory, at the first step or the first validation
+            raise ConfigError(f"--attention=sdpa: the dense attention mask of a {longest:,}-token sequence takes "
+                              f"at least {need / 2 ** 30:,.0f} GiB to build, more than the {have / 2 ** 30:,.0f} GiB "
+                              f"{device if device.type == 'cuda' else 'this machine'} has; use --attention=flex on a "
+                              f"GPU, or a shorter --val_seq_len or --micro_batch_tokens")
     return choice
+
+
+def dense_mask_bytes(sequence: int) -> int:
+    """A lower bound of what dense_attention_mask holds at once: int64 distances and the boolean mask."""
+    return sequence * sequence * (8 + 1)
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def resolve_head_precision(args: Hyperparameters, device: torch.device) -> str:

@@ -72,6 +72,8 @@ FLAG_CASES = [
     (["--num_iterations=0"], ["--num_iterations=0: must be positive"]),
     (["--batch_tokens=1000"], ["--batch_tokens=1000 must be a multiple of --micro_batch_tokens=256"]),
     (["--preset=nope"], ["--preset=nope: unknown preset"]),
+    (["--val_seq_len=1048576", "--val_tokens=1048576"], ["--attention=sdpa: the dense attention mask of a "
+                                                         "1,048,576-token sequence takes at least 9,216 GiB to build"]),
     (["--synthetic=true", "--vocab_size=1000"], ["--vocab_size=1000: --synthetic=true documents start with "
                                                  "<|endoftext|>, token 50256"]),
 ]

@@ -246,6 +246,20 @@ def test_compile_false_compiles_flex_attention_alone_and_flex_then_runs_fused():
     assert T.resolve_attention(args, torch.device("cuda")) == "flex"
 
 
+def test_sdpa_is_refused_where_its_dense_validation_mask_cannot_fit_an_h100(monkeypatch):
+    # The speedrun's 262,144-token validation sequence as one dense mask: 64 GiB of booleans, built
+    # from 512 GiB of int64 distances. Uncounted by the preflight's step, it would end the run at its
+    # first validation; the trainer refuses it up front instead.
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: fake_cuda.H100)
+    h100 = torch.device("cuda", 0)
+    with pytest.raises(T.ConfigError, match="262,144-token sequence takes at least 576 GiB to build, more than "
+                                            "the 80 GiB cuda:0 has"):
+        T.resolve_attention(T.parse_args(["--preset=speedrun", "--attention=sdpa"], True), h100)
+    fits = T.parse_args(["--preset=speedrun", "--attention=sdpa", "--val_seq_len=65536"], True)  # 36 GiB
+    assert T.resolve_attention(fits, h100) == "sdpa"
+    assert T.resolve_attention(T.parse_args(["--preset=speedrun"], True), h100) == "flex"
+
+
 def test_fp32_head_computes_in_fp32_on_gpus():
     args = T.parse_args(["--preset=smoke", "--lm_head_precision=fp32"], False)
     model = T.cast_for_device(T.GPT(args, "fp32"), torch.device("cuda"))  # GPU dtypes; nothing moves
