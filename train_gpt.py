@@ -2071,8 +2071,15 @@ class Logger:
     def __init__(self, path: Path | None):
         self.path, self.fd, self.size = path, None, 0
         if path is not None:
+            made = [folder for folder in (path.parent, *path.parent.parents) if not folder.exists()]
             path.parent.mkdir(parents=True, exist_ok=True)
-            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)  # never overwrite another run's log
+            try:
+                self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)  # never overwrite another run's log
+            except OSError:
+                for folder in made:  # innermost first: a run that never started leaves no empty folders
+                    with contextlib.suppress(OSError):
+                        folder.rmdir()
+                raise
 
     def __call__(self, line: str = "", console: bool = True):
         if self.fd is None:

@@ -1,5 +1,7 @@
 """End-to-end runs of train_gpt.py on CPU: the smoke preset, world-size invariance, bad input."""
 
+import errno
+import os
 import re
 
 import pytest
@@ -60,6 +62,20 @@ def test_val_set_smaller_than_asked(tmp_path):
 def test_unknown_flag_and_wrong_type():
     one_line_error(run_main("--num_iteration=3"), "unknown flag --num_iteration", "--num_iterations")
     one_line_error(run_main("--num_iterations=three"), "--num_iterations=three: expected int")
+
+
+def test_a_log_that_cannot_be_created_leaves_no_folders_behind(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def full_disk(path, *args, **kwargs):
+        if str(path).startswith(str(tmp_path)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", full_disk)
+    proc = run_main(f"--logs_dir={tmp_path}/new/logs")
+    one_line_error(proc, "--logs_dir", "cannot write the log (No space left on device)")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_unwritable_logs_dir(tmp_path):
