@@ -353,7 +353,7 @@ def resolve_attention(args: Hyperparameters, device: torch.device, training: boo
         raise ConfigError("--attention=flex: PyTorch has no FlexAttention backward on CPU; train on CPU with "
                           "--attention=sdpa (flex serves forward passes there)")
     if choice == "sdpa" and training:
-        longest = max(args.micro_batch_tokens, args.val_seq_len)
+        longest = max_positions(args)
         need, have = dense_mask_bytes(longest), device_memory_bytes(device)
         if need > have:  # certain to run out of memory, at the first step or the first validation
             raise ConfigError(f"--attention=sdpa: the dense attention mask of a {longest:,}-token sequence takes "
@@ -1783,6 +1783,12 @@ def config_for_checkpoint(args: Hyperparameters) -> dict:
     return {k: v for k, v in dataclasses.asdict(args).items() if k not in RUN_CONTROL_FIELDS}
 
 
+def first_line(error: BaseException) -> str:
+    """An exception's first line, or its type where it has no message: what a one-line error quotes."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def write_error(path, error: OSError) -> TrainingError:
     """One line for a write that failed: which file, and why in plain words."""
     full = error.errno in (errno.ENOSPC, errno.EDQUOT)
@@ -1954,8 +1960,8 @@ def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters
     try:
         model.load_state_dict(torch.load(path / "model.pt", map_location=device, weights_only=True))
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DataError(f"{path / 'model.pt'}: cannot load these weights into the model of config.json ({first})") from None
+        raise DataError(f"{path / 'model.pt'}: cannot load these weights into the model of config.json "
+                        f"({first_line(e)})") from None
     return model.eval(), args, info
 
 
@@ -2000,8 +2006,7 @@ def read_checkpoint_file(path: Path, name: str, meta: dict):
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TrainingError(f"--resume={path}: cannot load {name} safely ({first})") from None
+        raise TrainingError(f"--resume={path}: cannot load {name} safely ({first_line(e)})") from None
 
 
 def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: str) -> Resume:
@@ -2055,8 +2060,8 @@ def load_checkpoint(resume: Resume, model: GPT, optimizers, loader, env: DistEnv
         if env.device.type == "cuda" and resume.rank_state["cuda_rng"].numel():
             torch.cuda.set_rng_state(resume.rank_state["cuda_rng"].cpu())
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TrainingError(f"--resume={resume.path}: the checkpoint does not fit this run ({first})") from None
+        raise TrainingError(f"--resume={resume.path}: the checkpoint does not fit this run "
+                            f"({first_line(e)})") from None
     return resume.meta["step"], float(resume.meta["train_time_ms"])
 
 
@@ -2465,8 +2470,8 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as e:
         return report_error(f"error [rank {env.rank}]: {e}", 1)
     except dist.DistError as e:  # a peer died or a collective timed out
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return report_error(f"error [rank {env.rank}]: a collective failed, another rank probably died: {first_line}", 1)
+        return report_error(f"error [rank {env.rank}]: a collective failed, another rank probably died: "
+                            f"{first_line(e)}", 1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
