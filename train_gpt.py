@@ -1,9 +1,9 @@
 """train_gpt.py: the NanoGPT speedrun trainer in one file.
 
 Trains a GPT-2-small-class model on FineWeb10B to 3.28 val loss as fast as 8xH100 allow, with the
-learning algorithm of public modded-nanogpt record #44 (2025-10-31, "AdamSyncGradientHook")
-rewritten in plain PyTorch: FlexAttention instead of FlashAttention-3, matmuls instead of Triton
-kernels. notes/recipe.md lists every component next to the record's value. The same file runs on
+learning algorithm of public modded-nanogpt record #85 v3 (2026-05-27, "MUDD gates and lightweight DC")
+rewritten in plain PyTorch: FlexAttention instead of FlashAttention-3, torch._scaled_mm and PyTorch ops
+instead of Triton and CUDA kernels. notes/recipe.md lists every component next to the record's value. The same file runs on
 one GPU (gradient accumulation keeps the global batch), on several nodes (torchrun rendezvous) and
 on CPU (gloo, the `smoke` preset on the bundled corpus).
 
@@ -71,7 +71,8 @@ class TrainingError(RuntimeError):
 
 
 # -----------------------------------------------------------------------------
-# Config: one dataclass, named presets, `--field=value` overrides
+# Config: one dataclass, named presets, `--field=value` overrides; the stage schedule and the layer plan
+# are derived from it in one place each (Schedule, layer_plan)
 
 def _help(text: str, default):
     return field(default=default, metadata={"help": text})
@@ -84,53 +85,71 @@ class Hyperparameters:
     train_files: str = _help("glob of training shards", "data/fineweb10B/fineweb_train_*.bin")
     val_files: str = _help("glob of validation shards", "data/fineweb10B/fineweb_val_*.bin")
     val_tokens: int = _help("tokens per validation, exactly; the standard speedrun uses 10M", 10_485_760)
-    val_seq_len: int = _help("tokens per validation sequence (record #44: 262,144)", 262_144)
-    batch_tokens: int = _help("tokens per optimizer step, over all ranks; fixed whatever the world size", 262_144)
-    micro_batch_tokens: int = _help("tokens one rank processes in one forward/backward (one packed sequence)", 32_768)
-    train_max_seq_len: int = _help("a training document contributes at most its first N tokens", 2048)
+    val_seq_len: int = _help("tokens per validation sequence (record #85: 262,144)", 262_144)
     synthetic: bool = _help("feed synthetic tokens with web-like document lengths instead of shards (benchmarks)", False)
     repeat_data: bool = _help("when the training shards supply fewer steps than num_iterations, start over from "
                               "the first shard (each time logged) instead of refusing to run", False)
+    # the schedule: three stages of equal length, then the extension (lists hold one value per stage)
+    num_iterations: int = _help("optimizer steps in all: the scheduled ones, then the extension", 1290)
+    extension_steps: int = _help("last steps, run at the final lr and windows of the extension", 15)
+    stage_batch_tokens: str = _help("tokens per optimizer step in each stage, over all ranks (the extension keeps "
+                                    "the last)", "131072,262144,393216")
+    micro_batches: int = _help("micro-batches per step, dealt out over the ranks; each holds batch/micro_batches "
+                               "tokens, so every world size trains on the same tokens", 8)
+    stage_max_seq_len: str = _help("per stage: a training document contributes at most its first N tokens",
+                                   "896,2048,2048")
+    stage_windows: str = _help("per stage: short:long attention windows in blocks of window_block tokens",
+                               "1:3,3:7,5:11")
+    extension_windows: str = _help("short:long windows of the extension", "6:13")
+    final_val_window: int = _help("long window of the final validation (YaRN stays fitted to the extension's)", 20)
+    stage_lr: str = _help("per stage: learning-rate multiplier before the cooldown", "1.0,1.52,1.73")
+    stage_mtp_weights: str = _help("per stage ('/' between stages): weights of the losses of the next 1, 2, 3... "
+                                   "tokens, moving linearly from the values before '>' to those after it over the "
+                                   "stage; the extension keeps the last", "1,0.5,0.25>1,0.5,0/1,0.5>1,0/1>1")
+    cooldown_frac: float = _help("the lr multiplier moves linearly to final_lr_frac over this last fraction of the "
+                                 "scheduled steps", 0.6)
+    final_lr_frac: float = _help("lr multiplier at the end of the cooldown and in the extension", 0.15)
+    untie_stage: int = _help("the embedding is tied to the lm_head until the first Adam step of this stage "
+                             "(0-based; >= the number of stages: never untied)", 2)
     # model
     vocab_size: int = _help("GPT-2 vocabulary; the embedding is padded to a multiple of 128", 50_257)
-    num_layers: int = _help("transformer blocks", 12)
+    num_layers: int = _help("transformer layers", 11)
     model_dim: int = _help("residual stream width", 768)
-    head_dim: int = _help("attention head size; heads = model_dim / head_dim", 128)
+    head_dim: int = _help("attention head size; heads = model_dim / head_dim (an even number)", 128)
     mlp_ratio: int = _help("MLP hidden width / model_dim", 4)
-    num_value_embeds: int = _help("value embeddings k: embedding i feeds layer i and layer L-k+i", 3)
-    no_attention_layers: str = _help("comma-separated layers without attention", "0,7")
-    no_mlp_layers: str = _help("comma-separated layers without MLP (a layer with neither is skipped)", "0")
-    long_window_layers: str = _help("comma-separated layers with the long attention window; the rest use the short",
-                                    "4,11")
-    backout_layer: int = _help("this layer's output, times a learned weight (0.5 at init), is subtracted before "
-                               "the head; -1: none", 8)
-    logit_cap: float = _help("logits are squashed to (0, cap) with cap * sigmoid(x / logit_cap_width)", 30.0)
+    bigram_vocab_size: int = _help("rows of the bigram hash embedding (the last row is a sequence's first token's)",
+                                   50_304 * 15 // 2)
+    bigram_sign_rows: int = _help("rows of the bigram embedding's random +-1 sign table", 8192)
+    no_attention_layers: str = _help("layers without attention: the gated skip replaces it", "6")
+    paired_layers: str = _help("layers whose heads attend in pairs over a doubled, interleaved sequence", "0,2,5,9")
+    long_window_layers: str = _help("layers with the long window and the partial key offset", "3,10")
+    xsa_layers: str = _help("layers that subtract a learned share of each head's output along its value", "1,3,4,7")
+    attn_gate_layers: str = _help("layers whose head outputs are scaled by gates from the MUDD gate network", "3,10")
+    dc_layers: str = _help("layers with the lightweight dynamically composable (DC) correction", "10")
+    dc_window: int = _help("keys a DC query looks at, itself included", 112)
+    value_embed_layers: str = _help("layers fed by a value embedding, one table each; the last is the MUDD layer, "
+                                    "the first table also feeds the head", "1,2,8,9,10")
+    skip_layers: str = _help("source:target of the gated skip (the target is a layer without attention)", "3:6")
+    shared_input_layer: int = _help("the layers after this one read their attention input from its output", 7)
+    mudd_gate_layer: int = _help("the second MUDD gate network runs at the start of this layer", 4)
+    logit_cap: float = _help("logits are squashed to (0, cap) with cap * sigmoid((x + shift) / width)", 23.0)
     logit_cap_width: float = _help("see logit_cap", 7.5)
-    lm_head_precision: str = _help("auto (fp8 on GPUs of compute capability >= 8.9 when model_dim and "
-                                   "micro_batch_tokens are multiples of 16, else bf16 on GPUs, fp32 on CPU), fp8, "
-                                   "bf16 or fp32; fp8 applies to training, evaluation uses bf16", "auto")
-    # attention (window sizes in blocks of window_block tokens)
+    logit_cap_shift: float = _help("see logit_cap", 5.0)
+    lm_head_precision: str = _help("auto (fp8 on GPUs of compute capability >= 8.9, else bf16 on GPUs, fp32 on CPU), "
+                                   "fp8, bf16 or fp32; fp8 applies to training, evaluation uses bf16", "auto")
+    mlp_precision: str = _help("the MLP up-projection's forward: auto (as lm_head_precision), fp8, bf16 or fp32; "
+                               "its backward is in the weights' dtype", "auto")
+    # attention (windows in blocks of window_block tokens)
     attention: str = _help("auto (flex on CUDA, sdpa elsewhere), flex (FlexAttention block masks) or sdpa "
                            "(dense boolean mask)", "auto")
     window_block: int = _help("tokens per window block; FlexAttention's block size", 128)
-    window_schedule: str = _help("long windows in blocks, one per equal part of the scheduled steps; short "
-                                 "windows are half as long", "3,7,11")
-    window_extension: int = _help("long window during the extension steps", 13)
-    window_final_val: int = _help("long window of the final validation", 20)
     # optimization
-    num_iterations: int = _help("optimizer steps in all: the scheduled ones, then the extension", 2245)
-    extension_steps: int = _help("last steps, run at the final lr and windows", 40)
-    cooldown_frac: float = _help("fraction of the scheduled steps over which the lr decays linearly", 0.5)
-    final_lr_frac: float = _help("learning-rate multiplier at the end of the cooldown", 0.1)
-    embed_lr: float = _help("Adam lr for token and value embeddings", 0.6)
-    head_lr: float = _help("Adam lr for the lm_head", 0.008)
-    scalar_lr: float = _help("Adam lr for scalars (mixing weights, skip gates)", 0.04)
-    adam_beta1: float = _help("Adam beta1", 0.65)
-    adam_beta2: float = _help("Adam beta2", 0.95)
-    adam_eps: float = _help("Adam epsilon", 1e-8)
+    adam_lr: float = _help("Adam lr, times each parameter's multiplier (see ADAM_TABLE)", 0.008)
+    adam_eps: float = _help("Adam epsilon", 1e-10)
+    adam_weight_decay: float = _help("Adam's cautious weight decay, times lr^2 and each parameter's multiplier", 0.005)
     adam_every: int = _help("Adam steps every N steps, on the gradients of all N", 2)
-    muon_lr: float = _help("NorMuon lr for hidden matrices and gates", 0.03)
-    muon_beta2: float = _help("NorMuon's per-neuron second-moment decay", 0.95)
+    muon_lr: float = _help("NorMuon lr for the attention and MLP matrices", 0.023)
+    muon_beta2: float = _help("NorMuon's per-neuron second-moment decay", 0.9)
     muon_weight_decay: float = _help("NorMuon's cautious weight decay, scaled by lr^2", 1.2)
     muon_momentum_start: float = _help("NorMuon momentum at step 0 and at the end", 0.85)
     muon_momentum_end: float = _help("NorMuon momentum between warmup and cooldown", 0.95)
@@ -151,26 +170,29 @@ class Hyperparameters:
     save_final: bool = _help("write the final weights to checkpoint_dir/<run_id>/final/ (for sample.py)", False)
     checkpoint_dir: str = _help("where checkpoints are written", "checkpoints")
     resume: str = _help("checkpoint folder to resume from, or 'latest'", "")
+    init_from: str = _help("start from the weights of a final-weights folder (--save_final=true, or "
+                           "tools/record_weights.py to-ours); optimizer state, data and schedule start fresh", "")
     force_resume: bool = _help("resume even if the config or code differs from the checkpoint's", False)
 
 
 PRESETS: dict[str, dict] = {
     # The 8xH100 record configuration: the dataclass defaults.
     "speedrun": {},
-    # A small model on the bundled Shakespeare shards: a CPU check of the whole pipeline, with the
-    # speedrun's structure scaled down (a skipped layer 0, one attention-free layer, value
-    # embeddings, U-net skips, backout, three window sizes and an extension, Adam every 2 steps).
+    # A small model on the bundled Shakespeare shards: a CPU check of the whole pipeline with the
+    # speedrun's structure scaled down: three stages and an extension with growing batches, sequences and
+    # windows, multi-token prediction, paired heads, XSA, DC, the key offset, value embeddings, the gated
+    # skip, MUDD gates and mixing, the bigram embedding, tied then untied embeddings, Adam every 2 steps.
     "smoke": dict(
         train_files="data/shakespeare/shakespeare_train_*.bin",
         val_files="data/shakespeare/shakespeare_val_*.bin",
         val_tokens=8192, val_seq_len=1024,
-        batch_tokens=2048, micro_batch_tokens=512, train_max_seq_len=512,
-        num_layers=6, model_dim=64, head_dim=16, num_value_embeds=2,
-        no_attention_layers="0,3", no_mlp_layers="0", long_window_layers="2,5", backout_layer=4,
-        lm_head_precision="auto",
-        window_block=64, window_schedule="2,4,6", window_extension=7, window_final_val=10,
-        num_iterations=30, extension_steps=2,
-        embed_lr=0.6, head_lr=0.06, scalar_lr=0.04, muon_lr=0.04,
+        num_iterations=30, extension_steps=3,
+        stage_batch_tokens="1024,2048,3072", micro_batches=4, stage_max_seq_len="256,512,512",
+        stage_windows="1:2,2:4,3:6", extension_windows="3:7", final_val_window=10, window_block=64,
+        num_layers=6, model_dim=64, head_dim=16, bigram_vocab_size=20_000, bigram_sign_rows=1024,
+        no_attention_layers="3", paired_layers="0,4", long_window_layers="1,5", xsa_layers="1,2",
+        attn_gate_layers="1,5", dc_layers="5", dc_window=56, value_embed_layers="1,2,4,5", skip_layers="1:3",
+        shared_input_layer=2, mudd_gate_layer=2,
         muon_momentum_warmup=10, muon_momentum_cooldown=4,
         compile=False, val_loss_every=10, train_loss_every=10,
     ),
@@ -179,7 +201,8 @@ PRESETS: dict[str, dict] = {
 # Fields that steer one run without changing what it computes: a checkpoint may be
 # resumed with different values of these.
 RUN_CONTROL_FIELDS = ("run_id", "logs_dir", "pg_timeout_s", "save_every", "save_final", "checkpoint_dir",
-                      "resume", "force_resume", "val_loss_every", "train_loss_every", "warmup_steps", "compile")
+                      "resume", "force_resume", "val_loss_every", "train_loss_every", "warmup_steps", "compile",
+                      "init_from")
 
 
 def _parse_value(name: str, text: str, typ: type):
@@ -237,7 +260,7 @@ def usage() -> str:
 
 
 def int_list(args: Hyperparameters, name: str) -> tuple[int, ...]:
-    """A comma-separated field such as --no_attention_layers=0,7 as a tuple of ints."""
+    """A comma-separated field such as --paired_layers=0,2,5,9 as a tuple of ints."""
     text = getattr(args, name).strip()
     try:
         return tuple(int(part) for part in text.split(",")) if text else ()
@@ -245,29 +268,186 @@ def int_list(args: Hyperparameters, name: str) -> tuple[int, ...]:
         raise ConfigError(f"--{name}={text}: expected comma-separated integers, e.g. 0,7") from None
 
 
+def number_list(args: Hyperparameters, name: str, text: str | None = None) -> tuple[float, ...]:
+    text = getattr(args, name).strip() if text is None else text
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--{name}={getattr(args, name)}: expected comma-separated numbers") from None
+    if not all(math.isfinite(v) and v >= 0 for v in values):
+        raise ConfigError(f"--{name}={getattr(args, name)}: expected finite numbers >= 0")
+    return values
+
+
+def window_pair(args: Hyperparameters, name: str, text: str) -> tuple[int, int]:
+    short, colon, long = text.strip().partition(":")
+    try:
+        pair = (int(short), int(long))
+    except ValueError:
+        pair = None
+    if not colon or pair is None or min(pair) <= 0 or pair[0] > pair[1]:
+        raise ConfigError(f"--{name}={getattr(args, name)}: expected short:long window blocks, positive and "
+                          f"short <= long, e.g. 1:3")
+    return pair
+
+
 MAX_TIMEOUT_S = 7 * 24 * 3600  # a collective that waits longer than a week is a hang, not a slow rank
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,200}")  # one file name: no separators, no way out of logs_dir
 
 
+@dataclass(frozen=True)
+class Stage:
+    """One part of the schedule: its steps [start, end) and what they use."""
+    start: int
+    end: int
+    batch_tokens: int
+    max_seq_len: int
+    windows: tuple[int, int]  # (short, long) in blocks
+    lr: float
+    mtp_start: tuple[float, ...]
+    mtp_end: tuple[float, ...]
+
+
+class Schedule:
+    """Record #85's schedule, derived from the config in one place: three stages of (nearly) equal length
+    over the scheduled steps, then the extension, which keeps the last stage's batch, sequence length and
+    multi-token weights with its own windows. Everything a step uses comes from here."""
+
+    def __init__(self, args: Hyperparameters):
+        batches = int_list(args, "stage_batch_tokens")
+        lengths = int_list(args, "stage_max_seq_len")
+        windows = [window_pair(args, "stage_windows", w) for w in args.stage_windows.split(",")]
+        lrs = number_list(args, "stage_lr")
+        mtp = []
+        for part in args.stage_mtp_weights.split("/"):
+            start, arrow, end = part.partition(">")
+            pair = (number_list(args, "stage_mtp_weights", start), number_list(args, "stage_mtp_weights", end or start))
+            if len(pair[0]) != len(pair[1]) or not pair[0]:
+                raise ConfigError(f"--stage_mtp_weights={args.stage_mtp_weights}: each stage needs as many weights "
+                                  f"after '>' as before it")
+            mtp.append(pair)
+        counts = {len(batches), len(lengths), len(windows), len(lrs), len(mtp)}
+        if len(counts) != 1:
+            raise ConfigError(f"--stage_batch_tokens, --stage_max_seq_len, --stage_windows, --stage_lr and "
+                              f"--stage_mtp_weights must list one value per stage (got {len(batches)}, {len(lengths)}, "
+                              f"{len(windows)}, {len(lrs)}, {len(mtp)})")
+        self.scheduled = args.num_iterations - args.extension_steps
+        self.total = args.num_iterations
+        n = len(batches)
+        # the record's boundaries: round(i/n * scheduled)
+        ends = [round(self.scheduled * (i + 1) / n) for i in range(n)]
+        starts = [0, *ends[:-1]]
+        self.stages = [Stage(s, e, batches[i], lengths[i], windows[i], lrs[i], *mtp[i])
+                       for i, (s, e) in enumerate(zip(starts, ends))]
+        self.stages.append(Stage(self.scheduled, self.total, batches[-1], lengths[-1],
+                                 window_pair(args, "extension_windows", args.extension_windows), lrs[-1],
+                                 mtp[-1][1], mtp[-1][1]))
+        self.final_val_windows = (self.stages[-1].windows[0], args.final_val_window)
+        self.cooldown_start = int(self.scheduled * (1 - args.cooldown_frac))
+        self.final_lr_frac = args.final_lr_frac
+        # the first Adam step (the record: an odd step) of the untie stage; None: never
+        untie_start = self.stages[args.untie_stage].start if args.untie_stage < n else None
+        self.untie_step = None
+        if untie_start is not None:
+            self.untie_step = next(s for s in range(untie_start, untie_start + args.adam_every)
+                                   if (s + 1) % args.adam_every == 0)
+        self.micro_batches = args.micro_batches
+
+    def stage_index(self, step: int) -> int:
+        for i, stage in enumerate(self.stages):
+            if step < stage.end:
+                return i
+        return len(self.stages) - 1
+
+    def stage(self, step: int) -> Stage:
+        return self.stages[self.stage_index(step)]
+
+    def lr(self, step: int) -> float:
+        """The stage's multiplier, then (from cooldown_start) a linear move to final_lr_frac at the last
+        scheduled step; across a stage boundary in the cooldown the multiplier it moves from jumps."""
+        lr = self.stage(step).lr
+        if step >= self.cooldown_start:
+            t = min(1.0, (step - self.cooldown_start) / (self.scheduled - self.cooldown_start))
+            lr = lr * (1 - t) + self.final_lr_frac * t
+        return lr
+
+    def mtp_weights(self, step: int) -> tuple[float, ...]:
+        stage = self.stage(step)
+        t = (step - stage.start) / (stage.end - stage.start) if step < stage.end else 1.0
+        return tuple(a + (b - a) * t for a, b in zip(stage.mtp_start, stage.mtp_end))
+
+    def windows(self, step: int, final_validation: bool = False) -> tuple[int, int]:
+        return self.final_val_windows if final_validation else self.stage(step).windows
+
+    def micro_tokens(self, step: int) -> int:
+        return self.stage(step).batch_tokens // self.micro_batches
+
+    def max_micro_tokens(self) -> int:
+        return max(stage.batch_tokens for stage in self.stages) // self.micro_batches
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one layer does: the record's layer roles, derived from the config in one place (layer_plan)."""
+    index: int
+    attention: bool
+    paired: bool
+    long_window: bool  # also: the partial key offset (non-paired layers)
+    xsa: bool
+    attn_gate: bool
+    dc: bool
+    value_embed: int | None  # which value-embedding table feeds this layer's values
+    ve_gate: int | None  # which row of ve_gates mixes it (None on the MUDD layer, whose MUDD net does)
+    shared_input: bool  # reads its attention input from the shared_input_layer's output
+    skip_target: bool  # the gated skip replaces its attention
+    mudd: bool  # the last layer: MUDD mixing around its attention and MLP
+
+
+def layer_plan(args: Hyperparameters) -> list[LayerPlan]:
+    n = args.num_layers
+    no_attention = set(int_list(args, "no_attention_layers"))
+    sets = {name: set(int_list(args, name)) for name in ("paired_layers", "long_window_layers", "xsa_layers",
+                                                          "attn_gate_layers", "dc_layers")}
+    ve_layers = int_list(args, "value_embed_layers")
+    skip_from, skip_to = skip_pair(args)
+    plans = []
+    for i in range(n):
+        attention = i not in no_attention
+        ve = ve_layers.index(i) if i in ve_layers else None
+        mudd = i == n - 1
+        plans.append(LayerPlan(i, attention, i in sets["paired_layers"], i in sets["long_window_layers"],
+                               i in sets["xsa_layers"], i in sets["attn_gate_layers"], i in sets["dc_layers"], ve,
+                               None if ve is None or mudd else ve, i > args.shared_input_layer, i == skip_to, mudd))
+    return plans
+
+
+def skip_pair(args: Hyperparameters) -> tuple[int, int]:
+    source, colon, target = args.skip_layers.partition(":")
+    try:
+        return int(source), int(target)
+    except ValueError:
+        raise ConfigError(f"--skip_layers={args.skip_layers}: expected source:target, e.g. 3:6") from None
+
+
 def validate_config(args: Hyperparameters):
-    positive = ["val_tokens", "val_seq_len", "batch_tokens", "micro_batch_tokens", "train_max_seq_len", "vocab_size",
-                "num_layers", "model_dim", "head_dim", "mlp_ratio", "window_block", "window_extension",
-                "window_final_val", "num_iterations", "adam_every"]
+    positive = ["val_tokens", "val_seq_len", "micro_batches", "vocab_size", "num_layers", "model_dim", "head_dim",
+                "mlp_ratio", "window_block", "final_val_window", "num_iterations", "adam_every", "bigram_vocab_size",
+                "bigram_sign_rows", "dc_window"]
     for name in positive:
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name}={getattr(args, name)}: must be positive")
-    for name in ["val_loss_every", "train_loss_every", "save_every", "warmup_steps", "num_value_embeds",
-                 "extension_steps", "muon_momentum_warmup", "muon_momentum_cooldown"]:
+    for name in ["val_loss_every", "train_loss_every", "save_every", "warmup_steps", "extension_steps",
+                 "muon_momentum_warmup", "muon_momentum_cooldown", "untie_stage"]:
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name}={getattr(args, name)}: must be zero or positive")
     # Values outside these ranges cannot be meant: they would train (and "succeed") on nonsense, or fail
     # deep inside PyTorch. Written so that NaN fails every test.
     ranges = [
-        (("embed_lr", "head_lr", "scalar_lr", "muon_lr", "muon_weight_decay", "final_lr_frac"),
+        (("adam_lr", "muon_lr", "muon_weight_decay", "adam_weight_decay", "final_lr_frac"),
          lambda v: 0 <= v < math.inf, "a finite number >= 0"),
-        (("adam_beta1", "adam_beta2", "muon_beta2", "muon_momentum_start", "muon_momentum_end"),
-         lambda v: 0 <= v < 1, "in [0, 1)"),
+        (("muon_beta2", "muon_momentum_start", "muon_momentum_end"), lambda v: 0 <= v < 1, "in [0, 1)"),
         (("adam_eps", "logit_cap", "logit_cap_width"), lambda v: 0 < v < math.inf, "a finite number > 0"),
+        (("logit_cap_shift",), lambda v: -math.inf < v < math.inf, "a finite number"),
         (("cooldown_frac",), lambda v: 0 <= v <= 1, "in [0, 1]"),
         (("pg_timeout_s",), lambda v: 0 < v <= MAX_TIMEOUT_S, f"in 1..{MAX_TIMEOUT_S} seconds (a week)"),
         (("seed",), lambda v: 0 <= v < 2 ** 64, "in 0..2**64-1"),
@@ -282,68 +462,107 @@ def validate_config(args: Hyperparameters):
     if args.synthetic and args.vocab_size <= BOS_ID:  # shards say so themselves (check_token_ids)
         raise ConfigError(f"--vocab_size={args.vocab_size}: --synthetic=true documents start with <|endoftext|>, "
                           f"token {BOS_ID}; the vocabulary must hold it")
-    if args.model_dim % args.head_dim:
-        raise ConfigError(f"--model_dim={args.model_dim} must be a multiple of --head_dim={args.head_dim}")
+    if args.model_dim % args.head_dim or (args.model_dim // args.head_dim) % 2:
+        raise ConfigError(f"--model_dim={args.model_dim} must be an even number of --head_dim={args.head_dim} heads "
+                          f"(paired layers pair them)")
     if args.head_dim % 4:
         raise ConfigError(f"--head_dim={args.head_dim} must be a multiple of 4 (rotary turns half of each head's "
                           f"dimensions, in pairs)")
     if args.model_dim < GATE_CHANNELS:
         raise ConfigError(f"--model_dim={args.model_dim}: the gates read the first {GATE_CHANNELS} channels")
-    if 2 * args.num_value_embeds > args.num_layers:
-        raise ConfigError(f"--num_value_embeds={args.num_value_embeds}: at most num_layers/2 = {args.num_layers // 2}")
-    for name in ("no_attention_layers", "no_mlp_layers", "long_window_layers"):
-        for layer in int_list(args, name):
-            if not 0 <= layer < args.num_layers:
-                raise ConfigError(f"--{name}: layer {layer} is not in 0..{args.num_layers - 1}")
-    used = {spec.value_embed for spec in layer_specs(args)}
-    for i in range(args.num_value_embeds):
-        if i not in used:
-            raise ConfigError(f"--num_value_embeds={args.num_value_embeds}: value embedding {i} would feed no layer "
-                              f"with attention (layers {i} and {args.num_layers - args.num_value_embeds + i})")
-    if not -1 <= args.backout_layer < args.num_layers:
-        raise ConfigError(f"--backout_layer={args.backout_layer}: must be -1 or a layer in 0..{args.num_layers - 1}")
-    schedule = int_list(args, "window_schedule")
-    if not schedule or min(schedule) <= 0:
-        raise ConfigError(f"--window_schedule={args.window_schedule}: expected positive block counts, e.g. 3,7,11")
-    for name in ("micro_batch_tokens", "val_seq_len"):
-        if getattr(args, name) % args.window_block:
-            raise ConfigError(f"--{name}={getattr(args, name)} must be a multiple of --window_block={args.window_block}")
-    if args.batch_tokens % args.micro_batch_tokens:
-        raise ConfigError(f"--batch_tokens={args.batch_tokens} must be a multiple of "
-                          f"--micro_batch_tokens={args.micro_batch_tokens}")
-    if args.val_tokens % args.val_seq_len:
-        raise ConfigError(f"--val_tokens={args.val_tokens} must be a multiple of --val_seq_len={args.val_seq_len}")
     if args.extension_steps >= args.num_iterations:
         raise ConfigError(f"--extension_steps={args.extension_steps} must be less than "
                           f"--num_iterations={args.num_iterations}")
+    schedule = Schedule(args)
+    if any(stage.end <= stage.start for stage in schedule.stages[:-1]):
+        raise ConfigError(f"--num_iterations={args.num_iterations} with --extension_steps={args.extension_steps} "
+                          f"leaves a stage without steps")
+    for stage in schedule.stages:
+        if stage.batch_tokens % args.micro_batches or (stage.batch_tokens // args.micro_batches) % args.window_block:
+            raise ConfigError(f"--stage_batch_tokens={args.stage_batch_tokens}: each batch must split into "
+                              f"--micro_batches={args.micro_batches} micro-batches of a multiple of "
+                              f"--window_block={args.window_block} tokens")
+        if stage.max_seq_len <= 0:
+            raise ConfigError(f"--stage_max_seq_len={args.stage_max_seq_len}: must be positive")
+    if args.val_seq_len % args.window_block:
+        raise ConfigError(f"--val_seq_len={args.val_seq_len} must be a multiple of --window_block={args.window_block}")
+    if args.val_tokens % args.val_seq_len:
+        raise ConfigError(f"--val_tokens={args.val_tokens} must be a multiple of --val_seq_len={args.val_seq_len}")
     if args.save_every % args.adam_every:
         raise ConfigError(f"--save_every={args.save_every} must be a multiple of --adam_every={args.adam_every}: "
                           f"a checkpoint between two Adam steps would lose the gradients accumulated so far")
     for name, choices in (("device", ("auto", "cuda", "cpu")), ("attention", ("auto", "flex", "sdpa")),
-                          ("lm_head_precision", ("auto", "fp8", "bf16", "fp32"))):
+                          ("lm_head_precision", ("auto", "fp8", "bf16", "fp32")),
+                          ("mlp_precision", ("auto", "fp8", "bf16", "fp32"))):
         if getattr(args, name) not in choices:
             raise ConfigError(f"--{name}={getattr(args, name)}: choose {', '.join(choices)}")
-    if args.lm_head_precision == "fp8" and not fp8_head_fits(args):
-        raise ConfigError(f"--lm_head_precision=fp8: FP8 matmuls need --model_dim (here {args.model_dim}) and "
-                          f"--micro_batch_tokens (here {args.micro_batch_tokens}) to be multiples of 16; use bf16")
+    validate_layer_plan(args)
+    if "fp8" in (args.lm_head_precision, args.mlp_precision) and not fp8_fits(args):
+        raise ConfigError(f"--lm_head_precision/--mlp_precision=fp8: FP8 matmuls need --model_dim (here "
+                          f"{args.model_dim}) and every micro-batch (here {min_micro_tokens(args)} tokens at the "
+                          f"least) to be multiples of 16; use bf16")
 
 
-def fp8_head_fits(args: Hyperparameters) -> bool:
-    """torch._scaled_mm takes only multiples of 16 for the dimensions the FP8 head multiplies over."""
-    return args.model_dim % 16 == 0 and args.micro_batch_tokens % 16 == 0
+def validate_layer_plan(args: Hyperparameters):
+    """Layer roles that the record's forward cannot combine are refused here, naming the flag."""
+    n = args.num_layers
+    for name in ("no_attention_layers", "paired_layers", "long_window_layers", "xsa_layers", "attn_gate_layers",
+                 "dc_layers", "value_embed_layers"):
+        for layer in int_list(args, name):
+            if not 0 <= layer < n:
+                raise ConfigError(f"--{name}: layer {layer} is not in 0..{n - 1}")
+    skip_from, skip_to = skip_pair(args)
+    if not 0 <= skip_from < skip_to < n:
+        raise ConfigError(f"--skip_layers={args.skip_layers}: needs 0 <= source < target < {n}")
+    if set(int_list(args, "no_attention_layers")) != {skip_to}:
+        raise ConfigError(f"--no_attention_layers={args.no_attention_layers}: must be the skip target alone "
+                          f"({skip_to}, --skip_layers): the skip takes the place of its attention")
+    if not 0 <= args.mudd_gate_layer <= skip_to:
+        raise ConfigError(f"--mudd_gate_layer={args.mudd_gate_layer}: must be in 0..{skip_to} (its gates include "
+                          f"the skip's)")
+    if not 0 <= args.shared_input_layer < n - 1:
+        raise ConfigError(f"--shared_input_layer={args.shared_input_layer}: must be in 0..{n - 2}")
+    plans = layer_plan(args)
+    for plan in plans:
+        where = f"layer {plan.index}"
+        if not plan.attention and (plan.paired or plan.long_window or plan.xsa or plan.attn_gate or plan.dc
+                                   or plan.value_embed is not None):
+            raise ConfigError(f"{where} has no attention (--no_attention_layers) but another attention role")
+        if plan.paired and (plan.long_window or plan.xsa or plan.dc):
+            raise ConfigError(f"{where} is paired (--paired_layers): paired layers have the short window and no "
+                              f"XSA or DC")
+        if (plan.dc or plan.attn_gate) and plan.index < args.mudd_gate_layer and plan.dc:
+            raise ConfigError(f"{where}: DC layers must be at or after --mudd_gate_layer={args.mudd_gate_layer}")
+    last = plans[-1]
+    if not last.attention or last.paired or last.value_embed is None:
+        raise ConfigError(f"layer {n - 1} (the last, where MUDD mixes) needs attention, no pairing and a value "
+                          f"embedding (--value_embed_layers)")
+    if not plans[skip_from].attention and skip_from != 0:
+        raise ConfigError(f"--skip_layers={args.skip_layers}: the source must be a layer with attention")
+    if args.dc_window > args.window_block * 2:
+        raise ConfigError(f"--dc_window={args.dc_window}: at most 2 * --window_block={2 * args.window_block}")
+    if args.untie_stage > len(int_list(args, "stage_batch_tokens")):
+        raise ConfigError(f"--untie_stage={args.untie_stage}: at most the number of stages")
+
+
+def min_micro_tokens(args: Hyperparameters) -> int:
+    return min(int_list(args, "stage_batch_tokens")) // args.micro_batches
+
+
+def fp8_fits(args: Hyperparameters) -> bool:
+    """torch._scaled_mm takes only multiples of 16 for the dimensions the FP8 matmuls multiply over."""
+    return args.model_dim % 16 == 0 and min_micro_tokens(args) % 16 == 0
 
 
 def check_world_size(args: Hyperparameters, world_size: int) -> int:
     """Micro-batches per rank per step; the global batch never changes with the world size."""
-    chunks = args.batch_tokens // args.micro_batch_tokens
-    if chunks % world_size:
-        raise ConfigError(f"world size {world_size} cannot split the batch: --batch_tokens={args.batch_tokens} is "
-                          f"{chunks} micro-batches of --micro_batch_tokens={args.micro_batch_tokens}, "
-                          f"not a multiple of {world_size} (a smaller --micro_batch_tokens makes more)")
+    if args.micro_batches % world_size:
+        raise ConfigError(f"world size {world_size} cannot split the batch: a step is --micro_batches="
+                          f"{args.micro_batches} micro-batches, not a multiple of {world_size}")
     if (args.val_tokens // args.val_seq_len) % world_size:
         raise ConfigError(f"world size {world_size} cannot split validation: --val_tokens={args.val_tokens} is "
                           f"{args.val_tokens // args.val_seq_len} sequences of --val_seq_len={args.val_seq_len}")
-    return chunks // world_size
+    return args.micro_batches // world_size
 
 
 def resolve_attention(args: Hyperparameters, device: torch.device, training: bool = True) -> str:
@@ -353,13 +572,13 @@ def resolve_attention(args: Hyperparameters, device: torch.device, training: boo
         raise ConfigError("--attention=flex: PyTorch has no FlexAttention backward on CPU; train on CPU with "
                           "--attention=sdpa (flex serves forward passes there)")
     if choice == "sdpa" and training:
-        longest = max_positions(args)
+        longest = 2 * max_positions(args)  # paired layers attend over twice the positions
         need, have = dense_mask_bytes(longest), device_memory_bytes(device)
         if need > have:  # certain to run out of memory, at the first step or the first validation
-            raise ConfigError(f"--attention=sdpa: the dense attention mask of a {longest:,}-token sequence takes "
+            raise ConfigError(f"--attention=sdpa: the dense attention mask of a {longest:,}-position sequence takes "
                               f"at least {need / 2 ** 30:,.0f} GiB to build, more than the {have / 2 ** 30:,.0f} GiB "
                               f"{device if device.type == 'cuda' else 'this machine'} has; use --attention=flex on a "
-                              f"GPU, or a shorter --val_seq_len or --micro_batch_tokens")
+                              f"GPU, or a shorter --val_seq_len or --stage_batch_tokens")
     return choice
 
 
@@ -374,17 +593,17 @@ def device_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def resolve_head_precision(args: Hyperparameters, device: torch.device) -> str:
+def resolve_precision(args: Hyperparameters, device: torch.device, flag: str) -> str:
     """fp8 needs the FP8 tensor cores of compute capability 8.9 (Ada, Hopper) and later, and widths
-    FP8 matmuls take (fp8_head_fits); auto falls back to bf16 without them, and the log header says so."""
+    FP8 matmuls take (fp8_fits); auto falls back to bf16 without them, and the log header says so."""
     fp8_capable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-    if args.lm_head_precision == "auto":
-        return "fp8" if fp8_capable and fp8_head_fits(args) else ("bf16" if device.type == "cuda" else "fp32")
-    if args.lm_head_precision == "fp8" and device.type == "cuda" and not fp8_capable:
-        raise ConfigError(f"--lm_head_precision=fp8: {torch.cuda.get_device_name(device)} has no FP8 tensor cores "
+    choice = getattr(args, flag)
+    if choice == "auto":
+        return "fp8" if fp8_capable and fp8_fits(args) else ("bf16" if device.type == "cuda" else "fp32")
+    if choice == "fp8" and device.type == "cuda" and not fp8_capable:
+        raise ConfigError(f"--{flag}=fp8: {torch.cuda.get_device_name(device)} has no FP8 tensor cores "
                           f"(compute capability 8.9 or later); use bf16")
-    return args.lm_head_precision
-
+    return choice
 
 # -----------------------------------------------------------------------------
 # Distributed setup: torchrun's environment, or one process without it
@@ -412,7 +631,8 @@ def setup_distributed(args: Hyperparameters) -> DistEnv:
     if use_cuda:
         torch.cuda.set_device(device)
     resolve_attention(args, device)  # refuse what this device cannot train before any process group exists
-    resolve_head_precision(args, device)
+    resolve_precision(args, device, "lm_head_precision")
+    resolve_precision(args, device, "mlp_precision")
     if world_size > 1 and not dist.is_initialized():  # tools/preflight.py brings its own (fake) group
         dist.init_process_group(backend="nccl" if use_cuda else "gloo",
                                 timeout=datetime.timedelta(seconds=args.pg_timeout_s),
@@ -454,22 +674,34 @@ def all_gather_async(output: Tensor, input: Tensor):
 
 
 # -----------------------------------------------------------------------------
-# Model: record #44's GPT. Layers may drop attention or MLP; value embeddings feed the first and
-# last layers; U-net skips with sigmoid gates; a smear gate on the token embedding; per-head
-# attention gates; half-truncated rotary with YaRN; a "backout" of an inner layer's output;
-# logits squashed as cap * sigmoid(x / width).
+# Model: record #85's GPT. Paired-head attention on some layers, XSA, a DC correction, the partial key
+# offset, value embeddings with per-head gates, a bigram hash embedding, a gated skip, MUDD gate networks
+# that produce per-token gates, MUDD mixing of earlier states at the last layer and before the head, FP8
+# up-projections, and a multi-token-prediction loss under a softcap. Which layer does what is
+# configuration (layer_plan), never indices in the code.
 
-GATE_CHANNELS = 12  # the smear and attention gates read this many leading channels of their input
-ATTN_SCALE = 0.1  # attention logit scale at the first window (record #44); YaRN raises it
+GATE_CHANNELS = 12  # the smear gate reads this many leading channels of the token embedding
+VE_GATE_CHANNELS = 6  # a value-embedding gate reads this many channels of the attention input and of the embedding
+ATTN_SCALE = 0.1  # attention logit scale at the first window (record #85); YaRN raises it
 ROPE_MIN_FREQ = 1 / 1024  # rotary frequencies run from 1 down to this, over a quarter of each head's dims
 YARN_ALPHA, YARN_BETA = 1, 32  # frequencies turning fewer/more times than this over a window are fully/not rescaled
-SKIP_GATE_INIT = -1.5  # U-net skip weights start at sigmoid(-1.5) = 0.18
-BACKOUT_INIT = 0.5
+# F.rms_norm's default eps is the dtype's machine epsilon: the record's bf16 activations get 2**-7. Fixed here so
+# that fp32 (CPU) runs compute the same function.
+NORM_EPS = 2 ** -7
+XSA_EPS = 1e-4  # F.normalize's eps for the value direction XSA subtracts along
+DC_NORM_EPS = 1e-6  # the DC query-side weights are RMS-normalised over heads with this eps
+SKIP_GATE_INIT = -1.5  # the skip weight starts at sigmoid(-1.5) = 0.18
+RESIDUAL_INIT = 1.1 ** 0.5  # each sublayer scales the stream by this at init: 1.1 per layer
+MUDD_SCALE = 0.1  # the MUDD nets' outputs are MUDD_SCALE * (W2 h + b2); their biases are stored divided by it
+MUDD_HIDDEN = 64
+MUDD_LAYER_COEFS = 14  # the last layer's MUDD net: see GPT.mudd_layer
+MUDD_HEAD_COEFS = 5  # before the head: weights of 5 earlier states
+BIGRAM_MULTIPLIERS = (36313, 27191)  # the record's hash of (current, previous) token, in int32 arithmetic
 BOS_ID = 50256  # <|endoftext|> starts every document
 
 
 def norm(x: Tensor) -> Tensor:
-    return F.rms_norm(x, (x.size(-1),))
+    return F.rms_norm(x, (x.size(-1),), eps=NORM_EPS)
 
 
 def uniform_init_(weight: Tensor, std: float):
@@ -478,76 +710,45 @@ def uniform_init_(weight: Tensor, std: float):
         weight.uniform_(-bound, bound)
 
 
-class CastedLinear(nn.Linear):
-    """A bias-free linear layer that multiplies in its input's dtype (bf16 on GPUs). Zero-initialised
-    unless given a std: output projections, the head and the gates start at zero (modded-nanogpt)."""
-
-    def __init__(self, in_features: int, out_features: int, std: float = 0.0):
-        super().__init__(in_features, out_features, bias=False)
-        if std:
-            uniform_init_(self.weight, std)
-        else:
-            nn.init.zeros_(self.weight)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight.type_as(x))
+def bigram_hash(ids: Tensor, previous: Tensor, position: Tensor, buckets: int) -> Tensor:
+    """Record #85's bigram rows: a sequence's first token takes the last row (buckets - 1); every other
+    token hashes (36313 * token) xor (27191 * previous) mod (buckets - 1) in int32 arithmetic (products wrap
+    around), except that the second token hashes with buckets - 1 in place of the first token (the record
+    overwrites position 0 before reading it). `position`: each token's position in its sequence."""
+    mod = buckets - 1
+    x, previous = ids.to(torch.int32), previous.to(torch.int32)
+    previous = torch.where(position == 1, torch.full_like(previous, mod), previous)
+    hashed = torch.remainder(torch.bitwise_xor(BIGRAM_MULTIPLIERS[0] * x, BIGRAM_MULTIPLIERS[1] * previous), mod)
+    return torch.where(position == 0, torch.full_like(x, mod), hashed)
 
 
-# FP8 lm_head (record #44): activations and weights in float8_e4m3, the logits' gradient in float8_e5m2,
-# with fixed scales that map each operand's largest plausible value near the format's maximum.
-FP8_E4M3_MAX = 448.0
-FP8_WEIGHT_SCALE = 2 ** -9  # weights up to 448 / 512 = 0.875
-FP8_GRAD_SCALE = 1 / FP8_E4M3_MAX  # the gradient of one logit of a summed cross-entropy is at most 1
-
-
-def quantize_fp8(t: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
-    return (t / scale).to(dtype)
-
-
-def scaled_mm(a: Tensor, b: Tensor, scale_a: float, scale_b: float, out_dtype: torch.dtype,
-              fast_accum: bool = False) -> Tensor:
-    """(a * scale_a) @ (b * scale_b) for float8 a (row-major) and b (column-major)."""
-    return torch._scaled_mm(a, b, scale_a=a.new_full((), scale_a, dtype=torch.float32),
-                            scale_b=a.new_full((), scale_b, dtype=torch.float32),
-                            out_dtype=out_dtype, use_fast_accum=fast_accum)
-
-
-class FP8Linear(torch.autograd.Function):
-    """x @ w.T in FP8 (bf16 out); backward in FP8. The weight gradient leaves the FP8 matmul in fp32, and
-    autograd rounds it to the weight's own dtype (bf16 on GPUs) before it reaches w.grad."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, x_scale: float) -> Tensor:
-        x8 = quantize_fp8(x, x_scale, torch.float8_e4m3fn)
-        w8 = quantize_fp8(w, FP8_WEIGHT_SCALE, torch.float8_e4m3fn)
-        ctx.save_for_backward(x8, w8)
-        ctx.x_scale = x_scale
-        return scaled_mm(x8, w8.T, x_scale, FP8_WEIGHT_SCALE, torch.bfloat16, fast_accum=True)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x8, w8 = ctx.saved_tensors
-        g8 = quantize_fp8(grad.contiguous(), FP8_GRAD_SCALE, torch.float8_e5m2)
-        grad_x = scaled_mm(g8, w8.T.contiguous().T, FP8_GRAD_SCALE, FP8_WEIGHT_SCALE, torch.bfloat16)
-        grad_w = scaled_mm(x8.T.contiguous(), g8.T.contiguous().T, ctx.x_scale, FP8_GRAD_SCALE, torch.float32).T
-        return grad_x, grad_w, None
+def positions_in_sequence(length: int, device, starts: Tensor | None = None, offset: int = 0) -> Tensor:
+    """0, 1, 2, ... from the sequence start (offset: positions already cached); with `starts` (booleans),
+    counted from the last start at or before each position."""
+    index = torch.arange(offset, offset + length, device=device)
+    if starts is None:
+        return index
+    last_start = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), 0).values
+    return index - last_start
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding on half of each head's dimensions (the other half carries no
-    position), with YaRN: when the attention window grows, frequencies that turn only a few times
-    across the old window are slowed down in proportion, so that the new window's distances look like
-    distances the model has seen, and the attention scale grows with log(new / old).
+    """Rotary position embedding on adjacent pairs of the first half of each head's dimensions (the second
+    half carries no position), with YaRN: when the attention window grows, frequencies that turn only a few
+    times across the old window are slowed down in proportion, and the attention scale grows with
+    log(new / old). The cos/sin tables hold bf16 values (as the record's) for twice the longest sequence:
+    paired layers place each token at two positions.
 
-    Its state (frequencies, attention scale, the window they were fitted to) is in the state dict,
-    so checkpoints resume exactly; the cos/sin tables are recomputed from it."""
+    Its state (frequencies, attention scale, the window they were fitted to) is in the state dict, so
+    checkpoints resume exactly; the tables are recomputed from it."""
 
     def __init__(self, head_dim: int, max_len: int, window_block: int, first_window: int):
         super().__init__()
         self.window_block, self.first_window = window_block, first_window
-        self.register_buffer("angular_freq", torch.zeros(head_dim // 2))
-        self.register_buffer("cos", torch.zeros(max_len, head_dim // 2), persistent=False)
-        self.register_buffer("sin", torch.zeros(max_len, head_dim // 2), persistent=False)
+        self.register_buffer("angular_freq", torch.zeros(head_dim))
+        # bf16, the record's tables; sin holds -sin at odd indices (see apply_rotary)
+        self.register_buffer("cos", torch.zeros(2 * max_len, head_dim, dtype=torch.bfloat16), persistent=False)
+        self.register_buffer("sin", torch.zeros(2 * max_len, head_dim, dtype=torch.bfloat16), persistent=False)
         self.register_buffer("attn_scale", torch.zeros(()), persistent=False)  # a tensor: data, not a constant
         self.window, self.scale = first_window, ATTN_SCALE
         self.register_load_state_dict_post_hook(lambda module, incompatible: module.refresh())
@@ -555,9 +756,9 @@ class Rotary(nn.Module):
 
     @torch.no_grad()
     def reset(self):
-        quarter = self.angular_freq.numel() // 2
+        quarter = self.angular_freq.numel() // 4
         freq = ROPE_MIN_FREQ ** torch.linspace(0, 1, quarter, device=self.angular_freq.device)
-        self.angular_freq.copy_(torch.cat([freq, freq.new_zeros(quarter)]))
+        self.angular_freq.copy_(torch.cat([freq.repeat_interleave(2), freq.new_zeros(2 * quarter)]))
         self.window, self.scale = self.first_window, ATTN_SCALE
         self.refresh()
 
@@ -581,6 +782,7 @@ class Rotary(nn.Module):
         theta = torch.outer(positions, self.angular_freq)
         self.cos.copy_(theta.cos())
         self.sin.copy_(theta.sin())
+        self.sin[:, 1::2] *= -1
         self.attn_scale.fill_(self.scale)
 
     def get_extra_state(self) -> dict:
@@ -591,16 +793,18 @@ class Rotary(nn.Module):
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: (B, T, H, D); cos, sin: (T, D/2) for the positions of x."""
-    cos, sin = cos.type_as(x)[None, :, None, :], sin.type_as(x)[None, :, None, :]
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
+    """x (..., D) turned pair by pair: (x0, x1) -> (x0 cos + x1 sin, x1 cos - x0 sin), with cos and sin
+    (..., D) broadcast over x (sin holds -sin at odd indices)."""
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return x * cos.type_as(x) + swapped * sin.type_as(x)
 
 
 # Attention masks. A query sees itself and the `window` positions before it (window + 1 keys, like
 # FlashAttention's window (w, 0)), within its document: a BOS token starts a new one. FlexAttention
 # gets a BlockMask built from per-block document ranges, with the window and the document ids as
 # tensors, so neither becomes a compile-time constant; SDPA gets the same mask as a dense tensor.
+# Paired layers attend over a sequence of twice the length (each token at two positions), with each
+# document's positions doubled.
 
 def document_ids(tokens: Tensor) -> Tensor:
     return (tokens == BOS_ID).cumsum(0)
@@ -643,31 +847,82 @@ def flex_block_mask(docs: Tensor, window: int, block_size: int):
                                     mask_mod=mask_mod, seq_lengths=(length, length))
 
 
-def build_masks(tokens: Tensor, windows: list[int | None], use_flex: bool, block_size: int) -> list:
-    """One mask per layer (None for layers without attention); layers with the same window share one."""
+@dataclass
+class Masks:
+    """The attention masks of one packed sequence, by (window in tokens, paired), and its document ids."""
+    by_kind: dict
+    docs: Tensor
+    fresh: Tensor | None = None  # (T,) booleans: positions that start a sequence of their own (separate_documents)
+
+    def get(self, window: int, paired: bool):
+        return self.by_kind[(window, paired)]
+
+
+def build_masks(tokens: Tensor, plans: list[LayerPlan], windows: tuple[int, int], window_block: int,
+                use_flex: bool) -> Masks:
+    """One mask per kind of layer: (short or long window) x (paired or not); layers of a kind share it."""
     docs = document_ids(tokens)
-    by_window = {}
-    for w in windows:
-        if w is not None and w not in by_window:
-            by_window[w] = flex_block_mask(docs, w, block_size) if use_flex else dense_attention_mask(docs, w)
-    return [by_window.get(w) for w in windows]
+    by_kind = {}
+    for plan in plans:
+        if not plan.attention:
+            continue
+        window = window_block * windows[1 if plan.long_window else 0]
+        kind = (window, plan.paired)
+        if kind not in by_kind:
+            layer_docs = docs.repeat_interleave(2) if plan.paired else docs
+            by_kind[kind] = (flex_block_mask(layer_docs, window, window_block) if use_flex
+                             else dense_attention_mask(layer_docs, window))
+    return Masks(by_kind, docs)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
-    """q (already scaled), k, v: (B, H, T, D); mask: a BlockMask (FlexAttention) or a boolean tensor (SDPA)."""
+def attention(q: Tensor, k: Tensor, v: Tensor, mask, scale: Tensor) -> Tensor:
+    """q, k, v: (B, H, T, D); mask: a BlockMask (FlexAttention) or a boolean tensor (SDPA). The scale is
+    applied to q, so that it is a tensor in the graph and not a compile-time constant."""
+    q = q * scale.type_as(q)
     if isinstance(mask, Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
     from torch.nn.attention.flex_attention import flex_attention
     return flex_attention(q, k, v, block_mask=mask, scale=1.0)
 
 
-class LayerCache:
-    """Keys and values of the positions seen so far by one attention layer (generation in sample.py)."""
+def dc_correction(q: Tensor, k: Tensor, v: Tensor, docs: Tensor, w1: Tensor, w2: Tensor, scale: Tensor,
+                  window: int, block: int) -> Tensor:
+    """Record #85's post-only dynamically composable correction, in plain PyTorch. For each query t and
+    head h, P_h(t, .) is the softmax of scale * q_h(t).k_h(s) over the keys s with 0 <= t - s < window in t's
+    document; the heads' maps are mixed with per-token weights, A(t, s) = sum_h w1(t, h) P_h(t, s), and each
+    head adds w2(t, h) * sum_s A(t, s) v_h(s) to its output. Returned: that correction, (B, T, H, D).
+
+    Computed block by block: queries in blocks of `block` (>= window) see the keys of their block and
+    the one before, so nothing grows with T^2. q, k, v: (B, T, H, D); docs (T,); w1, w2 (B, T, H)."""
+    B, T, H, D = q.shape
+    n = T // block
+    qb = q.view(B, n, block, H, D)
+    pad = lambda t: torch.cat([t.new_zeros(B, block, *t.shape[2:]), t], dim=1).view(B, n + 1, block, *t.shape[2:])
+    kp, vp = pad(k), pad(v)
+    kb, vb = torch.cat([kp[:, :-1], kp[:, 1:]], dim=2), torch.cat([vp[:, :-1], vp[:, 1:]], dim=2)  # (B, n, 2blk, H, D)
+    docs_p = torch.cat([docs.new_full((block,), -1), docs]).view(n + 1, block)
+    key_docs = torch.cat([docs_p[:-1], docs_p[1:]], dim=1)  # (n, 2 block)
+    query_pos = torch.arange(block, device=q.device)[:, None] + block
+    distance = query_pos - torch.arange(2 * block, device=q.device)[None, :]
+    visible = (distance >= 0) & (distance < window) & (docs.view(n, block)[:, :, None] == key_docs[:, None, :])
+    scores = torch.einsum("bnqhd,bnkhd->bnhqk", qb.float(), kb.float()) * scale.float()
+    scores = scores.masked_fill(~visible[None, :, None], float("-inf"))
+    probs = scores.softmax(dim=-1)  # every query sees itself, so no row is empty
+    mixed = torch.einsum("bnhqk,bnqh->bnqk", probs, w1.float().view(B, n, block, H))
+    out = torch.einsum("bnqk,bnkhd->bnqhd", mixed.type_as(v), vb) * w2.view(B, n, block, H, 1).type_as(v)
+    return out.reshape(B, T, H, D)
+
+
+class AttentionCache:
+    """The keys and values one attention layer has seen (generation in sample.py), as the layer attends
+    over them: after rotary and the key offset, interleaved for a paired layer; and the last token's
+    unshifted stationary key dimensions, which the key offset moves to the next token."""
 
     def __init__(self, max_len: int, heads: int, head_dim: int, device, dtype):
         self.k = torch.zeros(1, max_len, heads, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.length = 0
+        self.last_key_half: Tensor | None = None
 
     def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         end = self.length + k.size(1)
@@ -676,113 +931,252 @@ class LayerCache:
         return self.k[:, :end], self.v[:, :end]
 
 
+def paired_view(t: Tensor) -> Tensor:
+    """(B, T, H, D) -> (B, 2T, H/2, D): the record's view of a paired layer's heads. Position 2t holds
+    heads 0..H/2-1 of token t and position 2t+1 heads H/2..H-1, so head slot j pairs heads j and j + H/2."""
+    B, T, H, D = t.shape
+    return t.reshape(B, 2 * T, H // 2, D)
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, dim: int, head_dim: int, has_value_embed: bool):
+    """One layer's attention. qk holds the query and key weights in blocks of two heads (the record's
+    NorMuon units: each head pair's queries, then each pair's keys), vo the value and output weights;
+    both are scaled by the layer's two attention lambdas."""
+
+    def __init__(self, plan: LayerPlan, dim: int, head_dim: int, dc_window: int, window_block: int):
         super().__init__()
-        self.num_heads, self.head_dim = dim // head_dim, head_dim
-        # q, k, v and output projections as one (4, dim, dim) tensor: q, k, v multiply in one matmul,
-        # and NorMuon orthogonalises each of the four on its own.
-        self.qkvo = nn.Parameter(torch.empty(4, dim, dim))
-        uniform_init_(self.qkvo[:3], 0.5 * dim ** -0.5)
-        with torch.no_grad():
-            self.qkvo[3].zero_()
-        self.gate = CastedLinear(GATE_CHANNELS, self.num_heads)  # per-head output gate, sigmoid(0) = 0.5 at init
-        self.value_mix = nn.Parameter(torch.tensor([0.5, 0.5] if has_value_embed else [0.5]))  # (v, value embed)
+        self.plan, self.num_heads, self.head_dim = plan, dim // head_dim, head_dim
+        self.dc_window, self.window_block = dc_window, window_block
+        self.qk = nn.Parameter(torch.empty(self.num_heads, 2 * head_dim, dim))
+        self.vo = nn.Parameter(torch.empty(2, dim, dim))
+        uniform_init_(self.qk, 0.5 * dim ** -0.5)
+        uniform_init_(self.vo, 0.5 * dim ** -0.5)
         self.attend = attention  # compile_model(attention_only=True) puts a compiled attention here
 
-    def forward(self, x: Tensor, value_embed: Tensor | None, mask, cos: Tensor, sin: Tensor, scale: Tensor,
-                cache: LayerCache | None = None) -> Tensor:
+    def forward(self, x: Tensor, lambdas: Tensor, aux_v: Tensor | None, masks: Masks, rotary: Rotary,
+                windows: tuple[int, int], xsa_alpha: Tensor | None, gate: Tensor | None, dc_w: tuple | None,
+                cache: AttentionCache | None = None) -> Tensor:
         B, T, dim = x.shape
-        qkv = F.linear(x, self.qkvo[:3].flatten(0, 1).type_as(x)).view(B, T, 3 * self.num_heads, self.head_dim)
-        q, k, v = qkv.chunk(3, dim=-2)
-        q, k = apply_rotary(norm(q), cos, sin), apply_rotary(norm(k), cos, sin)  # QK-norm bounds the logits
-        v = self.value_mix[0] * v
-        if value_embed is not None:
-            v = v + self.value_mix[1] * value_embed.view_as(v)
+        H, D, plan = self.num_heads, self.head_dim, self.plan
+        w_qkv = torch.cat([self.qk.flatten(0, 1), self.vo[0]])
+        q, k, v = F.linear(x, lambdas[0] * w_qkv.type_as(x)).view(B, T, 3 * H, D).chunk(3, dim=-2)
+        q, k = norm(q), norm(k)  # QK-norm bounds the logits
+        start = cache.length // (2 if plan.paired else 1) if cache is not None else 0
+        if plan.paired:
+            # each head pair's 2D dims turn at positions 2t (first head) and 2t+1 (second head)
+            cos = rotary.cos[2 * start:2 * (start + T)].view(T, 1, 2 * D)
+            sin = rotary.sin[2 * start:2 * (start + T)].view(T, 1, 2 * D)
+            q = apply_rotary(q.reshape(B, T, H // 2, 2 * D), cos, sin)
+            k = apply_rotary(k.reshape(B, T, H // 2, 2 * D), cos, sin)
+            q, k, v = paired_view(q.view(B, T, H, D)), paired_view(k.view(B, T, H, D)), paired_view(v)
+            if aux_v is not None:
+                v = v + aux_v.view_as(v)
+        else:
+            cos, sin = rotary.cos[start:start + T, None], rotary.sin[start:start + T, None]
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            if plan.long_window:
+                k = self.key_offset(k, masks, cache)
+            if aux_v is not None:
+                v = v + aux_v.view_as(v)
+        scale = rotary.attn_scale
+        window = self.window_block * windows[1 if plan.long_window else 0]
+        if cache is None:
+            y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                            masks.get(window, plan.paired), scale).transpose(1, 2)
+            keys, values, docs = k, v, masks.docs
+        else:
+            keys, values = cache.extend(k, v)
+            docs = masks.docs.repeat_interleave(2) if plan.paired else masks.docs
+            mask = dense_attention_mask(docs, window, num_queries=q.size(1))
+            y = attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask, scale).transpose(1, 2)
+        if dc_w is not None:
+            y = y + self.dc(q, keys, values, docs, dc_w, scale)
+        y = y.reshape(B, T, H, D)  # a paired layer's interleaved heads back in order
+        if xsa_alpha is not None:  # XSA: take out a learned share of the output along the value's direction
+            direction = F.normalize(v, dim=-1, eps=XSA_EPS)
+            y = y - torch.tanh(xsa_alpha).type_as(y).view(B, T, H, 1) * (y * direction).sum(-1, keepdim=True) * direction
+        if gate is not None:
+            y = y * gate.type_as(y).view(B, T, H, 1)
+        return F.linear(y.reshape(B, T, dim), lambdas[1] * self.vo[1].type_as(y))
+
+    def key_offset(self, k: Tensor, masks: Masks, cache: AttentionCache | None) -> Tensor:
+        """Each key's stationary half (no rotary) is the previous token's: one layer can then match a
+        token to what followed its earlier occurrences (induction). Position 0 keeps its own."""
+        half = self.head_dim // 2
+        first = k[:, :1, :, half:] if cache is None or cache.last_key_half is None else cache.last_key_half
         if cache is not None:
-            k, v = cache.extend(k, v)
-        y = self.attend((q * scale).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask).transpose(1, 2)
-        y = y * torch.sigmoid(self.gate(x[..., :GATE_CHANNELS])).unsqueeze(-1)  # a head can switch itself off
-        return F.linear(y.reshape(B, T, dim), self.qkvo[3].type_as(y))
+            cache.last_key_half = k[:, -1:, :, half:]
+        shifted = torch.cat([first, k[:, :-1, :, half:]], dim=1)
+        if masks.fresh is not None:
+            shifted = torch.where(masks.fresh[None, :, None, None], k[..., half:], shifted)
+        return torch.cat([k[..., :half], shifted], dim=-1)
+
+    def dc(self, q: Tensor, keys: Tensor, values: Tensor, docs: Tensor, dc_w: tuple, scale: Tensor) -> Tensor:
+        w1, w2 = dc_w
+        w1 = F.rms_norm(w1.float(), (w1.size(-1),), eps=DC_NORM_EPS)
+        T = q.size(1)
+        if T == keys.size(1):  # training and validation: the whole sequence at once
+            block = self.window_block
+            pad = -T % block
+            if pad:  # only generation-length sequences fall here
+                q, keys, values = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, keys, values))
+                docs = F.pad(docs, (0, pad), value=-2)
+                w1, w2 = F.pad(w1, (0, 0, 0, pad)), F.pad(w2, (0, 0, 0, pad))
+            out = dc_correction(q, keys, values, docs, w1, w2, scale, self.dc_window, block)
+            return out[:, :T]
+        # generation: the new queries against the cached keys, densely (a few positions)
+        start = keys.size(1) - T
+        pos = torch.arange(start, start + T, device=q.device)
+        distance = pos[:, None] - torch.arange(keys.size(1), device=q.device)[None, :]
+        visible = (distance >= 0) & (distance < self.dc_window) & (docs[start:][:, None] == docs[None, :])
+        scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), keys.float()) * scale.float()
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        mixed = torch.einsum("bhqk,bqh->bqk", probs, w1)
+        return torch.einsum("bqk,bkhd->bqhd", mixed.type_as(values), values) * w2.unsqueeze(-1).type_as(values)
+
+
+# FP8 matmuls (record #85): e4m3 operands with per-tensor scales, bf16 out, through torch._scaled_mm, whose
+# first operand must be row-major and second column-major.
+FP8_E4M3_MAX = 448.0
+HEAD_X_SCALE, HEAD_W_SCALE, HEAD_GRAD_SCALE = 100 / FP8_E4M3_MAX, 1.6 / FP8_E4M3_MAX, 0.75 / FP8_E4M3_MAX
+
+
+def scaled_mm(a: Tensor, b: Tensor, scale_a, scale_b, out_dtype: torch.dtype, fast_accum: bool = False) -> Tensor:
+    """(a * scale_a) @ (b * scale_b) for float8 a (row-major) and b (column-major); scales: floats or fp32
+    0-dim tensors."""
+    as_tensor = lambda s: s if isinstance(s, Tensor) else a.new_full((), s, dtype=torch.float32)
+    return torch._scaled_mm(a, b, scale_a=as_tensor(scale_a), scale_b=as_tensor(scale_b), out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
+
+
+class ReluSquaredMLP(torch.autograd.Function):
+    """relu(x @ fc.T)^2 @ proj with the up-projection's forward in FP8 (record #85): x is scaled by its own
+    absolute maximum (per tensor, each call), fc by a per-layer scale refreshed after each optimizer step
+    (MLP.refresh_fp8). The backward uses the weights and x in their own dtype (bf16), as the record's."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, fc: Tensor, proj: Tensor, fc_f8: Tensor, fc_scale: Tensor) -> Tensor:
+        x2 = x.flatten(0, -2)
+        amax = x2.detach().abs().amax().float().clamp(min=1e-12)
+        x8 = (x2.detach().float() * (FP8_E4M3_MAX / amax)).to(torch.float8_e4m3fn)
+        pre = scaled_mm(x8, fc_f8.T, amax / FP8_E4M3_MAX, fc_scale, x.dtype, fast_accum=True)
+        post = F.relu(pre).square()
+        ctx.save_for_backward(x2, fc, proj, pre, post)
+        return (post @ proj.type_as(post)).view(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x2, fc, proj, pre, post = ctx.saved_tensors
+        grad2 = grad.reshape(-1, grad.size(-1))
+        grad_proj = post.T @ grad2
+        grad_pre = 2 * F.relu(pre) * (grad2 @ proj.T.type_as(grad2))
+        grad_fc = grad_pre.T @ x2
+        grad_x = grad_pre @ fc.type_as(grad_pre)
+        return grad_x.view(grad.shape), grad_fc, grad_proj, None, None
 
 
 class MLP(nn.Module):
-    def __init__(self, dim: int, ratio: int):
+    """ReLU^2 MLP. fc is (hidden, dim), proj (hidden, dim): the record's layouts, x @ proj for the
+    down-projection."""
+
+    def __init__(self, dim: int, ratio: int, precision: str):
         super().__init__()
-        self.fc = CastedLinear(dim, ratio * dim, std=0.5 * dim ** -0.5)
-        self.proj = CastedLinear(ratio * dim, dim)
+        self.precision = precision
+        self.fc = nn.Parameter(torch.empty(ratio * dim, dim))
+        self.proj = nn.Parameter(torch.zeros(ratio * dim, dim))  # zero init: each layer starts as the identity
+        uniform_init_(self.fc, 0.5 * dim ** -0.5)
+        if precision == "fp8":
+            self.register_buffer("fc_f8", torch.zeros(ratio * dim, dim, dtype=torch.float8_e4m3fn), persistent=False)
+            self.register_buffer("fc_scale", torch.ones((), dtype=torch.float32), persistent=False)
+            self.refresh_fp8()
+
+    @torch.no_grad()
+    def refresh_fp8(self):
+        """The FP8 copy of fc the forward reads: call after every change of fc (optimizer step, loading). The
+        scale and the division are in fc's dtype (bf16 on GPUs), as the record's."""
+        if self.precision == "fp8":
+            scale = self.fc.abs().amax().clamp(min=1e-12) / FP8_E4M3_MAX
+            self.fc_scale.copy_(scale.float())
+            self.fc_f8.copy_((self.fc / scale).to(torch.float8_e4m3fn))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.proj(F.relu(self.fc(x)).square())  # ReLU^2 (Primer)
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    attention: bool
-    mlp: bool
-    long_window: bool
-    value_embed: int | None  # which value embedding feeds this layer's attention
-
-
-def layer_specs(args: Hyperparameters) -> list[LayerSpec]:
-    no_attention, no_mlp = set(int_list(args, "no_attention_layers")), set(int_list(args, "no_mlp_layers"))
-    long_layers, k, n = set(int_list(args, "long_window_layers")), args.num_value_embeds, args.num_layers
-    specs = []
-    for i in range(n):
-        embed = i if i < k else (i - (n - k) if i >= n - k else None)
-        has_attention = i not in no_attention
-        specs.append(LayerSpec(has_attention, i not in no_mlp, i in long_layers, embed if has_attention else None))
-    return specs
+        if self.precision == "fp8" and self.training:
+            return ReluSquaredMLP.apply(x, self.fc, self.proj, self.fc_f8, self.fc_scale)
+        return F.relu(F.linear(x, self.fc.type_as(x))).square() @ self.proj.type_as(x)
 
 
 class Block(nn.Module):
-    def __init__(self, spec: LayerSpec, dim: int, head_dim: int, mlp_ratio: int):
+    """One layer: attention (or, at the skip target, the gated skip) then the MLP, each added to the
+    stream with the layer's residual and post lambdas; the MUDD layer's mixing is GPT.mudd_layer's."""
+
+    def __init__(self, plan: LayerPlan, args: Hyperparameters, mlp_precision: str):
         super().__init__()
-        self.attn = CausalSelfAttention(dim, head_dim, spec.value_embed is not None) if spec.attention else None
-        self.mlp = MLP(dim, mlp_ratio) if spec.mlp else None
-        # weights of (x, x0: the embedding); a layer with neither part is skipped and has none
-        self.residual_mix = nn.Parameter(torch.tensor([1.0, 0.0])) if self.active else None
-
-    @property
-    def active(self) -> bool:
-        return self.attn is not None or self.mlp is not None
-
-    def forward(self, x: Tensor, x0: Tensor, value_embed: Tensor | None, mask, cos: Tensor, sin: Tensor,
-                scale: Tensor, cache: LayerCache | None = None) -> Tensor:
-        x = self.residual_mix[0] * x + self.residual_mix[1] * x0
-        if self.attn is not None:
-            x = x + self.attn(norm(x), value_embed, mask, cos, sin, scale, cache)
-        if self.mlp is not None:
-            x = x + self.mlp(norm(x))
-        return x
+        self.plan = plan
+        self.attn = (CausalSelfAttention(plan, args.model_dim, args.head_dim, args.dc_window, args.window_block)
+                     if plan.attention else None)
+        self.mlp = MLP(args.model_dim, args.mlp_ratio, mlp_precision)
 
 
-class LossHead(nn.Module):
-    """lm_head, squashed logits and cross-entropy: one compiled graph on CUDA, so the large
-    (tokens x vocab) logits are produced and consumed in fused kernels."""
+class SoftcappedMTPLoss(torch.autograd.Function):
+    """Record #85's training loss and its gradient, without a full logits tensor. Logits u = x @ W (FP8 or
+    not), z = cap * sigmoid((u + shift) / width); the loss is sum_t sum_k w_k (lse_t - z_t[y_{t+k}]) over the
+    k with t + k inside the sequence, times loss_scale. Chunk by chunk of rows, the forward computes the
+    loss and both gradients (kept for backward, which scales them by its incoming gradient), as the
+    record's fused kernel does, and with its gradient: on the last rows of a sequence, where some of the
+    k have no target, the softmax term still carries the sum of all the weights (autograd of the loss
+    above would carry only the valid ones').
 
-    def __init__(self, dim: int, vocab: int, cap: float, cap_width: float, precision: str):
-        super().__init__()
-        self.lm_head = CastedLinear(dim, vocab)  # untied from the embedding
-        self.cap, self.cap_width, self.precision = cap, cap_width, precision
-        self.x_scale = dim ** 0.5 / FP8_E4M3_MAX  # an rms-normed vector has no entry above sqrt(dim)
+    With FP8 (the record's head): x / x_s and W / w_s in e4m3, the gradient of u divided by g_s in e5m2,
+    g_s = loss_scale * 0.75/448; the backward matmuls in FP8 too. Otherwise the logits are computed in the
+    dtype of x (bf16 on GPUs, rounding the sigmoid to bf16 as the kernel does) or fp32."""
 
-    def logits(self, x: Tensor) -> Tensor:
-        x = norm(x)
-        w = self.lm_head.weight
-        if self.precision == "fp8" and self.training:
-            logits = FP8Linear.apply(x.flatten(0, -2), w, self.x_scale).view(*x.shape[:-1], -1)
-        elif self.precision in ("fp8", "bf16"):
-            logits = F.linear(x.bfloat16(), w.bfloat16())
-        else:  # fp32 whatever the stream's dtype (bf16 on GPUs)
-            logits = F.linear(x.float(), w.float())
-        return self.cap * torch.sigmoid(logits / self.cap_width)
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, targets: Tensor, mtp_weights: Tensor, loss_scale: float,
+                fp8: bool, cap: tuple, chunk: int) -> Tensor:
+        A, shift, width = cap
+        T, n_predict = x.size(0), mtp_weights.numel()
+        grad_x = torch.empty_like(x)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        weights32 = mtp_weights.float()
+        # targets for offsets k = 0..n-1, padded with -1 past the sequence's end
+        shifted = torch.stack([F.pad(targets[k:], (0, k), value=-1) for k in range(n_predict)], dim=1)
+        if fp8:
+            w8 = (weight.float() / HEAD_W_SCALE).to(torch.float8_e4m3fn)
+            grad_s = loss_scale * HEAD_GRAD_SCALE
+        for lo in range(0, T, chunk):
+            xc, tc = x[lo:lo + chunk], shifted[lo:lo + chunk]
+            if fp8:
+                x8 = (xc.float() / HEAD_X_SCALE).to(torch.float8_e4m3fn)
+                u = scaled_mm(x8, w8.T.contiguous().T, HEAD_X_SCALE, HEAD_W_SCALE, torch.bfloat16, fast_accum=True)
+            else:
+                u = xc @ weight.type_as(xc)
+            s = torch.sigmoid((u.float() + shift) / width)
+            if u.dtype != torch.float32:
+                s = s.to(u.dtype).float()  # the kernel keeps the squashed logits in bf16
+            z = A * s
+            lse = torch.logsumexp(z, dim=-1)
+            valid = tc >= 0
+            z_target = torch.gather(z, 1, tc.clamp(min=0))
+            total += (weights32 * valid * (lse[:, None] - z_target)).sum()
+            g = torch.softmax(z, dim=-1) * weights32.sum()
+            g.scatter_add_(1, tc.clamp(min=0), -(weights32 * valid).expand_as(z_target))
+            g_u = g.mul_(s * (1 - s)).mul_(A / width * loss_scale)
+            if fp8:
+                g8 = (g_u / grad_s).to(torch.float8_e5m2)
+                grad_x[lo:lo + chunk] = scaled_mm(g8, w8.T, grad_s, HEAD_W_SCALE, x.dtype)
+                grad_w += scaled_mm(x8.T.contiguous(), g8.T.contiguous().T, HEAD_X_SCALE, grad_s, torch.float32)
+            else:
+                grad_x[lo:lo + chunk] = (g_u.to(x.dtype) @ weight.T.type_as(xc))
+                grad_w += xc.float().T @ g_u
+        ctx.save_for_backward(grad_x, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return total * loss_scale
 
-    def forward(self, x: Tensor, target_ids: Tensor, reduction: str) -> Tensor:
-        logits = self.logits(x)
-        if not self.training:  # validation in fp32; training sums the cross-entropy in the logits' dtype
-            logits = logits.float()
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), target_ids.reshape(-1), reduction=reduction)
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x * grad.to(grad_x.dtype), (grad_w * grad).to(ctx.weight_dtype), None, None, None, None, None, None
 
 
 def padded_vocab(vocab_size: int) -> int:
@@ -792,147 +1186,282 @@ def padded_vocab(vocab_size: int) -> int:
 # The model's position limits, derived from the config here and nowhere else: the rotary tables,
 # sample.py's generation and its packing of HellaSwag sequences all ask these.
 def max_positions(args: Hyperparameters) -> int:
-    """The longest sequence one forward pass can take: the rotary tables cover a training micro-batch
-    and a validation sequence, whichever is longer."""
-    return max(args.micro_batch_tokens, args.val_seq_len)
+    """The longest sequence one forward pass can take: a training micro-batch or a validation sequence,
+    whichever is longer (paired layers place each token at two positions of the rotary tables)."""
+    return max(Schedule(args).max_micro_tokens(), args.val_seq_len)
 
 
 def context_length(args: Hyperparameters) -> int:
-    """The longest document the model can read: what training let a document contribute
-    (train_max_seq_len), within max_positions."""
-    return min(args.train_max_seq_len, max_positions(args))
+    """The longest document the model can read: what training let a document contribute (the longest
+    stage_max_seq_len), within max_positions."""
+    return min(max(int_list(args, "stage_max_seq_len")), max_positions(args))
+
+
+@dataclass(frozen=True)
+class GateLayout:
+    """Where each per-token gate sits in the outputs of the two MUDD gate networks (record #85's order): the
+    first network (on x0) serves the layers before mudd_gate_layer, the second (on the stream entering that
+    layer) the rest. In each: XSA strengths (one per head) of its XSA layers, attention gates (one per head),
+    the x0 and bigram injection weights of each attention layer (the MUDD layer has its own), then, in the
+    second, the skip weight and each DC layer's two per-head weight vectors. `slots[net]` maps a name such
+    as ("xsa", 3) to its slice; `bias[net]` holds the initial biases (stored divided by MUDD_SCALE)."""
+    slots: tuple
+    bias: tuple
+    widths: tuple
+
+    @staticmethod
+    def build(plans: list[LayerPlan], heads: int, split: int) -> "GateLayout":
+        slots, biases = [], []
+        for net in (0, 1):
+            layers = [p for p in plans if (p.index < split) == (net == 0)]
+            names: list[tuple] = [(("xsa", p.index), heads) for p in layers if p.xsa]
+            names += [(("attn", p.index), heads) for p in layers if p.attn_gate]
+            for p in layers:
+                if p.attention and not p.mudd:
+                    names += [(("x0", p.index), 1), (("bigram", p.index), 1)]
+            if net == 1:
+                names += [(("skip",), 1)]
+                for p in layers:
+                    if p.dc:
+                        names += [(("dc_w1", p.index), heads), (("dc_w2", p.index), heads)]
+            table, offset = {}, 0
+            bias = []
+            initial = {"attn": 0.25, "bigram": 0.05, "skip": 0.5, "dc_w1": 1.0}  # record #85's starting gates
+            for name, width in names:
+                table[name] = slice(offset, offset + width)
+                bias += [initial.get(name[0], 0.0) / MUDD_SCALE] * width
+                offset += width
+            slots.append(table)
+            biases.append(bias)
+        return GateLayout(tuple(slots), tuple(biases), tuple(len(b) for b in biases))
+
+
+def mudd_net(x: Tensor, w1: Tensor, w2: Tensor, b2: Tensor, scale) -> Tensor:
+    """A MUDD network: (W2 gelu(W1 x) + b2) * scale, per token: (1, T, n) coefficients."""
+    return (F.linear(F.gelu(F.linear(x, w1)), w2) + b2) * scale
 
 
 class GPT(nn.Module):
-    def __init__(self, args: Hyperparameters, head_precision: str = "fp32"):
+    """Record #85's model. Parameter names and layouts follow the record's where they are not per layer
+    (tools/record_weights.py converts between the two): lm_head is (dim, vocab), x @ lm_head; the small
+    tensors (scalars, lambdas, gates, MUDD nets) keep the record's shapes."""
+
+    def __init__(self, args: Hyperparameters, head_precision: str = "fp32", mlp_precision: str = "fp32"):
         super().__init__()
-        vocab, dim = padded_vocab(args.vocab_size), args.model_dim
-        specs = layer_specs(args)
+        vocab, dim, L = padded_vocab(args.vocab_size), args.model_dim, args.num_layers
+        self.plans = layer_plan(args)
+        self.num_heads, self.head_dim, self.vocab = dim // args.head_dim, args.head_dim, vocab
+        heads = self.num_heads
+        self.skip_from, _ = skip_pair(args)
+        self.shared_input_layer, self.mudd_gate_layer = args.shared_input_layer, args.mudd_gate_layer
+        self.head_precision = head_precision
+        self.cap = (args.logit_cap, args.logit_cap_shift, args.logit_cap_width)
+        # embeddings: the token embedding starts as (and, until the untie step, stays) the lm_head's transpose
+        self.lm_head = nn.Parameter(torch.empty(dim, vocab))
+        nn.init.normal_(self.lm_head, std=0.005)
         self.embed = nn.Embedding(vocab, dim)
-        self.smear_gate = CastedLinear(GATE_CHANNELS, 1)
-        # 0-dim scalars: a 1-element vector would promote the bf16 stream to fp32 when multiplied into it
-        self.smear_scale = nn.Parameter(torch.zeros(()))  # the smear starts switched off
-        self.value_embeds = nn.ModuleList(nn.Embedding(vocab, dim) for _ in range(args.num_value_embeds))
-        self.value_embed_of = [spec.value_embed for spec in specs]
-        self.blocks = nn.ModuleList(Block(spec, dim, args.head_dim, args.mlp_ratio) for spec in specs)
-        # U-net: the active layers of the first half push their outputs; as many active layers of the
-        # second half each add one back (last in, first out), weighted by sigmoid(gate).
-        half = args.num_layers // 2
-        active = [i for i, block in enumerate(self.blocks) if block.active]
-        self.skip_from = [i for i in active if i < half]
-        self.skip_to = [i for i in active if i >= half][:len(self.skip_from)]
-        self.skip_gates = nn.Parameter(torch.full((len(self.skip_to),), SKIP_GATE_INIT))
-        # Backout: the output of an inner layer helps later layers read the context but not the
-        # prediction itself; a learned share of it is taken out of the final stream.
-        self.backout_layer = args.backout_layer
-        self.backout_scale = nn.Parameter(torch.tensor(BACKOUT_INIT)) if args.backout_layer >= 0 else None
-        schedule = int_list(args, "window_schedule")
-        self.rotary = Rotary(args.head_dim, max_positions(args), args.window_block, schedule[0])
-        self.head = LossHead(dim, vocab, args.logit_cap, args.logit_cap_width, head_precision)
-        # Validation computes the logits of this many tokens at a time: equal chunks, at most a micro-batch.
-        self.eval_chunk = math.gcd(args.micro_batch_tokens, args.val_seq_len)
+        with torch.no_grad():
+            self.embed.weight.copy_(self.lm_head.T)
+        tables = sum(p.value_embed is not None for p in self.plans)
+        self.value_embeds = nn.Parameter(0.01 * torch.randn(tables * vocab, dim))
+        self.ve_gates = nn.Parameter(torch.zeros(tables, heads, 2 * VE_GATE_CHANNELS))
+        self.bigram_embed = nn.Embedding(args.bigram_vocab_size, dim)
+        nn.init.zeros_(self.bigram_embed.weight)
+        self.register_buffer("bigram_signs", torch.randn(args.bigram_sign_rows, dim).sign())
+        self.smear_gate = nn.Linear(GATE_CHANNELS, 1, bias=False)
+        nn.init.zeros_(self.smear_gate.weight)
+        # per layer: (qkv, output) attention lambdas; then the smear and skip weights
+        self.scalars = nn.Parameter(torch.tensor([0.5, 1.0] * L + [0.0, SKIP_GATE_INIT]))
+        self.resid_lambdas = nn.Parameter(torch.full((L, 2), RESIDUAL_INIT))  # (attention, MLP) per layer
+        self.post_lambdas = nn.Parameter(torch.ones(L, 2))
+        # MUDD: net 0 at the last layer, net 1 before the head
+        self.mudd_w1 = nn.Parameter(torch.empty(2, MUDD_HIDDEN, dim))
+        self.mudd_w2 = nn.Parameter(torch.zeros(2, MUDD_LAYER_COEFS, MUDD_HIDDEN))
+        self.mudd_b2 = nn.Parameter(self._mudd_bias())
+        self.gate_layout = GateLayout.build(self.plans, heads, args.mudd_gate_layer)
+        widest = max(self.gate_layout.widths)
+        self.mudd_gate_scale = nn.Parameter(torch.tensor(MUDD_SCALE))
+        self.mudd_gate_w1 = nn.Parameter(torch.empty(2, MUDD_HIDDEN, dim))
+        self.mudd_gate_w2 = nn.Parameter(torch.zeros(2, widest, MUDD_HIDDEN))
+        self.mudd_gate_b2 = nn.Parameter(torch.tensor([bias + [0.0] * (widest - len(bias))
+                                                       for bias in self.gate_layout.bias]))
+        for w in (self.mudd_w1, self.mudd_gate_w1):
+            for j in range(2):
+                nn.init.kaiming_uniform_(w.data[j], a=math.sqrt(5))
+        self.blocks = nn.ModuleList(Block(plan, args, mlp_precision) for plan in self.plans)
+        self.rotary = Rotary(args.head_dim, max_positions(args), args.window_block, Schedule(args).stages[0].windows[1])
 
-    def smear(self, x: Tensor, previous: Tensor | None = None, keep: Tensor | None = None) -> Tensor:
-        """Adds to each token's embedding a gated share of the previous token's (x: (T, dim)). Like record
-        #44, training smears across document boundaries; `keep` (T,) booleans, False at a document's
-        first token, stops that, so that packed sequences score exactly as if run one by one."""
-        before = x[:-1] if previous is None else torch.cat([previous, x[:-1]])
-        after = x[1:] if previous is None else x
-        gate = self.smear_scale * torch.sigmoid(self.smear_gate(after[:, :GATE_CHANNELS]))
-        if keep is not None:
-            gate = gate * (keep if previous is not None else keep[1:])[:, None]
-        smeared = after + gate * before
-        return smeared if previous is not None else torch.cat([x[:1], smeared])
+    def _mudd_bias(self) -> Tensor:
+        """The last layer's coefficients start where the per-layer values would (the value-embedding gates at
+        2, the residual and post lambdas at sqrt(1.1) and 1, the bigram injection at 0.05); before the head,
+        the state of the shared-input layer starts at -0.5 (the record's former "backout")."""
+        bias = torch.zeros(2, MUDD_LAYER_COEFS)
+        bias[0, 6] = bias[0, 7] = 2.0
+        bias[0, 8] = bias[0, 12] = RESIDUAL_INIT
+        bias[0, 9] = bias[0, 13] = 1.0
+        bias[0, 11] = 0.05
+        bias[1, 1] = -0.5
+        return bias / MUDD_SCALE
 
-    def hidden(self, input_ids: Tensor, masks: list, caches: list | None = None,
+    def gates(self, x: Tensor, net: int) -> dict:
+        """The per-token gates one MUDD gate network gives, by name (see GateLayout)."""
+        width = self.gate_layout.widths[net]
+        if not width:
+            return {}
+        out = mudd_net(x, self.mudd_gate_w1[net], self.mudd_gate_w2[net, :width], self.mudd_gate_b2[net, :width],
+                       self.mudd_gate_scale.type_as(x))
+        return {name: out[..., where] for name, where in self.gate_layout.slots[net].items()}
+
+    def mudd(self, x: Tensor, net: int, count: int) -> tuple[Tensor, ...]:
+        return mudd_net(x, self.mudd_w1[net], self.mudd_w2[net, :count], self.mudd_b2[net, :count],
+                        MUDD_SCALE).split(1, dim=-1)
+
+    def hidden(self, input_ids: Tensor, masks: Masks, windows: tuple[int, int], caches: "KVCache | None" = None,
                separate_documents: bool = False) -> Tensor:
-        """input_ids: (T,) one packed sequence; masks: one per layer. Returns the final stream (1, T, dim).
-        With caches (generation), input_ids continue the cached positions. separate_documents: see smear."""
-        start = next((c.length for c in caches or [] if c is not None), 0)
-        if start + len(input_ids) > self.rotary.cos.size(0):
-            raise ValueError(f"positions {start}..{start + len(input_ids) - 1}: the model takes at most "
-                             f"{self.rotary.cos.size(0)} (max_positions)")
-        embedded = self.embed(input_ids)
-        previous = getattr(caches, "last_embedding", None) if start else None
-        keep = input_ids != BOS_ID if separate_documents else None
-        x0 = norm(self.smear(embedded, previous, keep))[None]
-        x = x0.clone()  # the first block gets x and x0 as two tensors, not one: no aliasing-specific graph
+        """input_ids: (T,) one packed sequence. Returns the normed final stream (1, T, dim). With caches
+        (generation), input_ids continue the cached positions. separate_documents: a BOS starts a fresh
+        sequence for the smear, the bigram hash and its signs (which, like the record, otherwise run across
+        document boundaries), so that packed sequences score exactly as if run one by one."""
+        T, H, D = len(input_ids), self.num_heads, self.head_dim
+        start = caches.length if caches is not None else 0
+        if start + T > self.rotary.cos.size(0) // 2:
+            raise ValueError(f"positions {start}..{start + T - 1}: the model takes at most "
+                             f"{self.rotary.cos.size(0) // 2} (max_positions)")
+        starts = input_ids == BOS_ID if separate_documents else None
+        position = positions_in_sequence(T, input_ids.device, starts, offset=start)
+        if separate_documents:
+            masks = Masks(masks.by_kind, masks.docs, position == 0)
+        last_id = caches.last_id if caches is not None and start else None
+        previous = torch.cat([input_ids[:1] if last_id is None else last_id, input_ids[:-1]])
+        has_previous = position > 0
+        x = self.embed(input_ids)
+        # smear: each token's embedding takes a gated share of the previous token's
+        last_embedding = caches.last_embedding if caches is not None and start else None
+        previous_x = torch.cat([x[:1] if last_embedding is None else last_embedding, x[:-1]])
+        smear = self.scalars[-2] * torch.sigmoid(self.smear_gate(x[:, :GATE_CHANNELS]))
+        x = torch.where(has_previous[:, None], x + smear * previous_x, x)
         if caches is not None:
-            caches.last_embedding = embedded[-1:]
-        value_embeds = [ve(input_ids)[None] for ve in self.value_embeds]
-        cos, sin = self.rotary.cos[start:start + len(input_ids)], self.rotary.sin[start:start + len(input_ids)]
-        skips, backout = [], None
-        for i, block in enumerate(self.blocks):
-            if not block.active:
-                continue
-            if i in self.skip_to:
-                x = x + torch.sigmoid(self.skip_gates[self.skip_to.index(i)]) * skips.pop()
-            embed = self.value_embed_of[i]
-            x = block(x, x0, None if embed is None else value_embeds[embed], masks[i], cos, sin,
-                      self.rotary.attn_scale, caches[i] if caches is not None else None)
-            if i in self.skip_from:
-                skips.append(x)
-            if i == self.backout_layer:
-                backout = x
-        if backout is not None:
-            x = x - self.backout_scale * backout
-        return x
+            caches.last_embedding, caches.last_id = self.embed(input_ids[-1:]), input_ids[-1:]
+        x0 = norm(x)[None]
+        # bigram hash embedding, each row's sign flipped by a random table indexed by the bigram
+        signs = self.bigram_signs[torch.where(has_previous, torch.remainder(torch.bitwise_xor(previous, input_ids),
+                                                                            self.bigram_signs.size(0)), 0)]
+        hashed = bigram_hash(input_ids, previous, position, self.bigram_embed.num_embeddings)
+        x0_bigram = (self.bigram_embed(hashed) * signs.type_as(x))[None]
+        ve = self.value_embeds.view(-1, self.vocab, self.value_embeds.size(-1))[:, input_ids]
+        sa_lambdas = self.scalars[:2 * len(self.plans)].view(-1, 2)
+        resid, post = self.resid_lambdas.bfloat16(), self.post_lambdas.bfloat16()  # as the record, rounded to bf16
+        gates = self.gates(x0, 0)
+        x = x0 + x0_bigram * gates[("bigram", 0)]
+        saved = {0: x}  # states MUDD mixes in: the stream's start, the skip source, the shared input
+        for plan, block in zip(self.plans, self.blocks):
+            i = plan.index
+            if i == self.mudd_gate_layer:
+                gates.update(self.gates(x, 1))
+            mu = None
+            if plan.skip_target:
+                x = x + torch.sigmoid(self.scalars[-1]) * gates[("skip",)] * saved[self.skip_from]
+            else:
+                attn_in = norm(saved[self.shared_input_layer] if plan.shared_input else x)
+                table = ve[plan.value_embed].view(1, T, H, D) if plan.value_embed is not None else None
+                if plan.mudd:
+                    saved["last"] = x
+                    mu = self.mudd(x, 0, MUDD_LAYER_COEFS)
+                    shared = saved[self.shared_input_layer]
+                    v_mudd = (mu[0] * saved[0] + mu[1] * shared + mu[2] * x).view(1, T, H, D)
+                    x = (1 + mu[5]) * x + mu[3] * saved[0] + mu[4] * shared
+                    ve_gate = torch.cat([mu[6], mu[7]], dim=-1).repeat_interleave(H // 2, dim=-1).unsqueeze(-1)
+                    aux_v = (ve_gate * table + v_mudd).view(1, T, -1)
+                elif table is not None:
+                    gate_in = torch.cat([attn_in[..., :VE_GATE_CHANNELS], table.view(1, T, -1)[..., :VE_GATE_CHANNELS]],
+                                        dim=-1)
+                    ve_gate = 2 * torch.sigmoid(F.linear(gate_in, self.ve_gates[plan.ve_gate])).view(1, T, H, 1)
+                    aux_v = (ve_gate * table).view(1, T, -1)
+                else:
+                    aux_v = None
+                dc_w = (gates[("dc_w1", i)], gates[("dc_w2", i)]) if plan.dc else None
+                attn_out = block.attn(attn_in, sa_lambdas[i], aux_v, masks, self.rotary, windows,
+                                      gates.get(("xsa", i)), gates.get(("attn", i)), dc_w,
+                                      caches.layers[i] if caches is not None else None)
+                if plan.mudd:
+                    x = mu[8] * x + mu[9] * attn_out + saved[0] * mu[10] + x0_bigram * mu[11]
+                else:
+                    x = resid[i, 0] * x + post[i, 0] * attn_out + x0 * gates[("x0", i)]
+                    if i != 0:  # layer 0's bigram injection came before the loop
+                        x = x + x0_bigram * gates[("bigram", i)]
+            mlp_out = block.mlp(norm(x))
+            x = mu[12] * x + mu[13] * mlp_out if mu is not None else resid[i, 1] * x + post[i, 1] * mlp_out
+            if i in (self.skip_from, self.shared_input_layer):
+                saved[i] = x
+        mu = self.mudd(x, 1, MUDD_HEAD_COEFS)
+        x = (x + mu[0] * saved[0] + mu[1] * saved[self.shared_input_layer] + mu[2] * saved["last"]
+             + mu[3] * ve[0][None].type_as(x) + mu[4] * saved[self.skip_from])
+        if caches is not None:
+            caches.length += T
+        return norm(x)
 
-    def forward(self, input_ids: Tensor, target_ids: Tensor, masks: list, reduction: str = "sum",
+    def logits(self, x: Tensor) -> Tensor:
+        """Evaluation logits, squashed: bf16 (fp32 on CPU) as the record's evaluation."""
+        dtype = torch.float32 if self.head_precision == "fp32" else torch.bfloat16
+        u = x.to(dtype) @ self.lm_head.to(dtype)
+        A, shift, width = self.cap
+        return A * torch.sigmoid((u + shift) / width)
+
+    def forward(self, input_ids: Tensor, target_ids: Tensor, masks: Masks, windows: tuple[int, int],
+                mtp_weights: Tensor | None = None, loss_scale: float = 1.0, reduction: str = "sum",
                 separate_documents: bool = False) -> Tensor:
-        """Summed (or, with reduction="none", per-token) cross-entropy of one packed sequence."""
-        x, target_ids = self.hidden(input_ids, masks, separate_documents=separate_documents), target_ids[None]
+        """Training: record #85's multi-token loss of one packed sequence, summed over tokens and times
+        loss_scale. Evaluation: the next-token cross-entropy, summed (or per token, reduction="none")."""
+        x = self.hidden(input_ids, masks, windows, separate_documents=separate_documents)[0]
         if self.training:
-            return self.head(x, target_ids, reduction)
+            return SoftcappedMTPLoss.apply(x, self.lm_head, target_ids, mtp_weights, loss_scale,
+                                           self.head_precision == "fp8", self.cap, LOSS_CHUNK)
         # Validation sequences are long (262,144 tokens): one chunk's logits at a time fit in memory.
-        parts = [self.head(xs, ts, reduction) for xs, ts in zip(x.split(self.eval_chunk, dim=1),
-                                                                   target_ids.split(self.eval_chunk, dim=1))]
+        parts = [F.cross_entropy(self.logits(xs).float(), ts, reduction=reduction)
+                 for xs, ts in zip(x.split(LOSS_CHUNK), target_ids.split(LOSS_CHUNK))]
         return torch.stack(parts).sum() if reduction == "sum" else torch.cat(parts)
 
 
-class KVCache(list):
-    """One LayerCache per layer (None where a layer has no attention), plus the last token's
-    embedding for the smear gate: everything generation needs to continue a sequence."""
+LOSS_CHUNK = 8192  # rows of logits the loss computes at once: 8,192 x 50,304 fp32 is 1.6 GB
+
+
+class KVCache:
+    """What generation needs to continue a sequence: one AttentionCache per attention layer (paired layers
+    hold two positions per token), the last token and its embedding (smear, bigram hash), and the tokens so
+    far (their document ids)."""
 
     def __init__(self, model: GPT, max_len: int):
         p = model.embed.weight
-        super().__init__(LayerCache(max_len, b.attn.num_heads, b.attn.head_dim, p.device, p.dtype)
-                         if b.attn is not None else None for b in model.blocks)
-        self.last_embedding = None
-
+        self.layers = [AttentionCache(max_len * (2 if plan.paired else 1), model.num_heads // (2 if plan.paired else 1),
+                                      model.head_dim, p.device, p.dtype) if plan.attention else None
+                       for plan in model.plans]
+        self.length = 0
+        self.last_embedding = self.last_id = None
 
 def compile_model(model: GPT, backend="inductor", attention_only: bool = False):
-    """Compile each block's and the loss head's forward on their own, not the whole model. Backward
-    then runs graph by graph, so the gradient hooks of the lm_head and of each block fire as soon as
-    that part is done and DistAdam's reduce-scatters overlap the rest of backward; a whole-model graph
-    would hold every gradient back until the very end.
-
-    Windows, documents, rotary tables and the attention scale reach the graphs as tensors, so each
-    block compiles once per sequence length (training, validation). Dynamo keeps compiled graphs per
-    code object: the blocks share Block.forward's, and blocks of the same structure share graphs; the
-    speedrun's three structures (attention with and without value embeddings, MLP only) make 6
-    graphs there, under dynamo's limit of 8, and the head has LossHead.forward's 2.
-
-    attention_only (--compile=false with FlexAttention) compiles the attention call alone: FlexAttention
-    run uncompiled materialises the whole score matrix, 24 GiB for one 32,768-token micro-batch and
-    about 1.5 TiB for a 262,144-token validation sequence."""
+    """Compile each layer's attention and MLP on their own, not the whole model: backward then runs graph
+    by graph, so the gradient hooks fire as soon as each part is done and DistAdam's reduce-scatters
+    overlap the rest of backward. attention_only (--compile=false with FlexAttention) compiles the
+    attention call alone: FlexAttention run uncompiled materialises the whole score matrix."""
     if attention_only:
         compiled = torch.compile(attention, backend=backend, dynamic=False, fullgraph=True)
         for block in model.blocks:
             if block.attn is not None:
                 block.attn.attend = compiled
         return
-    for module in [block for block in model.blocks if block.active] + [model.head]:
-        module.forward = torch.compile(module.forward, backend=backend, dynamic=False, fullgraph=True)
+    for block in model.blocks:
+        for module in (block.attn, block.mlp):
+            if module is not None:
+                module.forward = torch.compile(module.forward, backend=backend, dynamic=False, fullgraph=True)
 
 
 # -----------------------------------------------------------------------------
 # NorMuon: momentum, Polar Express orthogonalisation, per-neuron normalisation and cautious weight
-# decay, for the hidden matrices and the gates
+# decay, for the attention and MLP matrices
 
 # Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932): one odd quintic
 # a*x + b*x^3 + c*x^5 per iteration, each chosen for the range the singular values can be in after
-# the previous ones. These are record #44's (5 iterations, safety factor 2e-2, cushion 2).
+# the previous ones. These are the record's (5 iterations, safety factor 2e-2, cushion 2).
 POLAR_EXPRESS_COEFFS = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
     (4.042929935166739, -2.808917465908714, 0.5000178451051316),
@@ -957,9 +1486,9 @@ def polar_express(g: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
 
 
 def neuron_dim(shape) -> int:
-    """The axis NorMuon averages over: per row (output neuron) for tall matrices, per column otherwise
-    (as record #44: MLP hidden neurons on both MLP matrices, input channels on the square attention ones)."""
-    return -1 if shape[-2] > shape[-1] else -2
+    """The axis NorMuon averages over (record #85): the last for tall and square matrices (one second moment
+    per row), the first for wide ones (one per column): always one per index of the longer side."""
+    return -1 if shape[-2] >= shape[-1] else -2
 
 
 def normalize_neurons(v: Tensor, second_moment: Tensor, beta2: float) -> Tensor:
@@ -971,107 +1500,137 @@ def normalize_neurons(v: Tensor, second_moment: Tensor, beta2: float) -> Tensor:
     return v * (norm_before / v.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10))
 
 
+def bf16_with_mantissa(weight: Tensor, mantissa: Tensor) -> Tensor:
+    """The fp32 value whose upper 16 bits are the bf16 weight and lower 16 the saved mantissa."""
+    high = weight.view(torch.int16).to(torch.int32) & 0xFFFF
+    return ((high << 16) | (mantissa.to(torch.int32) & 0xFFFF)).view(torch.float32)
+
+
+def split_mantissa(precise: Tensor, weight: Tensor, mantissa: Tensor):
+    """Stores fp32 `precise` as its upper 16 bits in the bf16 weight (truncated, as the record) and the
+    lower 16 in the mantissa."""
+    raw = precise.view(torch.int32)
+    weight.view(torch.int16).copy_((raw >> 16).to(torch.int16))
+    mantissa.copy_(raw.to(torch.int16))
+
+
 class NorMuon(torch.optim.Optimizer):
-    """NorMuon with Polar Express and cautious weight decay, for parameters of 2 or more dims (a 3-D
-    parameter is a stack of matrices, each orthogonalised on its own).
+    """NorMuon with Polar Express and cautious weight decay. A 3-D parameter is a stack of matrices, each its
+    own unit (the record's units: a head pair's queries or keys, the value, output, up- and
+    down-projection matrices).
 
     Per matrix: Nesterov momentum, orthogonalisation, per-neuron normalisation, then
-        p <- p - lr * s * (v + lr * wd * [v * p >= 0] * p),   s = sqrt(max(1, rows / cols)),
+        p <- p - lr * s * (v + lr * wd * [v * p >= 0] * p),   s = sqrt(max(1, rows / cols)) * lr_mul,
     so the decay only shrinks weights the update already pulls toward zero, and scales with lr^2.
 
-    Distributed: parameters are dealt out round-robin in chunks of world_size same-shape matrices.
-    One reduce-scatter per chunk hands each rank the mean gradient of the matrix it owns; it keeps that
+    bf16 parameters keep an fp32 master for the matrices this rank updates: the lower 16 bits of each
+    value live in the optimizer state (the record's "mantissa"), so updates far below bf16's resolution
+    accumulate, and the other ranks receive (and compute with) the bf16 upper half, the value truncated.
+
+    Distributed: same-shape matrices are dealt out round robin, in chunks of world_size. One
+    reduce-scatter per chunk hands each rank the mean gradient of the matrix it owns; it keeps that
     matrix's state, computes its update, and an all-gather shares the result. At world size 1 there is
-    no communication. The state is fp32 whatever the parameter's dtype.
-    """
+    no communication. The state is fp32 whatever the parameter's dtype."""
 
-    def __init__(self, params, lr: float = 0.03, momentum: float = 0.95, beta2: float = 0.95,
+    def __init__(self, params, lr: float = 0.023, momentum: float = 0.95, beta2: float = 0.9,
                  weight_decay: float = 0.0, ns_dtype: torch.dtype = torch.bfloat16):
-        super().__init__(params, dict(lr=lr, momentum=momentum, beta2=beta2, weight_decay=weight_decay))
+        super().__init__(params, dict(lr=lr, momentum=momentum, beta2=beta2, weight_decay=weight_decay, lr_mul=1.0))
         self.ns_dtype = ns_dtype
+        self.matrices: list[tuple[Tensor, int | None, dict]] = []  # (parameter, index in its stack, group)
         for group in self.param_groups:
             for p in group["params"]:
-                if p.ndim < 2:
-                    raise ValueError(f"NorMuon takes matrices; got a parameter of shape {tuple(p.shape)}")
+                if p.ndim not in (2, 3):
+                    raise ValueError(f"NorMuon takes matrices or stacks of them; got a shape {tuple(p.shape)}")
+                self.matrices += [(p, None, group)] if p.ndim == 2 else [(p, j, group) for j in range(p.size(0))]
+        self.matrix_state: list[dict] = [{} for _ in self.matrices]
 
-    def _chunks(self, world_size: int):
-        """(group, params) chunks of at most world_size same-shape matrices, in the same order on every rank."""
-        for group in self.param_groups:
-            by_shape: dict[tuple, list] = {}
-            for p in group["params"]:
-                by_shape.setdefault(tuple(p.shape), []).append(p)
-            for params in by_shape.values():
-                for i in range(0, len(params), world_size):
-                    yield group, params[i:i + world_size]
+    @staticmethod
+    def _view(t: Tensor, index: int | None) -> Tensor:
+        return t if index is None else t[index]
 
-    def _update(self, p: Tensor, grad: Tensor, group: dict):
-        state = self.state[p]
+    def chunks(self, world_size: int) -> list[list[int]]:
+        """Indices into self.matrices: chunks of at most world_size same-shape matrices, in the same order on
+        every rank."""
+        by_shape: dict[tuple, list[int]] = {}
+        for m, (p, j, _) in enumerate(self.matrices):
+            by_shape.setdefault(tuple(p.shape[-2:]), []).append(m)
+        return [ms[i:i + world_size] for ms in by_shape.values() for i in range(0, len(ms), world_size)]
+
+    def _update(self, m: int, grad: Tensor):
+        p, j, group = self.matrices[m]
+        weight, state = self._view(p, j), self.matrix_state[m]
         if not state:
-            state["momentum_buffer"] = torch.zeros_like(grad, dtype=torch.float32)
-            moment_shape = list(p.shape)
-            moment_shape[neuron_dim(p.shape)] = 1
-            state["second_moment"] = torch.zeros(moment_shape, dtype=torch.float32, device=p.device)
+            state["momentum_buffer"] = torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
+            moment_shape = list(grad.shape)
+            moment_shape[neuron_dim(grad.shape)] = 1
+            state["second_moment"] = torch.zeros(moment_shape, dtype=torch.float32, device=grad.device)
+            if weight.dtype == torch.bfloat16:
+                state["mantissa"] = torch.zeros(weight.shape, dtype=torch.int16, device=weight.device)
         buf = state["momentum_buffer"]
         buf.lerp_(grad, 1 - group["momentum"])
         update = grad.lerp(buf, group["momentum"])  # Nesterov
         v = polar_express(update, self.ns_dtype).float()
         v = normalize_neurons(v, state["second_moment"], group["beta2"])
-        lr, rows, cols = group["lr"], p.size(-2), p.size(-1)
-        if group["weight_decay"]:
-            cautious = (v * p) >= 0
-            v = v + (lr * group["weight_decay"]) * cautious * p.float()
-        p.add_(v, alpha=-lr * max(1.0, rows / cols) ** 0.5)
+        lr, rows, cols = group["lr"], weight.size(-2), weight.size(-1)
+        step = lr * max(1.0, rows / cols) ** 0.5 * group["lr_mul"]
+        precise = bf16_with_mantissa(weight, state["mantissa"]) if "mantissa" in state else weight
+        cautious = (v * precise) >= 0
+        new = precise - precise * cautious * (group["weight_decay"] * lr) * step - v * step
+        if "mantissa" in state:
+            split_mantissa(new, weight, state["mantissa"])
+        else:
+            weight.copy_(new)
 
     @torch.no_grad()
     def step(self):
         if not distributed():
-            for group, params in self._chunks(1):
-                for p in params:
-                    if p.grad is not None:
-                        self._update(p, p.grad.float(), group)
+            for m, (p, j, _) in enumerate(self.matrices):
+                if p.grad is not None:
+                    self._update(m, self._view(p.grad, j).float())
             return
         rank, world_size = dist.get_rank(), dist.get_world_size()
         pending = []
-        for group, params in self._chunks(world_size):  # launch every reduce-scatter, then compute while they fly
-            ref = params[0]
-            stacked = torch.zeros((world_size, *ref.shape), dtype=torch.float32, device=ref.device)
-            for i, p in enumerate(params):
+        for chunk in self.chunks(world_size):  # launch every reduce-scatter, then compute while they fly
+            ref, j, _ = self.matrices[chunk[0]]
+            shape, dtype = ref.shape[-2:], ref.dtype
+            stacked = torch.zeros((world_size, *shape), dtype=dtype, device=ref.device)
+            for i, m in enumerate(chunk):
+                p, j, _ = self.matrices[m]
                 if p.grad is not None:
-                    stacked[i].copy_(p.grad)
-            mine = torch.empty(ref.shape, dtype=torch.float32, device=ref.device)
-            pending.append((group, params, mine, reduce_scatter_async(mine.view(-1), stacked.view(-1))))
+                    stacked[i].copy_(self._view(p.grad, j))
+            mine = torch.empty(shape, dtype=dtype, device=ref.device)
+            pending.append((chunk, mine, reduce_scatter_async(mine.view(-1), stacked.view(-1))))
         gathers = []
-        for group, params, mine, work in pending:
+        for chunk, mine, work in pending:
             work.wait()
-            ref = params[0]
-            gathered = torch.empty((world_size, *ref.shape), dtype=ref.dtype, device=ref.device)
-            if rank < len(params):
-                owned = params[rank]
-                self._update(owned, mine.div_(world_size), group)
-                local = owned.detach()
+            ref = self.matrices[chunk[0]][0]
+            gathered = torch.empty((world_size, *mine.shape), dtype=ref.dtype, device=ref.device)
+            if rank < len(chunk):
+                p, j, _ = self.matrices[chunk[rank]]
+                self._update(chunk[rank], mine.float().div_(world_size))
+                local = self._view(p, j).detach()
             else:  # this rank owns nothing in a short chunk but still takes part in the gather
-                local = torch.zeros_like(ref)
-            gathers.append((params, gathered, all_gather_async(gathered.view(-1), local.reshape(-1))))
-        for params, gathered, work in gathers:
+                local = torch.zeros(mine.shape, dtype=ref.dtype, device=ref.device)
+            gathers.append((chunk, gathered, all_gather_async(gathered.view(-1), local.reshape(-1))))
+        for chunk, gathered, work in gathers:
             work.wait()
-            for i, p in enumerate(params):
-                p.copy_(gathered[i])
+            for i, m in enumerate(chunk):
+                p, j, _ = self.matrices[m]
+                self._view(p, j).copy_(gathered[i])
 
-    # torch.optim.Optimizer.load_state_dict would cast the fp32 state to each parameter's dtype (bf16
-    # for the gates on CUDA): save and restore it as it is, one entry per parameter in order.
+    # torch.optim.Optimizer.load_state_dict would cast the fp32 state to each parameter's dtype (bf16 on
+    # CUDA): save and restore it as it is, one entry per matrix in order.
     def state_dict(self) -> dict:
-        params = [p for group in self.param_groups for p in group["params"]]
-        return {"state": [dict(self.state.get(p, {})) for p in params], "param_groups": group_settings(self)}
+        return {"state": [dict(s) for s in self.matrix_state], "param_groups": group_settings(self)}
 
     def load_state_dict(self, state_dict: dict):
-        params = [p for group in self.param_groups for p in group["params"]]
-        if len(state_dict["state"]) != len(params):
-            raise ValueError(f"NorMuon state holds {len(state_dict['state'])} parameters; this one has {len(params)}")
+        if len(state_dict["state"]) != len(self.matrices):
+            raise ValueError(f"NorMuon state holds {len(state_dict['state'])} matrices; this one has "
+                             f"{len(self.matrices)}")
         restore_group_settings(self, state_dict["param_groups"])
-        self.state.clear()
-        for p, saved in zip(params, state_dict["state"]):
-            if saved:
-                self.state[p] = {k: v.to(p.device, copy=True) for k, v in saved.items()}
+        for m, saved in enumerate(state_dict["state"]):
+            device = self.matrices[m][0].device
+            self.matrix_state[m] = {k: v.to(device, copy=True) for k, v in saved.items()}
 
 
 def group_settings(opt: torch.optim.Optimizer) -> list[dict]:
@@ -1098,6 +1657,7 @@ class _Bucket:
         self.shard_numel = math.ceil(self.numel / world_size)
         self.padded_numel = self.shard_numel * world_size
         self.ready = 0  # how many of the params have their gradient for this step
+        self.needed = len(params)  # and how many must (a tied parameter's bucket also waits for its source)
         self.work = None  # the in-flight reduce-scatter
         self.grad_shard: Tensor | None = None
 
@@ -1142,10 +1702,16 @@ class DistAdam(torch.optim.Optimizer):
     the parameter with its shard of the Adam state, and starts an all-gather of it; every gather
     completes before step() returns. Inside `no_sync()` backward only accumulates gradients
     locally, so the micro-batches of several steps cost one reduce-scatter per bucket. At world
-    size 1 there are no hooks and no collectives. The update is record #44's,
-    lr * sqrt(1 - beta2^t) / (1 - beta1^t) * m / (sqrt(v) + eps), not torch.optim.Adam's
-    lr / (1 - beta1^t) * m / (sqrt(v / (1 - beta2^t)) + eps): the two differ while sqrt(v) is near eps,
-    in the first steps on small gradients. Weight decay is decoupled (AdamW).
+    size 1 there are no hooks and no collectives.
+
+    The update is record #85's: m / (sqrt(v) + eps) * lr * sqrt(1 - beta2^t) / (1 - beta1^t), then
+    cautious weight decay: where the update and the weight agree in sign, the update also takes
+    lr^2 * wd * p. Each group has its own betas, lr and weight decay (the record's parameter table).
+
+    tie(source, target): until untie(), `source` is `target` transposed (the record's embedding and
+    lm_head): the source's gradient is added, transposed, into the target's before the target's single
+    reduce-scatter (launched when both are ready), the source is not updated on its own, and after each
+    step it is the target's transpose again. untie() gives the source the target's Adam state.
 
     A bucket whose gradient never completed during backward (a parameter without a gradient) is
     reduced from step() instead, and counted in `late_reductions`: that costs the overlap.
@@ -1160,6 +1726,8 @@ class DistAdam(torch.optim.Optimizer):
         self.late_reductions = 0
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[Tensor, _Bucket] = {}
+        self.tied: tuple[Tensor, Tensor] | None = None  # (source, target) while tied
+        self.tie_pair: tuple[Tensor, Tensor] | None = None
         for index, group in enumerate(self.param_groups):
             small = [p for p in group["params"] if p.numel() < small_numel]
             for p in group["params"]:
@@ -1176,6 +1744,36 @@ class DistAdam(torch.optim.Optimizer):
                 for p in bucket.params:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
 
+    def tie(self, source: Tensor, target: Tensor):
+        if len(self._bucket_of[source].params) != 1 or len(self._bucket_of[target].params) != 1:
+            raise ValueError("tied parameters must each have a bucket of their own")
+        self.tied = self.tie_pair = (source, target)
+        self._bucket_of[target].needed = 2
+
+    @torch.no_grad()
+    def untie(self):
+        """The source gets the target's Adam state, transposed (the record's copy at the untie step)."""
+        source, target = self.tied
+        target_bucket, source_bucket = self._bucket_of[target], self._bucket_of[source]
+        target_state = self.state[target]
+        state = {"step": target_state["step"]}
+        for key in ("exp_avg", "exp_avg_sq"):
+            shard = target_state[key]
+            if self.world_size > 1:
+                full = torch.empty(target_bucket.padded_numel, dtype=shard.dtype, device=shard.device)
+                all_gather_async(full, shard).wait()
+            else:
+                full = shard
+            transposed = full[:target.numel()].view(target.shape).T.reshape(-1)
+            lo = self.rank * source_bucket.shard_numel
+            mine = torch.zeros(source_bucket.shard_numel, dtype=shard.dtype, device=shard.device)
+            part = transposed[lo:lo + source_bucket.shard_numel]
+            mine[:part.numel()].copy_(part)
+            state[key] = mine
+        self.state[source] = state
+        self._bucket_of[target].needed = 1
+        self.tied = None
+
     @contextlib.contextmanager
     def no_sync(self):
         """Backward inside accumulates gradients locally; the next backward outside reduces them."""
@@ -1188,12 +1786,25 @@ class DistAdam(torch.optim.Optimizer):
     def _grad_ready(self, p: Tensor):
         if not self._sync:
             return
-        bucket = self._bucket_of[p]
+        if self.tied is not None and p is self.tied[0]:
+            bucket = self._bucket_of[self.tied[1]]  # the source's gradient completes the target's bucket
+        else:
+            bucket = self._bucket_of[p]
         bucket.ready += 1
-        if bucket.ready == len(bucket.params):
+        if bucket.ready == bucket.needed:
             self._launch_reduce_scatter(bucket)
 
+    def _add_tied_gradient(self, bucket: _Bucket):
+        if self.tied is not None and bucket.params[0] is self.tied[1]:
+            source, target = self.tied
+            if source.grad is not None:
+                if target.grad is None:
+                    target.grad = source.grad.T.contiguous()
+                else:
+                    target.grad.add_(source.grad.T)
+
     def _launch_reduce_scatter(self, bucket: _Bucket):
+        self._add_tied_gradient(bucket)
         flat = bucket.flat_grad()
         bucket.grad_shard = torch.empty(bucket.shard_numel, dtype=flat.dtype, device=flat.device)
         bucket.work = reduce_scatter_async(bucket.grad_shard, flat)
@@ -1207,26 +1818,30 @@ class DistAdam(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(param_shard, dtype=torch.float32)
         state["step"] += 1
         step = state["step"]
-        beta1, beta2 = group["betas"]
+        (beta1, beta2), lr = group["betas"], group["lr"]
         grad = grad_shard.float()
-        state["exp_avg"].lerp_(grad, 1 - beta1)
+        state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        # Record #44's placement of eps and the bias corrections: eps is added to the uncorrected sqrt(v),
-        # so early steps on tiny gradients are damped more than torch.optim.Adam would damp them.
-        update = state["exp_avg"] / state["exp_avg_sq"].sqrt().add_(group["eps"])
-        if group["weight_decay"]:
-            param_shard.mul_(1 - group["lr"] * group["weight_decay"])
-        step_size = group["lr"] * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
-        param_shard.add_(update.to(param_shard.dtype), alpha=-step_size)
+        step_size = lr * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
+        update = state["exp_avg"].div(state["exp_avg_sq"].sqrt().add_(group["eps"])).mul_(step_size)
+        if group["weight_decay"]:  # cautious: only where the update already pulls the weight toward zero
+            agree = (update * param_shard) > 0
+            update.addcmul_(param_shard, agree, value=lr * lr * group["weight_decay"])
+        param_shard.sub_(update.to(param_shard.dtype) if param_shard.dtype != update.dtype else update)
 
     @torch.no_grad()
     def step(self):
         gathers = []
+        tied_source = self.tied[0] if self.tied is not None else None
         for bucket in reversed(self.buckets):
+            if tied_source is not None and bucket.params[0] is tied_source:
+                bucket.work, bucket.grad_shard, bucket.ready = None, None, 0
+                continue  # a tied source follows its target (below)
             flat_param = bucket.flat_param()
             lo = self.rank * bucket.shard_numel
             param_shard = flat_param[lo:lo + bucket.shard_numel]
             if self.world_size == 1:
+                self._add_tied_gradient(bucket)
                 grad_shard = bucket.flat_grad()
             else:
                 if bucket.work is None:  # some gradient never arrived during backward: reduce what there is
@@ -1243,11 +1858,14 @@ class DistAdam(torch.optim.Optimizer):
         for bucket, flat_param, work in gathers:
             work.wait()
             bucket.write_back(flat_param)
+        if self.tied is not None:
+            source, target = self.tied
+            source.data.copy_(target.data.T)
 
     # The state is this rank's shards, kept in fp32 (torch.optim.Optimizer.load_state_dict would cast
     # it to the parameters' dtype, bf16 on CUDA). Checkpoints hold one such dict per rank.
     def state_dict(self) -> dict:
-        return {"world_size": self.world_size,
+        return {"world_size": self.world_size, "tied": self.tied is not None,
                 "buckets": [dict(self.state.get(b.params[0], {})) for b in self.buckets],
                 "param_groups": group_settings(self)}
 
@@ -1262,7 +1880,9 @@ class DistAdam(torch.optim.Optimizer):
                 device = bucket.params[0].device
                 self.state[bucket.params[0]] = {k: v.to(device, copy=True) if isinstance(v, Tensor) else v
                                                 for k, v in saved.items()}
-
+        if self.tie_pair is not None:  # tied or not, as when the state was saved
+            self.tied = self.tie_pair if state_dict["tied"] else None
+            self._bucket_of[self.tie_pair[1]].needed = 2 if state_dict["tied"] else 1
 
 # -----------------------------------------------------------------------------
 # Data: token shards, BOS-aligned packing and the distributed loader
@@ -1314,62 +1934,72 @@ def find_shards(pattern: str, what: str) -> list[Path]:
 
 class DocumentPieces:
     """A token stream's training pieces: each document (from its BOS to the next) contributes its
-    first max_len tokens; the rest of a longer document is not trained on (record #44). `starts`, the
-    BOS positions, can be passed in when a scan has found them already."""
+    first max_len tokens, the stage's max_seq_len; the rest of a longer document is not trained on
+    (record #85). `starts`, the BOS positions, can be passed in when a scan has found them already."""
 
-    def __init__(self, tokens: np.ndarray, max_len: int, starts: np.ndarray | None = None):
+    def __init__(self, tokens: np.ndarray, starts: np.ndarray | None = None):
         self.tokens = tokens
         self.starts = np.flatnonzero(tokens == BOS_ID) if starts is None else starts
-        ends = np.append(self.starts[1:], len(tokens))
-        self.lengths = np.minimum(ends - self.starts, max_len)
-        self.cumulative = np.cumsum(self.lengths)
+        self.doc_lengths = np.append(self.starts[1:], len(tokens)) - self.starts
+        self._cumulative: dict[int, np.ndarray] = {}
 
-    def _last_piece(self, first: int, num_tokens: int) -> int | None:
+    def cumulative(self, max_len: int) -> np.ndarray:
+        if max_len not in self._cumulative:
+            self._cumulative[max_len] = np.cumsum(np.minimum(self.doc_lengths, max_len))
+        return self._cumulative[max_len]
+
+    def _last_piece(self, first: int, num_tokens: int, max_len: int) -> int | None:
         """The piece in which num_tokens tokens, counted from the start of piece `first`, end; None
         when the stream has too few pieces left."""
-        before = int(self.cumulative[first - 1]) if first else 0
-        last = int(np.searchsorted(self.cumulative, before + num_tokens))
-        return last if last < len(self.cumulative) else None
+        cumulative = self.cumulative(max_len)
+        before = int(cumulative[first - 1]) if first else 0
+        last = int(np.searchsorted(cumulative, before + num_tokens))
+        return last if last < len(cumulative) else None
 
-    def take(self, first: int, num_tokens: int) -> tuple[np.ndarray, int] | None:
+    def take(self, first: int, num_tokens: int, max_len: int) -> tuple[np.ndarray, int] | None:
         """Exactly num_tokens tokens: pieces first, first + 1, ..., the last one cut short, and the
         index of the piece after them; None when the stream has too few pieces left."""
-        last = self._last_piece(first, num_tokens)
+        last = self._last_piece(first, num_tokens, max_len)
         if last is None:
             return None
-        before = int(self.cumulative[first - 1]) if first else 0
-        lengths = self.lengths[first:last + 1].copy()
-        lengths[-1] -= int(self.cumulative[last]) - before - num_tokens
+        cumulative = self.cumulative(max_len)
+        before = int(cumulative[first - 1]) if first else 0
+        lengths = np.minimum(self.doc_lengths[first:last + 1], max_len)
+        lengths[-1] -= int(cumulative[last]) - before - num_tokens
         chunk = np.concatenate([self.tokens[s:s + n] for s, n in zip(self.starts[first:last + 1], lengths)])
         return chunk, last + 1
 
-    def take_step(self, first: int, num_micro: int, micro_tokens: int) -> tuple[list[np.ndarray], int] | None:
+    def take_step(self, first: int, num_micro: int, micro_tokens: int, max_len: int
+                  ) -> tuple[list[np.ndarray], int] | None:
         """One step: num_micro micro-batches of micro_tokens + 1 tokens (inputs and shifted targets),
         each starting with a BOS; the same whatever the world size."""
         micro_batches = []
         for _ in range(num_micro):
-            taken = self.take(first, micro_tokens + 1)
+            taken = self.take(first, micro_tokens + 1, max_len)
             if taken is None:
                 return None
             chunk, first = taken
             micro_batches.append(chunk)
         return micro_batches, first
 
-    def count_steps(self, num_micro: int, micro_tokens: int) -> int:
-        """How many steps take_step gives, from the first piece until it returns None: the same walk
-        over the pieces, without copying tokens."""
+    def count_steps(self, first_step: int, schedule: Schedule, limit: int) -> int:
+        """How many steps take_step gives from the first piece, the first being step first_step of the
+        schedule (each step's micro-batch size and max_seq_len are its stage's), at most `limit`: the same
+        walk over the pieces, without copying tokens."""
         steps, first = 0, 0
-        while True:
-            for _ in range(num_micro):
-                last = self._last_piece(first, micro_tokens + 1)
+        while steps < limit:
+            step = first_step + steps
+            for _ in range(schedule.micro_batches):
+                last = self._last_piece(first, schedule.micro_tokens(step) + 1, schedule.stage(step).max_seq_len)
                 if last is None:
                     return steps
                 first = last + 1
             steps += 1
+        return steps
 
 
 def rank_micro_batches(micro_batches: list[np.ndarray], env: DistEnv) -> list[tuple[Tensor, Tensor]]:
-    """This rank's (inputs, targets): micro-batch m goes to rank m % world_size."""
+    """This rank's (inputs, targets): micro-batch m goes to rank m % world_size (the record's dealing)."""
     batch = []
     for chunk in micro_batches[env.rank::env.world_size]:
         buf = to_device(torch.from_numpy(chunk), env.device)
@@ -1399,33 +2029,43 @@ class ShardScan:
     path: Path
     num_tokens: int
     starts: np.ndarray  # BOS positions: the loader reuses them when it opens the shard
-    steps: int  # steps the loader takes from it (DocumentPieces.count_steps)
+    first_step: int = 0  # the step of the schedule the run reaches this shard at
+    steps: int = 0  # steps the loader takes from it (DocumentPieces.count_steps)
 
 
 SCAN_THREADS = 4  # shards scanned at once; numpy releases the GIL while it reads and compares
 
 
 def scan_shard(path: Path, args: Hyperparameters) -> ShardScan:
-    """One pass over a training shard: its token ids, its BOS positions, the steps it supplies."""
+    """One pass over a training shard: its token ids and its BOS positions."""
     tokens = read_shard(path)
     check_token_ids(tokens, path, args.vocab_size)
     starts = np.flatnonzero(tokens == BOS_ID)
     if not len(starts):
         raise DataError(f"{path}: no document starts in it (no <|endoftext|>, id {BOS_ID}, the token every "
                         f"training piece starts with); tokenize text with `python data/tokenize_text.py`")
-    num_micro, micro_tokens = args.batch_tokens // args.micro_batch_tokens, args.micro_batch_tokens
-    steps = DocumentPieces(tokens, args.train_max_seq_len, starts).count_steps(num_micro, micro_tokens)
-    if not steps:
-        raise DataError(f"{path}: its documents cannot fill one step of {num_micro} x {micro_tokens + 1} tokens: "
-                        f"a document gives its first {args.train_max_seq_len} tokens at most (--train_max_seq_len) "
-                        f"and a micro-batch skips the rest of the one it ends in; split long documents "
-                        f"(`python data/tokenize_text.py` does, see --max-doc-tokens) or add text")
-    return ShardScan(path, len(tokens), starts, steps)
+    return ShardScan(path, len(tokens), starts)
 
 
-def scan_training_shards(files: list[Path], args: Hyperparameters) -> list[ShardScan]:
-    """Scans shards in order, a few at a time, until they supply args.num_iterations steps (all of
-    them when they cannot): a long list of shards costs only the ones the run will read."""
+def count_shard_steps(scan: ShardScan, first_step: int, args: Hyperparameters, schedule: Schedule) -> ShardScan:
+    scan.first_step = first_step
+    scan.steps = DocumentPieces(read_shard(scan.path), scan.starts).count_steps(
+        first_step, schedule, max(args.num_iterations - first_step, 1))
+    if not scan.steps:
+        stage = schedule.stage(first_step)
+        raise DataError(f"{scan.path}: its documents cannot fill one step of {schedule.micro_batches} x "
+                        f"{schedule.micro_tokens(first_step) + 1} tokens (step {first_step}): a document gives its "
+                        f"first {stage.max_seq_len} tokens at most (--stage_max_seq_len) and a micro-batch skips "
+                        f"the rest of the one it ends in; split long documents (`python data/tokenize_text.py` "
+                        f"does, see --max-doc-tokens) or add text")
+    return scan
+
+
+def scan_training_shards(files: list[Path], args: Hyperparameters, schedule: Schedule) -> list[ShardScan]:
+    """Scans shards in order, a few at a time, until they supply args.num_iterations steps under the
+    schedule (all of them when they cannot): a long list of shards costs only the ones the run will read.
+    A shard's steps depend on the step the run reaches it at (the stages' batch sizes and lengths), so
+    they are counted in order as the scans arrive."""
     scans: list[ShardScan] = []
     running: collections.deque[concurrent.futures.Future] = collections.deque()
     queued, supplied = 0, 0
@@ -1439,7 +2079,7 @@ def scan_training_shards(files: list[Path], args: Hyperparameters) -> list[Shard
                     queued += 1
                 if not running:
                     break
-                scans.append(running.popleft().result())
+                scans.append(count_shard_steps(running.popleft().result(), supplied, args, schedule))
                 supplied += scans[-1].steps
         finally:  # enough steps, or a bad shard: scans not yet started are dropped
             for future in running:
@@ -1447,21 +2087,27 @@ def scan_training_shards(files: list[Path], args: Hyperparameters) -> list[Shard
     return scans
 
 
+def step_tokens(step: int, schedule: Schedule) -> int:
+    """Tokens a step reads: its micro-batches, each with one more token for the last target."""
+    return schedule.micro_batches * (schedule.micro_tokens(step) + 1)
+
+
 class TrainLoader:
     """Walks the training shards: each step takes the next pieces of the current shard (see
-    DocumentPieces), packed into micro-batches whatever the world size. A step never straddles two
-    shards: when a shard cannot fill one, the next shard starts the step. The shards are scanned first
-    (scan_training_shards), so the run knows how many steps they supply: fewer than it needs is
-    refused unless --repeat_data, which starts over from the first shard. The next shard is read in a
-    background thread while this one is used."""
+    DocumentPieces), packed into micro-batches of its stage's size whatever the world size. A step never
+    straddles two shards: when a shard cannot fill one, the next shard starts the step. The shards are
+    scanned first (scan_training_shards), so the run knows how many steps they supply: fewer than it
+    needs is refused unless --repeat_data, which starts over from the first shard. The next shard is read
+    in a background thread while this one is used."""
 
     def __init__(self, args: Hyperparameters, env: DistEnv):
         files = find_shards(args.train_files, "training")
-        self.num_micro, self.micro_tokens = args.batch_tokens // args.micro_batch_tokens, args.micro_batch_tokens
+        self.schedule = Schedule(args)
+        first_step_tokens = step_tokens(0, self.schedule)
         for f in files:
-            if read_shard_header(f) < self.num_micro * (self.micro_tokens + 1):
-                raise DataError(f"{f}: holds fewer tokens than one step needs ({self.num_micro * (self.micro_tokens + 1)})")
-        self.scans = scan_training_shards(files, args)
+            if read_shard_header(f) < first_step_tokens:
+                raise DataError(f"{f}: holds fewer tokens than one step needs ({first_step_tokens})")
+        self.scans = scan_training_shards(files, args, self.schedule)
         self.supplied, self.needed = sum(scan.steps for scan in self.scans), args.num_iterations
         self.unread = len(files) - len(self.scans)
         if self.supplied < self.needed and not args.repeat_data:
@@ -1471,7 +2117,7 @@ class TrainLoader:
                             f"steps ({per_shard:,.0f} per shard) but the run needs {self.needed:,}: about {enough} "
                             f"shards like these would (FineWeb: `python data/cached_fineweb10B.py {enough + 1}`, one "
                             f"spare), or --repeat_data=true starts over from the first shard")
-        self.max_len, self.env = args.train_max_seq_len, env
+        self.env = env
         self.file_index, self.piece = 0, 0
         self.pieces: DocumentPieces | None = None
         self.started_over = False  # whether the last batch was the first of another pass over the shards
@@ -1480,24 +2126,28 @@ class TrainLoader:
 
     def report(self) -> list[str]:
         """The log's account of the data: one line, and notes where the run repeats or skips much."""
-        step_tokens = self.num_micro * (self.micro_tokens + 1)
         tokens = sum(scan.num_tokens for scan in self.scans)
+        used = sum(step_tokens(step, self.schedule) for step in range(min(self.supplied, self.needed)))
         lines = [f"data: {len(self.scans)} training shard(s) supply {self.supplied:,} steps, the run needs "
-                 f"{self.needed:,}; the steps use {self.supplied * step_tokens / tokens:.1%} of their "
-                 f"{tokens:,} tokens" + (f" ({self.unread} more shard(s) are not needed)" if self.unread else "")]
+                 f"{self.needed:,}; the steps use {used / tokens:.1%} of their {tokens:,} tokens"
+                 + (f" ({self.unread} more shard(s) are not needed)" if self.unread else "")]
         if self.supplied < self.needed:
             lines.append(f"data: --repeat_data=true: after {self.supplied:,} steps the data starts over from the "
                          f"first shard (logged each time)")
-        sparse = [scan for scan in self.scans if scan.steps * step_tokens < scan.num_tokens / 2]
+        def share(scan):
+            return sum(step_tokens(s, self.schedule) for s in range(scan.first_step, scan.first_step + scan.steps)) \
+                / scan.num_tokens
+        sparse = [scan for scan in self.scans if share(scan) < 0.5 and scan.first_step + scan.steps < self.needed]
         if sparse:
-            worst = min(sparse, key=lambda scan: scan.steps / scan.num_tokens)
-            # Pieces of a quarter micro-batch lose about an eighth of it where a micro-batch ends.
-            shorter = min(self.max_len, self.micro_tokens // 4)
+            worst = min(sparse, key=share)
+            stage = self.schedule.stage(worst.first_step)
+            micro = self.schedule.micro_tokens(worst.first_step)
+            shorter = min(stage.max_seq_len, micro // 4)  # pieces of a quarter micro-batch lose about an eighth
             lines.append(f"note: the steps use less than half of the tokens of {len(sparse)} shard(s) ({worst.path}: "
-                         f"{worst.steps * step_tokens / worst.num_tokens:.0%}): a document gives its first "
-                         f"{self.max_len} tokens at most (--train_max_seq_len) and a micro-batch of "
-                         f"{self.micro_tokens + 1} skips the rest of the one it ends in; documents of at most "
-                         f"{shorter} tokens (data/tokenize_text.py --max-doc-tokens={shorter}) would use most of them")
+                         f"{share(worst):.0%}): a document gives its first {stage.max_seq_len} tokens at most "
+                         f"(--stage_max_seq_len) and a micro-batch of {micro + 1} skips the rest of the one it ends "
+                         f"in; documents of at most {shorter} tokens (data/tokenize_text.py "
+                         f"--max-doc-tokens={shorter}) would use most of them")
         return lines
 
     def state_dict(self) -> dict:
@@ -1508,7 +2158,7 @@ class TrainLoader:
 
     def _index(self, file_index: int) -> DocumentPieces:
         scan = self.scans[file_index]
-        return DocumentPieces(read_shard(scan.path), self.max_len, scan.starts)
+        return DocumentPieces(read_shard(scan.path), scan.starts)
 
     def _open(self, file_index: int) -> DocumentPieces:
         if self._next is not None and self._next[0] == file_index:
@@ -1519,19 +2169,23 @@ class TrainLoader:
         self._next = following, self._prefetch.submit(self._index, following)
         return pieces
 
-    def next_batch(self) -> list[tuple[Tensor, Tensor]]:
+    def next_batch(self, step: int) -> list[tuple[Tensor, Tensor]]:
+        """This rank's micro-batches of step `step` (its stage decides their size and max_seq_len)."""
         self.started_over = False
+        micro, max_len = self.schedule.micro_tokens(step), self.schedule.stage(step).max_seq_len
         while True:
             if self.pieces is None:
                 self.pieces = self._open(self.file_index)
-            step = self.pieces.take_step(self.piece, self.num_micro, self.micro_tokens)
-            if step is not None:
+            taken = self.pieces.take_step(self.piece, self.schedule.micro_batches, micro, max_len)
+            if taken is not None:
                 break
-            if self.piece == 0:  # the scan counted at least one step in every shard
-                raise DataError(f"{self.scans[self.file_index].path}: changed since the start-up scan")
+            if self.piece == 0:  # the scan counted at least one step in every shard it reached
+                raise DataError(f"{self.scans[self.file_index].path}: its documents cannot fill step {step} "
+                                f"({self.schedule.micro_batches} x {micro + 1} tokens), or it changed since the "
+                                f"start-up scan")
             self.file_index, self.piece, self.pieces = (self.file_index + 1) % len(self.scans), 0, None
             self.started_over = self.file_index == 0
-        micro_batches, self.piece = step
+        micro_batches, self.piece = taken
         return rank_micro_batches(micro_batches, self.env)
 
 
@@ -1542,8 +2196,7 @@ class SyntheticLoader:
     started_over = False  # an endless supply
 
     def __init__(self, args: Hyperparameters, env: DistEnv):
-        self.num_micro, self.micro_tokens = args.batch_tokens // args.micro_batch_tokens, args.micro_batch_tokens
-        self.max_len, self.env, self.seed = args.train_max_seq_len, env, args.seed
+        self.schedule, self.env, self.seed = Schedule(args), env, args.seed
         self.step = 0
 
     def report(self) -> list[str]:
@@ -1555,18 +2208,18 @@ class SyntheticLoader:
     def load_state_dict(self, state: dict):
         self.step = int(state.get("step", 0))
 
-    def next_batch(self) -> list[tuple[Tensor, Tensor]]:
+    def next_batch(self, step: int) -> list[tuple[Tensor, Tensor]]:
         rng = np.random.default_rng([self.seed, self.step])
         self.step += 1
+        micro, max_len = self.schedule.micro_tokens(step), self.schedule.stage(step).max_seq_len
         # FineWeb documents average roughly a thousand GPT-2 tokens with a long tail: exponential lengths,
         # of which training sees the first max_len; draw pieces until they fill the step.
         lengths = np.zeros(0, dtype=np.int64)
-        while lengths.sum() <= self.num_micro * (self.micro_tokens + 1):
-            drawn = rng.exponential(1000, 256).astype(np.int64) + 1
-            lengths = np.append(lengths, np.minimum(drawn, self.max_len))
+        while np.minimum(lengths, max_len).sum() <= self.schedule.micro_batches * (micro + 1):
+            lengths = np.append(lengths, rng.exponential(1000, 256).astype(np.int64) + 1)
         tokens = rng.integers(0, BOS_ID, int(lengths.sum()), dtype=np.uint16)
         tokens[np.cumsum(lengths) - lengths] = BOS_ID
-        micro_batches, _ = DocumentPieces(tokens, self.max_len).take_step(0, self.num_micro, self.micro_tokens)
+        micro_batches, _ = DocumentPieces(tokens).take_step(0, self.schedule.micro_batches, micro, max_len)
         return rank_micro_batches(micro_batches, self.env)
 
 
@@ -1586,23 +2239,8 @@ def load_val_tokens(args: Hyperparameters) -> Tensor:
                         f"--val_tokens={args.val_tokens} (+1)")
     return torch.from_numpy(np.concatenate(parts))
 
-
 # -----------------------------------------------------------------------------
-# Schedules: learning rate, NorMuon momentum, attention windows
-
-def scheduled_steps(args: Hyperparameters) -> int:
-    return args.num_iterations - args.extension_steps
-
-
-def lr_multiplier(step: int, args: Hyperparameters) -> float:
-    """Flat, then a linear decay to final_lr_frac over the last cooldown_frac of the scheduled steps;
-    the extension keeps the last value (progress is capped at 0.9999 as in record #44)."""
-    progress = min(step / scheduled_steps(args), 0.9999)
-    if progress < 1 - args.cooldown_frac:
-        return 1.0
-    decay = (1 - progress) / args.cooldown_frac
-    return decay + (1 - decay) * args.final_lr_frac
-
+# Schedules: the stages (Schedule, above), NorMuon momentum, Adam's cadence, validation steps
 
 def muon_momentum(step: int, args: Hyperparameters) -> float:
     """Rises linearly from start to end over the warmup, falls back to start over the last cooldown steps."""
@@ -1615,72 +2253,70 @@ def muon_momentum(step: int, args: Hyperparameters) -> float:
     return hi
 
 
-def window_stage(step: int, args: Hyperparameters) -> int:
-    """Which part of the window schedule a step is in: i for the schedule's i-th long window (equal parts
-    of the scheduled steps), len(schedule) for the extension. Never decreases with the step."""
-    stages = len(int_list(args, "window_schedule"))
-    scheduled = scheduled_steps(args)
-    return stages if step >= scheduled else int(stages * (step / scheduled))
-
-
-def attention_windows(step: int, args: Hyperparameters, final_validation: bool = False) -> tuple[int, int]:
-    """(short, long) windows in blocks: the schedule's long window by equal parts of the scheduled
-    steps, the extension's after them, a longer one for the final validation; short = long // 2."""
-    schedule = int_list(args, "window_schedule")
-    stage = window_stage(step, args)
-    long = args.window_extension if stage == len(schedule) else schedule[stage]
-    short = long // 2
-    return short, (args.window_final_val if final_validation else long)
-
-
-def window_spans(args: Hyperparameters) -> list[tuple[int, int]]:
-    """(first step, number of steps) of each window stage; a stage the run never reaches has 0 steps. The
-    stage boundaries are found by bisection: the cost does not grow with num_iterations."""
-    steps = range(args.num_iterations)
-    stages = len(int_list(args, "window_schedule")) + 1
-    starts = [bisect.bisect_left(steps, stage, key=lambda s: window_stage(s, args)) for stage in range(stages)]
-    return [(start, end - start) for start, end in zip(starts, starts[1:] + [args.num_iterations])]
-
-
 def is_validation_step(step: int, args: Hyperparameters) -> bool:
     return step == args.num_iterations or bool(args.val_loss_every and step % args.val_loss_every == 0)
 
 
-def layer_windows(args: Hyperparameters, windows: tuple[int, int]) -> list[int | None]:
-    """Per layer, its window in tokens (None without attention)."""
-    short, long = windows
-    return [None if not spec.attention else args.window_block * (long if spec.long_window else short)
-            for spec in layer_specs(args)]
+def adam_steps_at(step: int, args: Hyperparameters) -> bool:
+    """Adam steps at the last of every adam_every steps (the record: the odd ones)."""
+    return (step + 1) % args.adam_every == 0
 
 
 # -----------------------------------------------------------------------------
 # Optimizer setup, one training step, evaluation
 
+# Record #85's Adam parameter table: (betas, lr multiplier, weight-decay multiplier) by parameter name.
+ADAM_TABLE = {
+    "embed.weight": ((0.5, 0.95), 1.0, 150.0),
+    "lm_head": ((0.5, 0.95), 1.0, 150.0),
+    "value_embeds": ((0.75, 0.95), 75.0, 5.0),
+    "bigram_embed.weight": ((0.75, 0.95), 75.0, 5.0),
+    "scalars": ((0.9, 0.99), 5.0, 0.0),
+    "smear_gate.weight": ((0.9, 0.99), 0.01, 0.0),
+    "ve_gates": ((0.9, 0.99), 1.0, 1.0),
+    "post_lambdas": ((0.9, 0.95), 1.0, 0.0),
+    "resid_lambdas": ((0.9, 0.95), 5.0, 0.0),
+    "mudd_w1": ((0.9, 0.99), 0.25, 1.0),
+    "mudd_w2": ((0.9, 0.99), 0.25, 1.0),
+    "mudd_b2": ((0.9, 0.99), 0.25, 0.0),
+    "mudd_gate_w1": ((0.9, 0.99), 0.1, 1.0),
+    "mudd_gate_w2": ((0.9, 0.99), 0.1, 1.0),
+    "mudd_gate_b2": ((0.9, 0.99), 0.1, 0.0),
+    "mudd_gate_scale": ((0.9, 0.99), 0.1, 0.0),
+}
+# NorMuon's lr multiplier per matrix kind, on top of sqrt(max(1, rows / cols)): the record's c_proj x2.
+MUON_TABLE = {"attn.qk": 1.0, "attn.vo": 1.0, "mlp.fc": 1.0, "mlp.proj": 2.0}
+
+
 def build_optimizers(model: GPT, args: Hyperparameters) -> tuple[NorMuon, DistAdam]:
-    """NorMuon for every matrix in the blocks and the gates; Adam for embeddings, head and scalars."""
-    matrices = [p for block in model.blocks for p in block.parameters() if p.ndim >= 2] + [model.smear_gate.weight]
-    scalars = [p for p in model.parameters() if p.ndim < 2]
-    embeddings = [model.embed.weight] + [ve.weight for ve in model.value_embeds]
-    head = [model.head.lm_head.weight]
+    """NorMuon for the attention and MLP matrices; Adam, with the record's table, for the rest. The
+    embedding starts tied to the lm_head (untie_step unties it)."""
+    named = dict(model.named_parameters())
+    muon_groups = [dict(params=[p for name, p in named.items() if name.endswith(kind)], lr=args.muon_lr, lr_mul=mul)
+                   for kind, mul in MUON_TABLE.items()]
+    adam_groups = [dict(params=[named[name]], lr=args.adam_lr * lr_mul, betas=betas,
+                        weight_decay=args.adam_weight_decay * wd_mul)
+                   for name, (betas, lr_mul, wd_mul) in ADAM_TABLE.items()]
     # Bucket order follows the forward; step() walks it backwards, the order backward completes it.
-    adam = DistAdam([dict(params=embeddings, lr=args.embed_lr), dict(params=scalars, lr=args.scalar_lr),
-                     dict(params=head, lr=args.head_lr)], betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+    adam = DistAdam(adam_groups, eps=args.adam_eps)
+    if torch.equal(model.embed.weight, model.lm_head.T):  # tied until the untie step (weights of --init_from may not be)
+        adam.tie(model.embed.weight, model.lm_head)
     # CPUs have no bf16 matrix units for this; there fp32 also keeps runs at different world sizes in
     # step (bf16 rounding would amplify the last-bit differences of reduction order).
     ns_dtype = torch.bfloat16 if model.embed.weight.is_cuda else torch.float32
-    muon = NorMuon(matrices, lr=args.muon_lr, momentum=args.muon_momentum_start, beta2=args.muon_beta2,
+    muon = NorMuon(muon_groups, lr=args.muon_lr, momentum=args.muon_momentum_start, beta2=args.muon_beta2,
                    weight_decay=args.muon_weight_decay, ns_dtype=ns_dtype)
     for opt in (adam, muon):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
-    covered = {id(p) for p in matrices + scalars + embeddings + head}
-    if len(covered) != len(matrices + scalars + embeddings + head) or covered != {id(p) for p in model.parameters()}:
+    covered = [id(p) for opt in (adam, muon) for g in opt.param_groups for p in g["params"]]
+    if len(covered) != len(set(covered)) or set(covered) != {id(p) for p in model.parameters()}:
         raise RuntimeError("every parameter must belong to exactly one optimizer")
     return muon, adam
 
 
-def set_schedules(step: int, optimizers, args: Hyperparameters):
-    multiplier = lr_multiplier(step, args)
+def set_schedules(step: int, optimizers, schedule: Schedule, args: Hyperparameters):
+    multiplier = schedule.lr(step)
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * multiplier
@@ -1688,46 +2324,55 @@ def set_schedules(step: int, optimizers, args: Hyperparameters):
         group["momentum"] = muon_momentum(step, args)
 
 
-def adam_steps_at(step: int, args: Hyperparameters) -> bool:
-    """Adam steps at the last of every adam_every steps (record #44: the odd ones)."""
-    return (step + 1) % args.adam_every == 0
+def refresh_fp8(model: GPT):
+    for block in model.blocks:
+        block.mlp.refresh_fp8()
 
 
-def train_step(model: GPT, optimizers, batch, windows: list[int | None], step: int, args: Hyperparameters,
+def train_step(model: GPT, optimizers, batch, step: int, schedule: Schedule, args: Hyperparameters,
                use_flex: bool) -> Tensor:
     """Forward/backward over this rank's micro-batches, NorMuon's step, and Adam's every adam_every
     steps on the gradients of all of them (its reduce-scatters start in the backward that completes
-    them). Returns the summed token losses. No host sync."""
+    them); at the untie step the embedding leaves the lm_head. Returns the summed training loss (the
+    multi-token objective) of this rank's tokens. No host sync."""
     muon, adam = optimizers
     adam_now = adam_steps_at(step, args)
-    loss_sum = torch.zeros((), device=batch[0][0].device)
+    windows = schedule.windows(step)
+    device = batch[0][0].device
+    mtp = torch.tensor(schedule.mtp_weights(step), device=device)
+    loss_sum = torch.zeros((), device=device)
     for i, (inputs, targets) in enumerate(batch):
         reduce_now = adam_now and i == len(batch) - 1
         with contextlib.nullcontext() if reduce_now else adam.no_sync():
-            # Summed over tokens, averaged over micro-batches and ranks (record #44's gradient scale).
-            loss = model(inputs, targets, build_masks(inputs, windows, use_flex, args.window_block))
-            (loss / len(batch)).backward()
-        loss_sum += loss.detach()
+            # Summed over tokens, averaged over micro-batches and ranks (the record's gradient scale).
+            masks = build_masks(inputs, model.plans, windows, args.window_block, use_flex)
+            loss = model(inputs, targets, masks, windows, mtp, loss_scale=1 / len(batch))
+            loss.backward()
+        loss_sum += loss.detach() * len(batch)
     muon.step()
     muon.zero_grad(set_to_none=True)
     if adam_now:
         adam.step()
         adam.zero_grad(set_to_none=True)
+        if step == schedule.untie_step and adam.tied is not None:
+            adam.untie()
+    refresh_fp8(model)
     return loss_sum
 
 
 @torch.no_grad()
-def evaluate(model: GPT, tokens: Tensor, windows: list[int | None], args: Hyperparameters, env: DistEnv,
+def evaluate(model: GPT, tokens: Tensor, windows: tuple[int, int], args: Hyperparameters, env: DistEnv,
              use_flex: bool) -> float:
-    """Mean loss over the len(tokens) - 1 predictions of `tokens` (val_tokens + 1 of them in a real
-    validation), in sequences of val_seq_len dealt out over the ranks."""
+    """Mean next-token loss over the len(tokens) - 1 predictions of `tokens` (val_tokens + 1 of them in a
+    real validation), in sequences of val_seq_len dealt out over the ranks."""
     model.eval()
     num_seqs = (len(tokens) - 1) // args.val_seq_len
     loss_sum = torch.zeros((), device=env.device, dtype=torch.float64)
     for seq in range(env.rank, num_seqs, env.world_size):
         buf = to_device(tokens[seq * args.val_seq_len:(seq + 1) * args.val_seq_len + 1], env.device)
         inputs, targets = buf[:-1], buf[1:]
-        loss_sum += model(inputs, targets, build_masks(inputs, windows, use_flex, args.window_block)).double()
+        masks = build_masks(inputs, model.plans, windows, args.window_block, use_flex)
+        loss_sum += model(inputs, targets, masks, windows).double()
     if env.world_size > 1:
         dist.all_reduce(loss_sum)
     model.train()
@@ -1753,23 +2398,37 @@ def matmul_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     return 2 * n ** 3 * repeats / best
 
 
-def model_flops_per_token(args: Hyperparameters, model: GPT, tokens: Tensor, windows: list[int | None]) -> float:
-    """6 FLOPs per matmul weight (forward 2, backward 4) plus attention: per attention layer, 12 * width
-    FLOPs for each key a token attends to, min(position in its document + 1, the layer's window + 1)."""
-    matmul_params = sum(p.numel() for p in model.blocks.parameters() if p.ndim >= 2)
-    matmul_params += model.head.lm_head.weight.numel() + model.smear_gate.weight.numel()
+def model_flops_per_token(args: Hyperparameters, model: GPT, tokens: Tensor, windows: tuple[int, int]) -> float:
+    """6 FLOPs per matmul weight a token passes (forward 2, backward 4), plus attention: per attention
+    layer, 12 * width FLOPs for each key a token attends to (min(position in its document + 1, window + 1);
+    a paired layer's token is two positions with half the heads each, so the same count over its doubled
+    document), plus DC's 12 * width per key of its window."""
+    matmul_params = sum(p.numel() for block in model.blocks for p in block.parameters())
+    matmul_params += model.lm_head.numel() + 2 * (model.mudd_w1.numel() + model.mudd_gate_w1.numel()) // 2
     index = np.arange(len(tokens))
     doc_start = np.maximum.accumulate(np.where(tokens.cpu().numpy() == BOS_ID, index, 0))
     keys_in_doc = index - doc_start + 1
-    attention_flops = sum(12 * args.model_dim * np.minimum(keys_in_doc, w + 1).mean() for w in windows if w is not None)
+    attention_flops = 0.0
+    for plan in model.plans:
+        if not plan.attention:
+            continue
+        window = args.window_block * windows[1 if plan.long_window else 0]
+        if plan.paired:  # positions 2p and 2p+1 of the doubled document: about twice the keys, half the heads
+            keys = (np.minimum(2 * keys_in_doc - 1, window + 1) + np.minimum(2 * keys_in_doc, window + 1)) / 2
+        else:
+            keys = np.minimum(keys_in_doc, window + 1)
+        attention_flops += 12 * args.model_dim * keys.mean()
+        if plan.dc:
+            attention_flops += 12 * args.model_dim * np.minimum(keys_in_doc, args.dc_window).mean()
     return 6 * matmul_params + float(attention_flops)
 
 
 def schedule_flops_per_token(args: Hyperparameters, model: GPT, tokens: Tensor) -> float:
-    """model_flops_per_token averaged over the training steps' windows."""
-    return sum(count * model_flops_per_token(args, model, tokens, layer_windows(args, attention_windows(first, args)))
-               for first, count in window_spans(args) if count) / args.num_iterations
-
+    """model_flops_per_token averaged over the training tokens of the schedule's stages."""
+    schedule = Schedule(args)
+    total_tokens = sum(stage.batch_tokens * (stage.end - stage.start) for stage in schedule.stages)
+    return sum(stage.batch_tokens * (stage.end - stage.start) * model_flops_per_token(args, model, tokens, stage.windows)
+               for stage in schedule.stages if stage.end > stage.start) / total_tokens
 
 # -----------------------------------------------------------------------------
 # Checkpoints: atomic, per-rank optimizer shards, every file's size and sha256 in meta.json, refused
@@ -1919,7 +2578,7 @@ def save_final_weights(model: GPT, args: Hyperparameters, source: str, run_id: s
     final = Path(args.checkpoint_dir) / run_id / "final"
     tmp = final.with_name(".final.partial")
     info = {"format": FINAL_WEIGHTS_FORMAT, "config": dataclasses.asdict(args), "step": step, "val_loss": val_loss,
-            "windows": attention_windows(args.num_iterations, args, final_validation=True),
+            "windows": list(Schedule(args).windows(args.num_iterations, final_validation=True)),
             "code_sha256": code_hash(source)}
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -1956,7 +2615,8 @@ def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters
             raise ValueError(f'"windows" must be the final (short, long) windows in blocks, got {windows!r}')
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise DataError(f"{path / 'config.json'}: not train_gpt.py's final-weights config ({e})") from None
-    model = cast_for_device(GPT(args, "bf16" if device.type == "cuda" else "fp32").to(device), device)
+    precision = "bf16" if device.type == "cuda" else "fp32"  # evaluation never uses FP8
+    model = cast_for_device(GPT(args, precision, precision).to(device), device)
     try:
         model.load_state_dict(torch.load(path / "model.pt", map_location=device, weights_only=True))
     except Exception as e:
@@ -2140,11 +2800,17 @@ def log_header(log: Logger, source: str, args: Hyperparameters, env: DistEnv, ru
     log(f"device: {env.device.type} ({device_name})  world_size: {env.world_size}  "
         f"backend: {dist.get_backend() if distributed() else 'none'}  date: {now}")
     attention_kind = resolve_attention(args, env.device)
-    head = model.head.precision
-    if head == "bf16" and args.lm_head_precision == "auto" and not fp8_head_fits(args):
-        head += " (fp8 needs --model_dim and --micro_batch_tokens multiples of 16)"
-    compiled = "per block" if args.compile else ("FlexAttention only" if attention_kind == "flex" else "off")
-    log(f"attention: {attention_kind}  lm_head: {head}  compile: {compiled}")
+    precisions = {"lm_head": model.head_precision, "mlp": model.blocks[0].mlp.precision}
+    for name, flag in (("lm_head", "lm_head_precision"), ("mlp", "mlp_precision")):
+        if precisions[name] == "bf16" and getattr(args, flag) == "auto" and not fp8_fits(args):
+            precisions[name] += " (fp8 needs --model_dim and every micro-batch to be multiples of 16)"
+        elif precisions[name] == "bf16" and getattr(args, flag) == "auto":
+            precisions[name] += " (this GPU has no FP8 tensor cores)"
+    compiled = "per layer" if args.compile else ("FlexAttention only" if attention_kind == "flex" else "off")
+    log(f"attention: {attention_kind}  lm_head: {precisions['lm_head']}  mlp up-projection: {precisions['mlp']}  "
+        f"compile: {compiled}")
+    log(f"recipe: record #85 v3 (modded-nanogpt, 2026-05-27, MUDD gates and lightweight DC): {args.num_iterations} "
+        f"steps in {len(Schedule(args).stages) - 1} stages and an extension", console=False)
     smi = nvidia_smi()
     if smi:
         log(smi, console=False)
@@ -2185,26 +2851,62 @@ def keep_freed_cpu_memory():
         mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
 
+# Parameters that stay fp32 on GPUs (the record's): the scalars and lambdas, whose small Adam updates bf16
+# would round away. Everything else is bf16 there; NorMuon keeps fp32 masters of its matrices (mantissas).
+FP32_PARAMETERS = ("scalars", "resid_lambdas", "post_lambdas", "mudd_gate_scale")
+
+
 def cast_for_device(model: GPT, device: torch.device) -> GPT:
-    """On GPUs, record #44's parameter dtypes: bf16 embeddings, lm_head and gates; the hidden matrices
-    and scalars stay fp32 (Muon's small updates survive; CastedLinear multiplies in bf16). An fp32 head
-    (--lm_head_precision=fp32) keeps its weight in fp32. On CPU all fp32."""
+    """On GPUs, record #85's parameter dtypes: bf16 except FP32_PARAMETERS (and the lm_head under
+    --lm_head_precision=fp32). On CPU all fp32."""
     if device.type == "cuda":
-        gates = [block.attn.gate for block in model.blocks if block.attn is not None]
-        head = [model.head.lm_head] if model.head.precision != "fp32" else []
-        for module in [model.embed, *model.value_embeds, *head, model.smear_gate, *gates]:
-            module.bfloat16()
+        keep = set(FP32_PARAMETERS) | ({"lm_head"} if model.head_precision == "fp32" else set())
+        for name, p in model.named_parameters():
+            if name not in keep:
+                p.data = p.data.bfloat16()
+        model.bigram_signs.data = model.bigram_signs.data.bfloat16()
     return model
 
 
-def build_model(args: Hyperparameters, env: DistEnv) -> GPT:
+def read_init_weights(args: Hyperparameters) -> dict:
+    """--init_from's weights, checked against the model this config builds (names and shapes) before the
+    run creates anything. The rotary state is left out: it follows this run's schedule."""
+    path = Path(args.init_from)
+    if not (path / "model.pt").is_file():
+        raise DataError(f"--init_from={path}: not a final-weights folder (no model.pt; train with "
+                        f"--save_final=true, or convert the record's weights with tools/record_weights.py)")
+    try:
+        state = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise DataError(f"--init_from={path}: cannot load model.pt ({first_line(e)})") from None
+    if not isinstance(state, dict):
+        raise DataError(f"--init_from={path}: model.pt is not a state dict")
+    state = {k: v for k, v in state.items() if not k.startswith("rotary.")}
+    with torch.device("meta"):
+        expected = {k: v.shape for k, v in GPT(args).state_dict().items() if not k.startswith("rotary.")}
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(set(state) - set(expected))
+    wrong = [k for k in expected if k in state and tuple(state[k].shape) != tuple(expected[k])]
+    if missing or extra or wrong:
+        first = (f"{wrong[0]}: {tuple(state[wrong[0]].shape)} there, {tuple(expected[wrong[0]])} here" if wrong
+                 else f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(extra[:3])}")
+        raise DataError(f"--init_from={path}: its weights do not fit this config's model ({first})")
+    return state
+
+
+def build_model(args: Hyperparameters, env: DistEnv, init_state: dict | None = None) -> GPT:
     """Built and cast on the host, then moved to the device in one go (tools/preflight.py moves it to a
-    fake H100 there)."""
+    fake H100 there); init_state (--init_from) replaces the initial weights."""
     torch.manual_seed(args.seed)
-    model = cast_for_device(GPT(args, resolve_head_precision(args, env.device)), env.device).to(env.device)
+    model = GPT(args, resolve_precision(args, env.device, "lm_head_precision"),
+                resolve_precision(args, env.device, "mlp_precision"))
+    if init_state is not None:
+        model.load_state_dict(init_state, strict=False)
+    model = cast_for_device(model, env.device).to(env.device)
     if env.world_size > 1:  # identical weights on every rank whatever the device's RNG does
-        for p in model.parameters():
-            dist.broadcast(p.data, src=0)
+        for t in [*model.parameters(), model.bigram_signs]:
+            dist.broadcast(t.data, src=0)
+    refresh_fp8(model)
     return model
 
 
@@ -2229,6 +2931,7 @@ def train(args: Hyperparameters, env: DistEnv):
                       if args.synthetic else load_val_tokens(args))
         if args.resume:
             resume = check_checkpoint(resolve_checkpoint(args.resume, args), args, env, source)
+        init_state = read_init_weights(args) if args.init_from and not args.resume else None
         if env.is_main and log_path.exists():
             raise ConfigError(f"--run_id={run_id}: {log_path} already exists; choose another run id")
     except (ConfigError, DataError, TrainingError) as e:
@@ -2242,7 +2945,7 @@ def train(args: Hyperparameters, env: DistEnv):
         raise error or TrainingError("another rank failed during setup")
 
     try:
-        model = build_model(args, env)
+        model = build_model(args, env, init_state)
         log_header(log, source, args, env, run_id, model)
         for line in loader.report():
             log(line)
@@ -2265,7 +2968,9 @@ class StepTimer:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.step_ms: list[float] = []
+        self.step_tokens: list[int] = []  # each timed step's tokens (the stages' batches differ)
         self.marks: list = []  # since start(): CUDA events, or host times on CPU
+        self._tokens: list[int] = []
 
     def _mark(self):
         if not self.cuda:
@@ -2278,14 +2983,16 @@ class StepTimer:
         """Call after a device sync: the next step starts now."""
         self.marks = [self._mark()]
 
-    def step_done(self):
+    def step_done(self, tokens: int):
         self.marks.append(self._mark())
+        self._tokens.append(tokens)
 
     def read(self):
         """Call after a device sync: adds the times of the steps since start() to step_ms."""
         pairs = zip(self.marks, self.marks[1:])
         self.step_ms += [a.elapsed_time(b) if self.cuda else 1000 * (b - a) for a, b in pairs]
-        self.marks = []
+        self.step_tokens += self._tokens
+        self.marks, self._tokens = [], []
 
 
 def snapshot(state: dict) -> dict:
@@ -2300,33 +3007,44 @@ def prepare_training(model: GPT, args: Hyperparameters, env: DistEnv, backend="i
     return build_optimizers(model, args), use_flex
 
 
+def warmup_steps(args: Hyperparameters, schedule: Schedule) -> list[int]:
+    """The steps the untimed warmup runs: the first warmup_steps of every stage (an Adam step among them
+    when warmup_steps >= adam_every), so that every stage's shapes are compiled, the untie step included
+    when it is one of them."""
+    return sorted({s for stage in schedule.stages for s in range(stage.start, min(stage.start + args.warmup_steps,
+                                                                                   stage.end))})
+
+
 def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, loader, val_tokens: Tensor,
                  source: str, run_id: str, resume: Resume | None):
     optimizers, use_flex = prepare_training(model, args, env)
+    schedule = Schedule(args)
     initial_loader = loader.state_dict()
 
-    # Untimed warmup: training steps (from the second on, one that steps Adam) and a validation
-    # compile and run every kernel. Windows, documents, rotary tables and the attention scale are
-    # tensors, so these are all the graphs the run builds. Then model (rotary state included),
-    # optimizers and data go back to where they started.
+    # Untimed warmup: the first steps of every stage (their batch sizes and sequence lengths) and a
+    # validation at the final windows compile and run every kernel. Windows, documents, rotary tables and
+    # the attention scale are tensors, so these are all the graphs the run builds. Then model (rotary state
+    # included), optimizers (the tie included) and data go back to where they started.
     if args.warmup_steps:
         initial_model = snapshot(model.state_dict())
         initial_optimizers = [opt.state_dict() for opt in optimizers]
-        for step in range(args.warmup_steps):
-            windows = layer_windows(args, attention_windows(step, args))
-            train_step(model, optimizers, loader.next_batch(), windows, step, args, use_flex)
-        final_windows = layer_windows(args, attention_windows(args.num_iterations, args, final_validation=True))
-        evaluate(model, val_tokens[:args.val_seq_len * env.world_size + 1], final_windows, args, env, use_flex)
+        for step in warmup_steps(args, schedule):
+            model.rotary.set_window(schedule.windows(step)[1])
+            set_schedules(step, optimizers, schedule, args)
+            train_step(model, optimizers, loader.next_batch(step), step, schedule, args, use_flex)
+        evaluate(model, val_tokens[:args.val_seq_len * env.world_size + 1],
+                 schedule.windows(args.num_iterations, final_validation=True), args, env, use_flex)
         model.load_state_dict(initial_model)
         model.zero_grad(set_to_none=True)
         for opt, state in zip(optimizers, initial_optimizers):
             opt.load_state_dict(state)
+        refresh_fp8(model)
         loader.load_state_dict(initial_loader)
 
     # Performance accounting, set up before the clock starts.
     matmul_dtype = torch.bfloat16 if env.device.type == "cuda" else torch.float32
     peak_flops = matmul_peak_flops(env.device, matmul_dtype)
-    flops_per_token = schedule_flops_per_token(args, model, loader.next_batch()[0][0])
+    flops_per_token = schedule_flops_per_token(args, model, loader.next_batch(0)[0][0])
     loader.load_state_dict(initial_loader)
     timer = StepTimer(env.device)
 
@@ -2335,6 +3053,7 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, l
         error = None
         try:
             start_step, train_time_ms = load_checkpoint(resume, model, optimizers, loader, env)
+            refresh_fp8(model)
         except TrainingError as e:
             error = e
         if not all_ranks_ok(error is None, env.device):  # one rank's bad file stops them all
@@ -2346,17 +3065,16 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, l
     sync(env.device)
     t0 = time.perf_counter()
     timer.start()
-    train_loss_sum, train_loss_steps = torch.zeros((), device=env.device), 0
+    train_loss_sum, train_loss_tokens = torch.zeros((), device=env.device), 0
     final_val_loss = float("nan")
     for step in range(start_step, args.num_iterations + 1):
         last_step = step == args.num_iterations
-        windows = attention_windows(step, args)
-        model.rotary.set_window(windows[1])  # YaRN, when the long window grows
+        model.rotary.set_window(schedule.windows(step)[1])  # YaRN, when the long window grows
         if is_validation_step(step, args):
             sync(env.device)
             train_time_ms += 1000 * (time.perf_counter() - t0)  # the clock stops for validation
             timer.read()
-            val_windows = layer_windows(args, attention_windows(step, args, final_validation=last_step))
+            val_windows = schedule.windows(step, final_validation=last_step)  # YaRN stays fitted to the last
             final_val_loss = evaluate(model, val_tokens, val_windows, args, env, use_flex)
             log(format_step(step, args, train_time_ms, val_loss=final_val_loss))
             check_finite(final_val_loss, "val loss", step)
@@ -2375,23 +3093,23 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, l
         if last_step:
             break
 
-        set_schedules(step, optimizers, args)
-        batch = loader.next_batch()
+        set_schedules(step, optimizers, schedule, args)
+        batch = loader.next_batch(step)
         if loader.started_over:  # only with --repeat_data=true: the set-up refuses a run that would repeat
             log(f"data: the training shards are used up after {step} steps; step {step + 1} starts over from the "
                 f"first shard (--repeat_data=true)")
-        loss = train_step(model, optimizers, batch, layer_windows(args, windows), step, args, use_flex)
+        loss = train_step(model, optimizers, batch, step, schedule, args, use_flex)
         train_loss_sum += loss
-        train_loss_steps += 1
-        timer.step_done()
+        train_loss_tokens += schedule.stage(step).batch_tokens
+        timer.step_done(schedule.stage(step).batch_tokens)
         # On CUDA the host's clock, which runs ahead of the device; exact at validation and at the end.
         now_ms = train_time_ms + 1000 * (time.perf_counter() - t0)
         if args.train_loss_every and (step + 1) % args.train_loss_every == 0:
             if env.world_size > 1:  # every rank sees the same value, so all stop together on a NaN
                 dist.all_reduce(train_loss_sum)
-            train_loss = train_loss_sum.item() / (train_loss_steps * args.batch_tokens)  # mean per token
+            train_loss = train_loss_sum.item() / train_loss_tokens  # the multi-token objective, per token
             train_loss_sum.zero_()
-            train_loss_steps = 0
+            train_loss_tokens = 0
             log(format_step(step + 1, args, now_ms, train_loss=train_loss))
             check_finite(train_loss, "train loss", step + 1)
         else:
@@ -2419,13 +3137,13 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, l
 
     if timer.step_ms:  # the median step: what a benchmark compares
         median_ms = float(np.median(timer.step_ms))
-        median_tokens_per_s = args.batch_tokens / (median_ms / 1000)
+        median_tokens_per_s = float(np.median([n / (ms / 1000) for n, ms in zip(timer.step_tokens, timer.step_ms)]))
         log(f"perf: step_median:{median_ms:.2f}ms tokens_per_s:{median_tokens_per_s:.0f} "
             f"model_flops_per_token:{flops_per_token:.0f} matmul_peak_tflops:{peak_flops / 1e12:.2f} "
             f"({str(matmul_dtype).removeprefix('torch.')}) mfu:{mfu(median_tokens_per_s):.2f}% "
             f"peak_memory:{peak_memory}MiB")
-    steps_run = args.num_iterations - start_step
-    tokens_per_s = steps_run * args.batch_tokens / max(train_time_ms / 1000, 1e-9)
+    tokens_run = sum(schedule.stage(step).batch_tokens for step in range(start_step, args.num_iterations))
+    tokens_per_s = tokens_run / max(train_time_ms / 1000, 1e-9)
     log(f"summary: final_val_loss:{final_val_loss:.4f} train_time:{train_time_ms:.0f}ms "
         f"steps:{args.num_iterations} tokens_per_s:{tokens_per_s:.0f} mfu:{mfu(tokens_per_s):.2f}% "
         f"world_size:{env.world_size} device:{env.device.type}")
