@@ -47,8 +47,7 @@ class Generator:
     def __init__(self, model: T.GPT, args: T.Hyperparameters, windows: tuple[int, int], context: int,
                  use_cache: bool):
         self.model, self.context, self.use_cache = model, context, use_cache
-        self.windows = T.layer_windows(args, windows)
-        self.block = args.window_block
+        self.windows, self.block = windows, args.window_block
         self.tokens: list[int] = []
         self.caches = T.KVCache(model, context) if use_cache else None
 
@@ -59,15 +58,13 @@ class Generator:
         self.tokens += new_tokens
         if not self.use_cache:
             ids = torch.tensor(self.tokens, device=device)
-            hidden = self.model.hidden(ids, T.build_masks(ids, self.windows, False, self.block))
+            masks = T.build_masks(ids, self.model.plans, self.windows, self.block, use_flex=False)
+            hidden = self.model.hidden(ids, masks, self.windows)
         else:
-            # one document: the new positions see the cached ones within their window
-            docs = torch.zeros(len(self.tokens), dtype=torch.long, device=device)
-            by_window = {w: T.dense_attention_mask(docs, w, num_queries=len(new_tokens))
-                         for w in set(self.windows) if w is not None}
-            masks = [by_window.get(w) for w in self.windows]
-            hidden = self.model.hidden(torch.tensor(new_tokens, device=device), masks, self.caches)
-        return self.model.head.logits(hidden[:, -1:])[0, 0].float()
+            # the cached layers build their masks from the document ids of every position so far
+            masks = T.Masks({}, T.document_ids(torch.tensor(self.tokens, device=device)))
+            hidden = self.model.hidden(torch.tensor(new_tokens, device=device), masks, self.windows, self.caches)
+        return self.model.logits(hidden[:, -1:])[0, 0].float()
 
 
 def choose(logits: torch.Tensor, temperature: float, top_k: int, rng: torch.Generator) -> int:
@@ -128,15 +125,15 @@ def token_losses_fn(model: T.GPT, args: T.Hyperparameters, info: dict):
     as the model's positions allow (so a batch of any size fits). Each sequence starts its own document
     (a BOS in front), so attention and the smear gate keep them apart and each scores exactly as it
     would alone."""
-    windows = T.layer_windows(args, tuple(info["windows"]))
+    windows = tuple(info["windows"])
     device = model.embed.weight.device
 
     @torch.no_grad()
     def packed_losses(sequences):
         packed = torch.tensor([t for seq in sequences for t in [T.BOS_ID, *seq]] + [T.BOS_ID], device=device)
         inputs, targets = packed[:-1], packed[1:]
-        losses = model(inputs, targets, T.build_masks(inputs, windows, False, args.window_block),
-                       reduction="none", separate_documents=True).float().cpu()
+        masks = T.build_masks(inputs, model.plans, windows, args.window_block, use_flex=False)
+        losses = model(inputs, targets, masks, windows, reduction="none", separate_documents=True).float().cpu()
         out, start = [], 0
         for seq in sequences:  # drop the prediction of each sequence's first token from its BOS
             out.append(losses[start + 1:start + len(seq)])

@@ -517,9 +517,9 @@ def validate_layer_plan(args: Hyperparameters):
     if set(int_list(args, "no_attention_layers")) != {skip_to}:
         raise ConfigError(f"--no_attention_layers={args.no_attention_layers}: must be the skip target alone "
                           f"({skip_to}, --skip_layers): the skip takes the place of its attention")
-    if not 0 <= args.mudd_gate_layer <= skip_to:
-        raise ConfigError(f"--mudd_gate_layer={args.mudd_gate_layer}: must be in 0..{skip_to} (its gates include "
-                          f"the skip's)")
+    if not 1 <= args.mudd_gate_layer <= skip_to:
+        raise ConfigError(f"--mudd_gate_layer={args.mudd_gate_layer}: must be in 1..{skip_to} (the first gate "
+                          f"network serves the layers before it, the second the skip)")
     if not 0 <= args.shared_input_layer < n - 1:
         raise ConfigError(f"--shared_input_layer={args.shared_input_layer}: must be in 0..{n - 2}")
     plans = layer_plan(args)
@@ -531,7 +531,7 @@ def validate_layer_plan(args: Hyperparameters):
         if plan.paired and (plan.long_window or plan.xsa or plan.dc):
             raise ConfigError(f"{where} is paired (--paired_layers): paired layers have the short window and no "
                               f"XSA or DC")
-        if (plan.dc or plan.attn_gate) and plan.index < args.mudd_gate_layer and plan.dc:
+        if plan.dc and plan.index < args.mudd_gate_layer:
             raise ConfigError(f"{where}: DC layers must be at or after --mudd_gate_layer={args.mudd_gate_layer}")
     last = plans[-1]
     if not last.attention or last.paired or last.value_embed is None:
@@ -539,8 +539,8 @@ def validate_layer_plan(args: Hyperparameters):
                           f"embedding (--value_embed_layers)")
     if not plans[skip_from].attention and skip_from != 0:
         raise ConfigError(f"--skip_layers={args.skip_layers}: the source must be a layer with attention")
-    if args.dc_window > args.window_block * 2:
-        raise ConfigError(f"--dc_window={args.dc_window}: at most 2 * --window_block={2 * args.window_block}")
+    if args.dc_window > args.window_block:  # dc_correction's blocks see their own and the previous block's keys
+        raise ConfigError(f"--dc_window={args.dc_window}: at most --window_block={args.window_block}")
     if args.untie_stage > len(int_list(args, "stage_batch_tokens")):
         raise ConfigError(f"--untie_stage={args.untie_stage}: at most the number of stages")
 

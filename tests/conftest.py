@@ -115,14 +115,15 @@ def val_losses(log_text: str) -> dict[int, float]:
     return {int(m[1]): float(m[2]) for m in re.finditer(r"^step:(\d+)/\d+ val_loss:(\S+) ", log_text, re.M)}
 
 
-# The smoke model trained for 8 steps of 512 tokens, in 4 micro-batches of 128 so that world sizes 1, 2 and 4
-# all split them, validating every 4 steps on 4 sequences of 512 tokens. Small (its cost is mostly the
-# 50,304-way head, and each process's start-up), but it passes through every phase of the smoke schedule:
-# the three window sizes with YaRN between them, the extension, Adam every second step, momentum warmup, and
-# the longer final validation window. No untimed warmup: on CPU nothing compiles, and test_equivalence.py
-# shows that it changes nothing.
-SHORT = ["--num_iterations=8", "--val_loss_every=4", "--batch_tokens=512", "--micro_batch_tokens=128",
-         "--val_tokens=2048", "--val_seq_len=512", "--warmup_steps=0"]
+# The smoke model trained for 8 steps: three stages of 256, 512 and 768 tokens (2, 3 and 2 steps), each in 4
+# micro-batches so that world sizes 1, 2 and 4 all split them, and a 1-step extension; validating every 4 steps
+# on 4 sequences of 512 tokens. Small (its cost is mostly the 50,304-way head, and each process's start-up), but
+# it passes through every phase of the smoke schedule: the stages' batch sizes, sequence lengths, windows and
+# multi-token weights with YaRN between them, the untie step (5), the extension, Adam every second step,
+# momentum warmup, and the longer final validation window. No untimed warmup: on CPU nothing compiles, and
+# test_equivalence.py shows that it changes nothing.
+SHORT = ["--num_iterations=8", "--extension_steps=1", "--val_loss_every=4", "--stage_batch_tokens=256,512,768",
+         "--stage_max_seq_len=64,128,128", "--val_tokens=2048", "--val_seq_len=512", "--warmup_steps=0"]
 
 
 class ShortRun:
@@ -171,9 +172,9 @@ def random_model(seed=0):
     so that generation runs past every window."""
     import train_gpt as T
 
-    args = T.parse_args(["--preset=smoke", "--window_block=16", "--window_schedule=1,2", "--window_extension=3",
-                         "--window_final_val=4", "--micro_batch_tokens=256", "--batch_tokens=1024",
-                         "--train_max_seq_len=160"], False)
+    args = T.parse_args(["--preset=smoke", "--window_block=16", "--stage_windows=1:1,1:2,1:2", "--extension_windows=1:3",
+                         "--final_val_window=4", "--stage_batch_tokens=1024,1024,1024", "--stage_max_seq_len=160,160,160",
+                         "--dc_window=16"], False)
     torch.manual_seed(seed)
     model = T.GPT(args)
     with torch.no_grad():

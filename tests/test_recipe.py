@@ -1,4 +1,6 @@
-"""Record #44's schedules and data packing, checked against the record's values and definitions."""
+"""Record #85's recipe: the speedrun preset's values, the stage schedule (learning rate, momentum, windows,
+batch sizes, sequence lengths, multi-token weights, the untie step) against the record's numbers written out
+by hand, and the loader's BOS-aligned packing across stages and world sizes."""
 
 import numpy as np
 import pytest
@@ -7,51 +9,91 @@ import torch
 import train_gpt as T
 
 SPEEDRUN = T.parse_args(["--preset=speedrun"], True)
+SCHEDULE = T.Schedule(SPEEDRUN)
 
 
-# --- schedules: the record's values at the listed steps ---------------------------------------
+def test_speedrun_preset_holds_record_85s_values():
+    a = SPEEDRUN
+    assert (a.num_iterations, a.extension_steps, a.micro_batches) == (1290, 15, 8)
+    assert [(s.start, s.end) for s in SCHEDULE.stages] == [(0, 425), (425, 850), (850, 1275), (1275, 1290)]
+    assert [s.batch_tokens for s in SCHEDULE.stages] == [131_072, 262_144, 393_216, 393_216]
+    assert [s.max_seq_len for s in SCHEDULE.stages] == [896, 2048, 2048, 2048]
+    assert [s.windows for s in SCHEDULE.stages] == [(1, 3), (3, 7), (5, 11), (6, 13)]
+    assert SCHEDULE.final_val_windows == (6, 20) and a.window_block == 128
+    assert (a.val_tokens, a.val_seq_len, a.val_loss_every) == (10_485_760, 262_144, 250)
+    assert (a.adam_lr, a.adam_eps, a.adam_weight_decay, a.adam_every) == (0.008, 1e-10, 0.005, 2)
+    assert (a.muon_lr, a.muon_beta2, a.muon_weight_decay) == (0.023, 0.9, 1.2)
+    assert (a.muon_momentum_start, a.muon_momentum_end, a.muon_momentum_warmup, a.muon_momentum_cooldown) == (
+        0.85, 0.95, 300, 50)
+    assert (a.num_layers, a.model_dim, a.head_dim, a.vocab_size, a.bigram_vocab_size, a.bigram_sign_rows) == (
+        11, 768, 128, 50257, 377_280, 8192)
+    assert (a.logit_cap, a.logit_cap_shift, a.logit_cap_width, a.dc_window) == (23, 5, 7.5, 112)
+    # 425 * 131,072 + 425 * 262,144 + (425 + 15) * 393,216 training tokens
+    assert sum(SCHEDULE.stage(s).batch_tokens for s in range(a.num_iterations)) == 340_131_840
 
-@pytest.mark.parametrize("step,expected", [
-    (0, 1.0), (1102, 1.0),  # flat until half of the 2,205 scheduled steps
-    (1103, 0.9995918367346939),  # x = 1103/2205 >= 0.5: w = (1 - x) / 0.5, lr = w + (1 - w) * 0.1
-    (1654, 0.5497959183673469),
-    (2204, 0.10081632653061224),
-    (2205, 0.10018), (2244, 0.10018),  # the extension: x capped at 0.9999
+
+# The record's learning-rate multiplier: its stage's (1, 1.52, 1.73), then from step int(1275 * 0.4) = 510 a
+# linear move to 0.15 at step 1275; the extension stays at 0.15.
+@pytest.mark.parametrize("step, expected", [
+    (0, 1.0), (424, 1.0), (425, 1.52), (509, 1.52), (510, 1.52),
+    (511, 1.52 * (1 - 1 / 765) + 0.15 / 765),
+    (849, 1.52 * (1 - 339 / 765) + 0.15 * 339 / 765),
+    (850, 1.73 * (1 - 340 / 765) + 0.15 * 340 / 765),  # the stage's multiplier jumps inside the cooldown
+    (1274, 1.73 * (1 - 764 / 765) + 0.15 * 764 / 765),
+    (1275, 0.15), (1289, 0.15), (1290, 0.15),
 ])
 def test_lr_schedule(step, expected):
-    assert T.lr_multiplier(step, SPEEDRUN) == pytest.approx(expected, rel=1e-12)
+    assert SCHEDULE.lr(step) == pytest.approx(expected, rel=1e-12)
 
 
-@pytest.mark.parametrize("step,expected", [
-    (0, 0.85), (150, 0.90), (299, 0.95 - 0.1 / 300), (300, 0.95), (2195, 0.95),  # warmup over 300 steps
-    (2220, 0.90), (2244, 0.852),  # back down over the last 50 of 2,245
-])
+@pytest.mark.parametrize("step, expected", [(0, 0.85), (150, 0.9), (299, 0.85 + 0.1 * 299 / 300), (300, 0.95),
+                                            (1240, 0.95), (1241, 0.95 - 0.1 / 50), (1265, 0.9), (1289, 0.95 - 0.1 * 49 / 50)])
 def test_muon_momentum_schedule(step, expected):
     assert T.muon_momentum(step, SPEEDRUN) == pytest.approx(expected, rel=1e-12)
 
 
-@pytest.mark.parametrize("step,expected", [
-    (0, (1, 3)), (734, (1, 3)), (735, (3, 7)), (1469, (3, 7)), (1470, (5, 11)), (2204, (5, 11)),
-    (2205, (6, 13)), (2244, (6, 13)),
+# Multi-token weights move linearly over each stage: [1, .5, .25 -> 0], then [1, .5 -> 0], then [1].
+@pytest.mark.parametrize("step, expected", [
+    (0, (1.0, 0.5, 0.25)), (1, (1.0, 0.5, 0.25 * 424 / 425)), (424, (1.0, 0.5, 0.25 / 425)),
+    (425, (1.0, 0.5)), (637, (1.0, 0.5 * 213 / 425)), (849, (1.0, 0.5 / 425)),
+    (850, (1.0,)), (1289, (1.0,)), (1290, (1.0,)),
 ])
-def test_window_schedule(step, expected):
-    assert T.attention_windows(step, SPEEDRUN) == expected
+def test_multi_token_weights(step, expected):
+    assert SCHEDULE.mtp_weights(step) == pytest.approx(expected, rel=1e-12)
 
 
-def test_final_validation_windows_and_window_sizes_in_tokens():
-    assert T.attention_windows(2245, SPEEDRUN, final_validation=True) == (6, 20)
-    windows = T.layer_windows(SPEEDRUN, (6, 20))
-    assert windows[4] == windows[11] == 20 * 128 and windows[1] == 6 * 128 and windows[0] is windows[7] is None
-    # every window size the run uses, and nothing else
-    used = {T.attention_windows(s, SPEEDRUN) for s in range(SPEEDRUN.num_iterations)}
-    assert used == {(1, 3), (3, 7), (5, 11), (6, 13)}
+@pytest.mark.parametrize("step, windows, batch, length", [
+    (0, (1, 3), 131_072, 896), (424, (1, 3), 131_072, 896), (425, (3, 7), 262_144, 2048),
+    (849, (3, 7), 262_144, 2048), (850, (5, 11), 393_216, 2048), (1274, (5, 11), 393_216, 2048),
+    (1275, (6, 13), 393_216, 2048), (1289, (6, 13), 393_216, 2048)])
+def test_stage_boundaries(step, windows, batch, length):
+    stage = SCHEDULE.stage(step)
+    assert (stage.windows, stage.batch_tokens, stage.max_seq_len) == (windows, batch, length)
+    assert SCHEDULE.micro_tokens(step) == batch // 8
 
 
-def test_adam_steps_every_second_step():
-    assert [T.adam_steps_at(s, SPEEDRUN) for s in range(6)] == [False, True, False, True, False, True]
+def test_untie_adam_and_validation_steps():
+    assert SCHEDULE.untie_step == 851  # the record's split step: 850 | 1, an odd step, so that Adam steps
+    assert [s for s in range(6) if T.adam_steps_at(s, SPEEDRUN)] == [1, 3, 5]
+    assert [s for s in range(1291) if T.is_validation_step(s, SPEEDRUN)] == [0, 250, 500, 750, 1000, 1250, 1290]
+    assert SCHEDULE.windows(1290, final_validation=True) == (6, 20)
+    assert T.Schedule(T.parse_args(["--preset=speedrun", "--untie_stage=3"], True)).untie_step is None
 
 
-# --- data packing -----------------------------------------------------------------------------
+def test_yarn_follows_the_window_changes_and_stays_for_the_final_validation():
+    rotary = T.Rotary(128, 16, 128, SCHEDULE.windows(0)[1])
+    base = rotary.angular_freq.clone()
+    scale = 0.1
+    for step in range(1291):
+        rotary.set_window(SCHEDULE.windows(step)[1])
+    for old, new in ((3, 7), (7, 11), (11, 13)):
+        turns = 128 * old * base / (2 * np.pi)
+        keep = ((turns - 1) / 31).clamp(0, 1)
+        base = base * (old / new + keep * (1 - old / new))
+        scale *= 0.2 * np.log(new / old) + 1
+    torch.testing.assert_close(rotary.angular_freq, base, rtol=1e-6, atol=0)
+    assert rotary.window == 13 and rotary.scale == pytest.approx(scale, rel=1e-12)
+
 
 def corpus(doc_lengths, seed=0) -> np.ndarray:
     rng = np.random.default_rng(seed)
@@ -64,22 +106,23 @@ def test_every_training_sequence_starts_with_bos_and_none_is_longer_than_the_cap
     lengths = rng.integers(1, 5000, 400)  # many longer than 2,048, some of one token
     lengths[:3] = [1, 7000, 1]
     tokens = corpus(lengths)
-    pieces = T.DocumentPieces(tokens, max_len=2048)
-    step, first = pieces.take_step(0, num_micro=4, micro_tokens=8192)
+    pieces = T.DocumentPieces(tokens)
+    first, taken = 0, 0
     doc_starts = np.flatnonzero(tokens == T.BOS_ID)
-    taken = 0
-    for chunk in step:
-        assert len(chunk) == 8193 and chunk[0] == T.BOS_ID
-        bos = np.flatnonzero(chunk == T.BOS_ID)
-        sequences = np.diff(np.append(bos, len(chunk)))
-        assert sequences.max() <= 2048
-        # each piece is the first tokens of the next document, in order
-        for start, n in zip(bos, sequences):
-            doc = doc_starts[taken]
-            assert np.array_equal(chunk[start:start + n], tokens[doc:doc + n])
-            assert n == min(2048, lengths[taken]) or start + n == len(chunk)  # only the last piece is cut short
-            taken += 1
-    assert first == taken  # the next step starts at the next document: a cut document's rest is skipped
+    for cap, micro in ((896, 4096), (2048, 8192)):  # two stages, one after the other, as the loader walks them
+        step, first = pieces.take_step(first, num_micro=4, micro_tokens=micro, max_len=cap)
+        for chunk in step:
+            assert len(chunk) == micro + 1 and chunk[0] == T.BOS_ID
+            bos = np.flatnonzero(chunk == T.BOS_ID)
+            sequences = np.diff(np.append(bos, len(chunk)))
+            assert sequences.max() <= cap
+            # each piece is the first tokens of the next document, in order
+            for start, n in zip(bos, sequences):
+                doc = doc_starts[taken]
+                assert np.array_equal(chunk[start:start + n], tokens[doc:doc + n])
+                assert n == min(cap, lengths[taken]) or start + n == len(chunk)  # only the last piece is cut short
+                taken += 1
+        assert first == taken  # the next step starts at the next document: a cut document's rest is skipped
 
 
 def write_shard(path, tokens):
@@ -91,26 +134,30 @@ def write_shard(path, tokens):
 
 
 def loader_args(tmp_path, **overrides):
-    # repeat_data: these tiny shards supply fewer steps than the smoke preset's 30, which is refused otherwise
-    values = dict(train_files=f"{tmp_path}/t_train_*.bin", batch_tokens=2048, micro_batch_tokens=256,
-                  train_max_seq_len=300, repeat_data="true")
+    # repeat_data: these tiny shards supply fewer steps than the smoke preset's 30, which is refused otherwise.
+    # Three stages of 2 steps (micro-batches of 128, 192, 256 tokens), then the extension.
+    values = dict(train_files=f"{tmp_path}/t_train_*.bin", stage_batch_tokens="1024,1536,2048", micro_batches=8,
+                  stage_max_seq_len="100,300,300", num_iterations=8, extension_steps=2, repeat_data="true",
+                  window_block=64, dc_window=56)
     values.update(overrides)
     return T.parse_args(["--preset=smoke", *(f"--{k}={v}" for k, v in values.items())], False)
 
 
 def test_world_sizes_see_the_same_micro_batches_and_steps_never_straddle_shards(tmp_path):
     rng = np.random.default_rng(2)
-    write_shard(tmp_path / "t_train_000001.bin", corpus(rng.integers(1, 900, 30), seed=3))
-    write_shard(tmp_path / "t_train_000002.bin", corpus(rng.integers(1, 900, 40), seed=4))
+    write_shard(tmp_path / "t_train_000001.bin", corpus(rng.integers(1, 400, 60), seed=3))
+    write_shard(tmp_path / "t_train_000002.bin", corpus(rng.integers(1, 400, 80), seed=4))
     args = loader_args(tmp_path)
+    schedule = T.Schedule(args)
 
-    def steps(world_size, count=5):
+    def steps(world_size, count=8):
         loaders = [T.TrainLoader(args, T.DistEnv(r, r, world_size, torch.device("cpu"))) for r in range(world_size)]
         out = []
-        for _ in range(count):
-            per_rank = [loader.next_batch() for loader in loaders]
+        for step in range(count):
+            per_rank = [loader.next_batch(step) for loader in loaders]
             # rank r holds micro-batches r, r + world_size, ...
             micro = [per_rank[m % world_size][m // world_size] for m in range(8)]
+            assert all(len(x) == schedule.micro_tokens(step) for x, _ in micro)
             out.append([torch.cat([x, y[-1:]]) for x, y in micro])
         return out, loaders[0]
 
@@ -118,13 +165,30 @@ def test_world_sizes_see_the_same_micro_batches_and_steps_never_straddle_shards(
     for world_size in (2, 4, 8):
         other, _ = steps(world_size)
         assert all(torch.equal(a, b) for sa, sb in zip(reference, other) for a, b in zip(sa, sb)), world_size
-    # shard 1 (about 13k tokens) holds 5 steps of 8 x 257 tokens at most: the loader moved on to shard 2,
-    # and started that step at shard 2's first document
-    assert loader.file_index == 1
+    # each step's documents are cut at its stage's length
+    for step, micro_batches in enumerate(reference):
+        cap = schedule.stage(step).max_seq_len
+        for chunk in micro_batches:
+            bos = torch.nonzero(chunk == T.BOS_ID).flatten().tolist() + [len(chunk)]
+            assert max(b - a for a, b in zip(bos, bos[1:])) <= cap
+    # shard 1 could not fill all the steps: a later step starts at shard 2's first document
     shard2 = T.read_shard(tmp_path / "t_train_000002.bin")
-    step_in_shard2 = next(i for i, s in enumerate(reference) if torch.equal(s[0][:50], torch.from_numpy(
-        shard2[:50].astype(np.int64))))
-    assert step_in_shard2 > 0
+    starts = [i for i, s in enumerate(reference) if torch.equal(s[0][:20], torch.from_numpy(shard2[:20].astype(np.int64)))]
+    assert starts and starts[0] > 0
+
+
+def test_the_supply_count_follows_the_stages(tmp_path):
+    rng = np.random.default_rng(7)
+    write_shard(tmp_path / "t_train_000001.bin", corpus(rng.integers(1, 400, 150), seed=8))
+    args = loader_args(tmp_path, num_iterations=30)  # more steps than the shard supplies: all of them are counted
+    loader = T.TrainLoader(args, T.DistEnv(0, 0, 1, torch.device("cpu")))
+    delivered, step = 0, 0
+    while True:
+        loader.next_batch(step)
+        if loader.started_over:
+            break
+        delivered, step = delivered + 1, step + 1
+    assert delivered == loader.scans[0].steps and 2 < delivered < 30  # steps of more than one stage
 
 
 def test_train_loader_resumes_where_it_stopped(tmp_path):
@@ -133,12 +197,13 @@ def test_train_loader_resumes_where_it_stopped(tmp_path):
     args = loader_args(tmp_path)
     env = T.DistEnv(0, 0, 1, torch.device("cpu"))
     loader = T.TrainLoader(args, env)
-    loader.next_batch()
+    loader.next_batch(0)
+    loader.next_batch(1)
     state = loader.state_dict()
-    expected = loader.next_batch()
+    expected = loader.next_batch(2)  # the first step of the second stage
     resumed = T.TrainLoader(args, env)
     resumed.load_state_dict(state)
-    assert all(torch.equal(a[0], b[0]) for a, b in zip(resumed.next_batch(), expected))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(resumed.next_batch(2), expected))
 
 
 def test_a_shard_too_small_for_one_step_is_a_clear_error(tmp_path):
@@ -149,23 +214,12 @@ def test_a_shard_too_small_for_one_step_is_a_clear_error(tmp_path):
 
 def test_synthetic_batches_are_packed_like_real_ones():
     args = T.parse_args(["--preset=smoke", "--synthetic=true"], False)
-    batch = T.SyntheticLoader(args, T.DistEnv(0, 0, 1, torch.device("cpu"))).next_batch()
-    assert len(batch) == args.batch_tokens // args.micro_batch_tokens
-    for inputs, targets in batch:
-        assert inputs[0] == T.BOS_ID and len(inputs) == args.micro_batch_tokens
-        bos = torch.nonzero(inputs == T.BOS_ID).flatten().tolist() + [len(inputs)]
-        assert max(b - a for a, b in zip(bos, bos[1:])) <= args.train_max_seq_len
-
-
-def test_speedrun_preset_holds_record_44s_values():
-    a = SPEEDRUN
-    assert (a.batch_tokens, a.micro_batch_tokens, a.train_max_seq_len) == (262_144, 32_768, 2048)
-    assert (a.val_tokens, a.val_seq_len) == (10_485_760, 262_144)
-    assert (a.num_iterations, a.extension_steps, a.cooldown_frac, a.final_lr_frac) == (2245, 40, 0.5, 0.1)
-    assert (a.embed_lr, a.scalar_lr, a.head_lr) == (0.008 * 75, 0.008 * 5, 0.008)
-    assert (a.adam_beta1, a.adam_beta2, a.adam_eps, a.adam_every) == (0.65, 0.95, 1e-8, 2)
-    assert (a.muon_lr, a.muon_beta2, a.muon_weight_decay) == (0.03, 0.95, 1.2)
-    assert (a.muon_momentum_start, a.muon_momentum_end, a.muon_momentum_warmup, a.muon_momentum_cooldown) == (
-        0.85, 0.95, 300, 50)
-    assert (a.window_block, a.window_schedule, a.window_extension, a.window_final_val) == (128, "3,7,11", 13, 20)
-    assert (a.logit_cap, a.logit_cap_width, T.ATTN_SCALE, T.SKIP_GATE_INIT, T.BACKOUT_INIT) == (30, 7.5, 0.1, -1.5, 0.5)
+    schedule = T.Schedule(args)
+    loader = T.SyntheticLoader(args, T.DistEnv(0, 0, 1, torch.device("cpu")))
+    for step in (0, 20):
+        batch = loader.next_batch(step)
+        assert len(batch) == args.micro_batches
+        for inputs, targets in batch:
+            assert inputs[0] == T.BOS_ID and len(inputs) == schedule.micro_tokens(step)
+            bos = torch.nonzero(inputs == T.BOS_ID).flatten().tolist() + [len(inputs)]
+            assert max(b - a for a, b in zip(bos, bos[1:])) <= schedule.stage(step).max_seq_len
