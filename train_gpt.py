@@ -558,7 +558,8 @@ def check_world_size(args: Hyperparameters, world_size: int) -> int:
     """Micro-batches per rank per step; the global batch never changes with the world size."""
     if args.micro_batches % world_size:
         raise ConfigError(f"world size {world_size} cannot split the batch: a step is --micro_batches="
-                          f"{args.micro_batches} micro-batches, not a multiple of {world_size}")
+                          f"{args.micro_batches} micro-batches, not a multiple of {world_size} (a larger --micro_batches "
+                          f"makes more, each smaller)")
     if (args.val_tokens // args.val_seq_len) % world_size:
         raise ConfigError(f"world size {world_size} cannot split validation: --val_tokens={args.val_tokens} is "
                           f"{args.val_tokens // args.val_seq_len} sequences of --val_seq_len={args.val_seq_len}")
@@ -853,6 +854,7 @@ class Masks:
     by_kind: dict
     docs: Tensor
     fresh: Tensor | None = None  # (T,) booleans: positions that start a sequence of their own (separate_documents)
+    positions: Tensor | None = None  # (T,) each token's rotary position, counted from its own sequence's start
 
     def get(self, window: int, paired: bool):
         return self.by_kind[(window, paired)]
@@ -962,17 +964,19 @@ class CausalSelfAttention(nn.Module):
         q, k, v = F.linear(x, lambdas[0] * w_qkv.type_as(x)).view(B, T, 3 * H, D).chunk(3, dim=-2)
         q, k = norm(q), norm(k)  # QK-norm bounds the logits
         start = cache.length // (2 if plan.paired else 1) if cache is not None else 0
+        # rotary positions: the packed sequence's (the record's), or each document's own (separate_documents)
+        rows = torch.arange(start, start + T, device=x.device) if masks.positions is None else masks.positions
         if plan.paired:
             # each head pair's 2D dims turn at positions 2t (first head) and 2t+1 (second head)
-            cos = rotary.cos[2 * start:2 * (start + T)].view(T, 1, 2 * D)
-            sin = rotary.sin[2 * start:2 * (start + T)].view(T, 1, 2 * D)
+            rows2 = (2 * rows[:, None] + torch.arange(2, device=x.device)).flatten()
+            cos, sin = rotary.cos[rows2].view(T, 1, 2 * D), rotary.sin[rows2].view(T, 1, 2 * D)
             q = apply_rotary(q.reshape(B, T, H // 2, 2 * D), cos, sin)
             k = apply_rotary(k.reshape(B, T, H // 2, 2 * D), cos, sin)
             q, k, v = paired_view(q.view(B, T, H, D)), paired_view(k.view(B, T, H, D)), paired_view(v)
             if aux_v is not None:
                 v = v + aux_v.view_as(v)
         else:
-            cos, sin = rotary.cos[start:start + T, None], rotary.sin[start:start + T, None]
+            cos, sin = rotary.cos[rows, None], rotary.sin[rows, None]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             if plan.long_window:
                 k = self.key_offset(k, masks, cache)
@@ -1096,8 +1100,9 @@ class MLP(nn.Module):
         scale and the division are in fc's dtype (bf16 on GPUs), as the record's."""
         if self.precision == "fp8":
             scale = self.fc.abs().amax().clamp(min=1e-12) / FP8_E4M3_MAX
-            self.fc_scale.copy_(scale.float())
-            self.fc_f8.copy_((self.fc / scale).to(torch.float8_e4m3fn))
+            # assigned, not copied into: a module-wide cast such as .bfloat16() must not change their dtypes
+            self.fc_scale = scale.float()
+            self.fc_f8 = (self.fc / scale).to(torch.float8_e4m3fn)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.precision == "fp8" and self.training:
@@ -1330,7 +1335,7 @@ class GPT(nn.Module):
         starts = input_ids == BOS_ID if separate_documents else None
         position = positions_in_sequence(T, input_ids.device, starts, offset=start)
         if separate_documents:
-            masks = Masks(masks.by_kind, masks.docs, position == 0)
+            masks = Masks(masks.by_kind, masks.docs, position == 0, position)
         last_id = caches.last_id if caches is not None and start else None
         previous = torch.cat([input_ids[:1] if last_id is None else last_id, input_ids[:-1]])
         has_previous = position > 0

@@ -1,12 +1,15 @@
-"""Model pieces against their definitions: attention masks and the two attention paths, causality and
-document isolation, record #44's layer layout, rotary with YaRN, gates, backout, the logit cap, the
-FP8 head, parameter dtypes, config parsing."""
+"""Model pieces against independently written definitions (record #85's semantics): attention masks and
+the two attention paths, one attention layer of each kind (plain, long window with the key offset, XSA,
+gates, DC; paired heads) against a per-head reference, the bigram hash, the DC correction, the stream and
+MUDD mixing, the multi-token loss and its gradient, the FP8 MLP and head, rotary, causality and document
+isolation, the layer plan, initial values, parameter dtypes, config parsing."""
 
 import math
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.testing import assert_close
 
 import train_gpt as T
@@ -51,8 +54,9 @@ def test_flex_and_sdpa_paths_give_equal_outputs(length, bos, window):
     docs = T.document_ids(tokens_with_documents(length, bos))
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 2, length, 32, generator=g) for _ in range(3))
-    dense = T.attention(q, k, v, T.dense_attention_mask(docs, window))
-    flex = T.attention(q, k, v, T.flex_block_mask(docs, window, 128))
+    one = torch.ones(())
+    dense = T.attention(q, k, v, T.dense_attention_mask(docs, window), one)
+    flex = T.attention(q, k, v, T.flex_block_mask(docs, window, 128), one)
     assert_close(flex, dense, rtol=1e-5, atol=1e-5)
     # the dense path itself, against attention written out
     scores = (q @ k.mT).masked_fill(~T.dense_attention_mask(docs, window), float("-inf"))
@@ -82,21 +86,359 @@ def small_args(**overrides):
     return T.parse_args(["--preset=smoke", *(f"--{k}={v}" for k, v in overrides.items())], False)
 
 
-def randomized_model(args, seed=0):
+def randomized_model(args, seed=0, scale=0.2):
     torch.manual_seed(seed)
     model = T.GPT(args)
-    with torch.no_grad():  # zero-initialised projections would hide any leak: give every weight a value
+    with torch.no_grad():  # zero-initialised parts would hide any leak: give every weight a value
         for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.2)
+            p.copy_(torch.randn_like(p) * scale)
     return model.eval()
 
 
-def per_token_losses(model, args, tokens, windows=None, use_flex=False):
+def per_token_losses(model, args, tokens, windows=(1, 2), use_flex=False, separate_documents=False):
     inputs, targets = tokens[:-1], tokens[1:]
-    layer_windows = T.layer_windows(args, windows or T.attention_windows(0, args))
+    masks = T.build_masks(inputs, model.plans, windows, args.window_block, use_flex)
     with torch.no_grad():
-        return model(inputs, targets, T.build_masks(inputs, layer_windows, use_flex, args.window_block),
-                     reduction="none")
+        return model(inputs, targets, masks, windows, reduction="none", separate_documents=separate_documents)
+
+
+# --- independent definitions, written from the record's code, not from ours -----------------------
+
+def int32(v: int) -> int:
+    v &= 0xFFFFFFFF
+    return v - 2 ** 32 if v >= 2 ** 31 else v
+
+
+def reference_bigram_hash(ids: list[int], buckets: int) -> list[int]:
+    """The record's get_bigram_hash in Python ints: out[0] = mod is written before out[:-1] is read, so
+    position 1 pairs with mod; products wrap around in int32; % is Python's (non-negative)."""
+    mod = buckets - 1
+    out = [mod]
+    for t in range(1, len(ids)):
+        previous = mod if t == 1 else ids[t - 1]
+        out.append((int32(36313 * ids[t]) ^ int32(27191 * previous)) % mod)
+    return out
+
+
+def rope(x, positions, freq):
+    """Turns adjacent pairs (x0, x1) of x (..., D) by angle position * freq[pair], with the record's bf16
+    cos and sin tables."""
+    theta = positions[:, None].double() * freq.double()[None, 0::2]
+    cos, sin = theta.float().cos().bfloat16().float(), theta.float().sin().bfloat16().float()
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.stack([x0 * cos + x1 * sin, x1 * cos - x0 * sin], dim=-1).flatten(-2)
+
+
+def reference_attention_layer(layer, plan, x, lambdas, aux_v, docs, freq, scale, window, dc_window,
+                              xsa=None, gate=None, dc=None):
+    """One attention layer of the record, head by head: QKV from the lambda-scaled weights, QK-norm,
+    rotary; a paired layer puts head h of token t at position 2t + h // (H/2) in slot h % (H/2), rotated
+    at 2t + h % 2 (the record's views), and attends over those positions with the window and doubled
+    documents; a long-window layer shifts the stationary half of each key to the next token; then DC,
+    XSA, the gate and the output projection."""
+    T_, dim = x.shape
+    H, D = layer.num_heads, layer.head_dim
+    w = torch.cat([layer.qk.flatten(0, 1), layer.vo[0]])
+    q, k, v = (lambdas[0] * (x @ w.T)).view(T_, 3, H, D).unbind(1)
+    q, k = (F.rms_norm(t, (D,), eps=2 ** -7) for t in (q, k))
+    t_idx = torch.arange(T_)
+    if aux_v is not None:
+        v = v + aux_v.view(T_, H, D)
+    out = torch.zeros(T_, H, D)
+    if plan.paired:
+        for h in range(H):
+            q[:, h] = rope(q[:, h:h + 1], 2 * t_idx + h % 2, freq)[:, 0]
+            k[:, h] = rope(k[:, h:h + 1], 2 * t_idx + h % 2, freq)[:, 0]
+        pos = 2 * t_idx[:, None] + torch.arange(H)[None, :] // (H // 2)  # (T, H)
+        for h in range(H):
+            mates = [g for g in range(H) if g % (H // 2) == h % (H // 2)]
+            keys = torch.cat([k[:, g] for g in mates]), torch.cat([v[:, g] for g in mates])
+            key_pos = torch.cat([pos[:, g] for g in mates])
+            key_doc = torch.cat([docs for _ in mates])
+            d = pos[:, h][:, None] - key_pos[None, :]
+            visible = (d >= 0) & (d <= window) & (docs[:, None] == key_doc[None, :])
+            scores = (scale * q[:, h] @ keys[0].T).masked_fill(~visible, float("-inf"))
+            out[:, h] = scores.softmax(-1) @ keys[1]
+    else:
+        q, k = rope(q, t_idx, freq), rope(k, t_idx, freq)
+        if plan.long_window:
+            k = torch.cat([k[:, :, :D // 2], torch.cat([k[:1, :, D // 2:], k[:-1, :, D // 2:]])], dim=-1)
+        d = t_idx[:, None] - t_idx[None, :]
+        visible = (d >= 0) & (d <= window) & (docs[:, None] == docs[None, :])
+        probs = []
+        for h in range(H):
+            scores = (scale * q[:, h] @ k[:, h].T).masked_fill(~visible, float("-inf"))
+            out[:, h] = scores.softmax(-1) @ v[:, h]
+            probs.append(scores.masked_fill(d >= dc_window, float("-inf")).softmax(-1))
+        if dc is not None:
+            w1 = F.rms_norm(dc[0], (H,), eps=1e-6)
+            mixed = sum(w1[:, h:h + 1] * probs[h] for h in range(H))
+            for h in range(H):
+                out[:, h] = out[:, h] + dc[1][:, h:h + 1] * (mixed @ v[:, h])
+        if xsa is not None:
+            direction = F.normalize(v, dim=-1, eps=1e-4)
+            out = out - torch.tanh(xsa)[:, :, None] * (out * direction).sum(-1, keepdim=True) * direction
+    if gate is not None:
+        out = out * gate[:, :, None]
+    return lambdas[1] * (out.reshape(T_, dim) @ layer.vo[1].T)
+
+
+def layer_inputs(args, plan, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    model = randomized_model(args, seed)
+    layer = model.blocks[plan.index].attn
+    T_, H, dim = 192, model.num_heads, args.model_dim
+    tokens = tokens_with_documents(T_, [0, 50, 51, 130], seed)
+    x = T.norm(torch.randn(1, T_, dim, generator=g))
+    lambdas = torch.tensor([0.7, 1.3])
+    aux_v = torch.randn(1, T_, dim, generator=g) * 0.5
+    per_head = lambda: torch.randn(1, T_, H, generator=g)
+    return model, layer, tokens, x, lambdas, aux_v, per_head
+
+
+@pytest.mark.parametrize("layer_index", [0, 1, 2, 5])  # paired; long+xsa+gate; xsa; long+gate+DC (smoke plan)
+def test_each_kind_of_attention_layer_matches_the_records_definition(layer_index):
+    args = small_args()
+    plan = T.layer_plan(args)[layer_index]
+    model, layer, tokens, x, lambdas, aux_v, per_head = layer_inputs(args, plan)
+    model.rotary.set_window(4)  # YaRN once: frequencies and scale off their initial values
+    windows = (2, 4)
+    masks = T.build_masks(tokens, model.plans, windows, args.window_block, use_flex=False)
+    xsa = per_head() if plan.xsa else None
+    gate = per_head() if plan.attn_gate else None
+    dc = (per_head(), per_head()) if plan.dc else None
+    with torch.no_grad():
+        ours = layer(x, lambdas, aux_v, masks, model.rotary, windows, xsa, gate, dc)[0]
+        window = args.window_block * windows[1 if plan.long_window else 0]
+        ref = reference_attention_layer(layer, plan, x[0], lambdas, aux_v[0], T.document_ids(tokens),
+                                        model.rotary.angular_freq, model.rotary.scale, window, args.dc_window,
+                                        None if xsa is None else xsa[0], None if gate is None else gate[0],
+                                        None if dc is None else (dc[0][0], dc[1][0]))
+    assert_close(ours, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_the_smoke_plan_has_every_kind_of_layer():
+    plans = T.layer_plan(small_args())
+    assert plans[0].paired and plans[1].long_window and plans[1].xsa and plans[1].attn_gate
+    assert plans[5].dc and plans[5].long_window and plans[5].attn_gate and plans[5].mudd
+    assert plans[3].skip_target and not plans[3].attention
+
+
+def test_bigram_hash_follows_the_records_int32_arithmetic():
+    rng = np.random.default_rng(0)
+    ids = [int(v) for v in rng.integers(0, 50304, 300)] + [50303, 50255, 0, 1]
+    for buckets in (377_280, 20_000):
+        t = torch.tensor(ids)
+        ours = T.bigram_hash(t, torch.cat([t[:1], t[:-1]]), torch.arange(len(ids)), buckets)
+        assert ours.tolist() == reference_bigram_hash(ids, buckets)
+    # the wrap-around is real: position 1's product with the modulus overflows int32
+    assert 27191 * 377_279 > 2 ** 31
+
+
+def dense_dc(q, k, v, docs, w1, w2, scale, window):
+    T_, H, D = q.shape
+    w1 = F.rms_norm(w1, (H,), eps=1e-6)
+    out = torch.zeros_like(v)
+    for t in range(T_):
+        keys = [s for s in range(max(0, t - window + 1), t + 1) if docs[s] == docs[t]]
+        mixed = torch.zeros(len(keys))
+        for h in range(H):
+            mixed += w1[t, h] * torch.softmax(torch.stack([scale * q[t, h] @ k[s, h] for s in keys]), 0)
+        for h in range(H):
+            out[t, h] = w2[t, h] * sum(m * v[s, h] for m, s in zip(mixed, keys))
+    return out
+
+
+def test_dc_correction_matches_its_definition_query_by_query():
+    g = torch.Generator().manual_seed(3)
+    T_, H, D, block, window = 96, 4, 8, 32, 20
+    q, k, v = (torch.randn(1, T_, H, D, generator=g) for _ in range(3))
+    w1, w2 = (torch.randn(1, T_, H, generator=g) for _ in range(2))
+    docs = T.document_ids(tokens_with_documents(T_, [0, 31, 32, 70]))
+    scale = torch.tensor(0.3)
+    ours = T.dc_correction(q, k, v, docs, F.rms_norm(w1, (H,), eps=1e-6), w2, scale, window, block)
+    assert_close(ours[0], dense_dc(q[0], k[0], v[0], docs, w1[0], w2[0], 0.3, window), rtol=1e-5, atol=1e-6)
+
+
+def reference_mtp_loss(u, targets, weights, cap=(23.0, 5.0, 7.5)):
+    A, shift, width = cap
+    z = A * torch.sigmoid((u + shift) / width)
+    lse = torch.logsumexp(z, -1)
+    total = 0
+    for k, w in enumerate(weights):
+        rows = torch.arange(len(targets) - k)
+        total = total + w * (lse[rows] - z[rows, targets[k:]]).sum()
+    return total
+
+
+@pytest.mark.parametrize("chunk", [5, 1000])
+def test_multi_token_loss_and_its_gradient_are_the_records(chunk):
+    g = torch.Generator().manual_seed(4)
+    T_, D, V = 23, 16, 40
+    x = torch.randn(T_, D, generator=g, requires_grad=True)
+    w = (torch.randn(D, V, generator=g) * 0.5).requires_grad_()
+    targets = torch.randint(0, V, (T_,), generator=g)
+    targets[5] = targets[6] = targets[7]  # repeated targets: one column gets several weights
+    weights = torch.tensor([1.0, 0.5, 0.2])
+    loss = T.SoftcappedMTPLoss.apply(x, w, targets, weights, 0.25, False, (23.0, 5.0, 7.5), chunk)
+    (loss * 3).backward()
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = reference_mtp_loss(xr @ wr, targets, weights.tolist())
+    assert_close(loss, 0.25 * ref)
+    # Rows whose every offset has a target: the gradient of the loss above. The last two rows (targets beyond
+    # the sequence for k = 1, 2): the record's kernel keeps all the weights (1.7) in the softmax term.
+    u = (xr @ wr).detach().requires_grad_()
+    reference_mtp_loss(u, targets, weights.tolist()).backward()
+    z_grad = u.grad.clone()
+    s = torch.sigmoid((u.detach() + 5) / 7.5)
+    p = torch.softmax(23 * s, -1)
+    for row, valid in ((T_ - 2, 0.5 + 1.0), (T_ - 1, 1.0)):
+        z_grad[row] += (1.7 - valid) * p[row] * 23 / 7.5 * s[row] * (1 - s[row])
+    assert_close(x.grad, 3 * 0.25 * z_grad @ wr.detach().T, rtol=1e-5, atol=1e-6)
+    assert_close(w.grad, 3 * 0.25 * xr.detach().T @ z_grad, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(z_grad, u.grad)  # the quirk changes the last rows
+
+
+def test_fp8_head_matches_its_quantised_definition():
+    g = torch.Generator().manual_seed(5)
+    T_, D, V = 32, 64, 128
+    x = T.norm(torch.randn(T_, D, generator=g))
+    w = torch.randn(D, V, generator=g) * 0.01
+    targets = torch.randint(0, V, (T_,), generator=g)
+    weights = torch.tensor([1.0, 0.5])
+    loss = T.SoftcappedMTPLoss.apply(x, w, targets, weights, 1.0, True, (23.0, 5.0, 7.5), 16)
+    x8 = (x / (100 / 448)).to(torch.float8_e4m3fn).float() * (100 / 448)
+    w8 = (w / (1.6 / 448)).to(torch.float8_e4m3fn).float() * (1.6 / 448)
+    u = (x8 @ w8).bfloat16().float()
+    s = torch.sigmoid((u + 5) / 7.5).bfloat16().float()  # the kernel keeps the squashed logits in bf16
+    z = 23 * s
+    lse = torch.logsumexp(z, -1)
+    ref = sum(wk * (lse[:T_ - k] - z[torch.arange(T_ - k), targets[k:]]).sum() for k, wk in enumerate([1.0, 0.5]))
+    assert_close(loss, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_fp8_mlp_matches_its_quantised_definition_and_backward_is_bf16():
+    g = torch.Generator().manual_seed(6)
+    mlp = T.MLP(64, 4, "fp8")
+    with torch.no_grad():
+        mlp.fc.copy_(torch.randn(256, 64, generator=g) * 0.05)
+        mlp.proj.copy_(torch.randn(256, 64, generator=g) * 0.05)
+    mlp.bfloat16()
+    mlp.refresh_fp8()
+    x = T.norm(torch.randn(48, 64, generator=g)).bfloat16().requires_grad_()
+    out = mlp.train()(x)
+    amax = x.detach().abs().max().float()
+    x8 = (x.detach().float() * (448 / amax)).to(torch.float8_e4m3fn).float() * (amax / 448)
+    w_scale = mlp.fc.abs().max() / 448  # the record divides in the weights' dtype (bf16), then quantises
+    w8 = (mlp.fc / w_scale).to(torch.float8_e4m3fn).float() * w_scale.float()
+    pre = (x8 @ w8.T).bfloat16()
+    assert_close(out.float(), (F.relu(pre).square() @ mlp.proj).float(), rtol=2 ** -7, atol=1e-4)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    grad_pre = 2 * F.relu(pre) * (grad @ mlp.proj.T)
+    assert_close(mlp.fc.grad.float(), (grad_pre.T @ x.detach()).float(), rtol=2 ** -6, atol=1e-3)
+    assert_close(x.grad.float(), (grad_pre @ mlp.fc).float(), rtol=2 ** -6, atol=1e-3)
+    assert mlp.fc.grad.dtype == torch.bfloat16
+
+
+class StubAttention(torch.nn.Module):
+    """Stands in for a layer's attention: returns a fixed tensor and records what it was given."""
+
+    def __init__(self, out):
+        super().__init__()
+        self.out, self.calls = out, []
+
+    def forward(self, x, lambdas, aux_v, *rest):
+        self.calls.append((x, aux_v, rest[3:6]))
+        return self.out
+
+
+class StubMLP(torch.nn.Module):
+    def __init__(self, out):
+        super().__init__()
+        self.out, self.calls = out, []
+
+    def forward(self, x):
+        self.calls.append(x)
+        return self.out
+
+
+def test_the_stream_skip_and_mudd_mixing_follow_the_record():
+    # Attention and MLP replaced by fixed outputs: what remains is the record's stream arithmetic, recomputed
+    # here from its definition, layer by layer.
+    args = small_args()
+    model = randomized_model(args, seed=1, scale=0.3)
+    g = torch.Generator().manual_seed(2)
+    T_, dim, H = 64, args.model_dim, model.num_heads
+    tokens = tokens_with_documents(T_, [0, 20])
+    outs = [(torch.randn(1, T_, dim, generator=g), torch.randn(1, T_, dim, generator=g)) for _ in model.plans]
+    for block, (a, m) in zip(model.blocks, outs):
+        if block.attn is not None:
+            block.attn = StubAttention(a)
+        block.mlp = StubMLP(m)
+    masks = T.build_masks(tokens, model.plans, (1, 2), args.window_block, use_flex=False)
+    with torch.no_grad():
+        ours = model.hidden(tokens, masks, (1, 2))
+
+        # embedding, smear (from position 1), norm; the bigram row times its sign
+        e = model.embed.weight[tokens]
+        lam, gw = model.scalars[-2], model.smear_gate.weight
+        smeared = torch.cat([e[:1], e[1:] + lam * torch.sigmoid(e[1:, :12] @ gw.T) * e[:-1]])
+        x0 = T.norm(smeared)
+        ids = tokens.tolist()
+        rows = torch.tensor(reference_bigram_hash(ids, args.bigram_vocab_size))
+        sign_rows = torch.tensor([0] + [(a ^ b) % args.bigram_sign_rows for a, b in zip(ids, ids[1:])])
+        bigram = model.bigram_embed.weight[rows] * model.bigram_signs[sign_rows]
+        layout = T.GateLayout.build(model.plans, H, args.mudd_gate_layer)
+
+        def gate_net(x, net):
+            width = layout.widths[net]
+            h = F.gelu(x @ model.mudd_gate_w1[net].T)
+            return (h @ model.mudd_gate_w2[net, :width].T + model.mudd_gate_b2[net, :width]) * model.mudd_gate_scale
+
+        def mudd(x, net, n):
+            h = F.gelu(x @ model.mudd_w1[net].T)
+            return ((h @ model.mudd_w2[net, :n].T + model.mudd_b2[net, :n]) * 0.1).unbind(-1)
+
+        gates = {name: gate_net(x0, 0)[:, where] for name, where in layout.slots[0].items()}
+        x = x0 + bigram * gates[("bigram", 0)]
+        saved = {0: x}
+        ve = model.value_embeds.view(-1, model.vocab, dim)[:, tokens]
+        resid, post = model.resid_lambdas.bfloat16().float(), model.post_lambdas.bfloat16().float()
+        for plan, (a, m) in zip(model.plans, outs):
+            i, a, m = plan.index, a[0], m[0]
+            if i == args.mudd_gate_layer:
+                gates.update({name: gate_net(x, 1)[:, where] for name, where in layout.slots[1].items()})
+            if plan.skip_target:
+                x = x + torch.sigmoid(model.scalars[-1]) * gates[("skip",)] * saved[1]
+            elif plan.mudd:
+                mu = mudd(x, 0, 14)
+                col = lambda j: mu[j][:, None]
+                stub = model.blocks[i].attn
+                v_expected = (col(0) * saved[0] + col(1) * saved[2] + col(2) * x).view(T_, H, -1)
+                ve_gate = torch.cat([col(6).expand(T_, H // 2), col(7).expand(T_, H // 2)], -1)[:, :, None]
+                aux_v = (ve_gate * ve[plan.value_embed].view(T_, H, -1) + v_expected).view(T_, dim)
+                assert_close(stub.calls[0][1][0], aux_v)
+                assert_close(stub.calls[0][0][0], T.norm(saved[2]))  # the shared input: layer 2's output
+                last = x
+                x = (1 + col(5)) * x + col(3) * saved[0] + col(4) * saved[2]
+                x = col(8) * x + col(9) * a + saved[0] * col(10) + bigram * col(11)
+            else:
+                stub = model.blocks[i].attn
+                assert_close(stub.calls[0][0][0], T.norm(saved[2] if i > 2 else x))
+                x = resid[i, 0] * x + post[i, 0] * a + x0 * gates[("x0", i)]
+                if i:
+                    x = x + bigram * gates[("bigram", i)]
+            x = (col(12) * x + col(13) * m) if plan.mudd else resid[i, 1] * x + post[i, 1] * m
+            if i in (1, 2):  # the skip source and the shared input layer
+                saved[i] = x
+        mu = [c[:, None] for c in mudd(x, 1, 5)]
+        x = x + mu[0] * saved[0] + mu[1] * saved[2] + mu[2] * last + mu[3] * ve[0] + mu[4] * saved[1]
+    assert_close(ours[0], T.norm(x), rtol=1e-5, atol=1e-5)
+    # each gated layer received its gates from the right slots
+    assert_close(model.blocks[1].attn.calls[0][2][0][0], gates[("xsa", 1)])
+    assert_close(model.blocks[5].attn.calls[0][2][2][1][0], gates[("dc_w2", 5)])
 
 
 def test_no_position_sees_the_future():
@@ -112,177 +454,118 @@ def test_no_position_sees_the_future():
     assert not torch.equal(after[199:], base[199:])
 
 
-def test_no_position_sees_another_document_except_through_the_smear():
+def test_packed_documents_score_as_if_alone_when_kept_separate():
+    # Like the record, training lets the smear, the bigram hash and the key offset read across a BOS; with
+    # separate_documents (sample.py's HellaSwag packing) each document scores exactly as it would alone.
     args = small_args()
     model = randomized_model(args)
-    tokens = tokens_with_documents(513, [0, 150])
-    base = per_token_losses(model, args, tokens)
-    changed = tokens.clone()
-    changed[20:140] = (changed[20:140] + 7) % T.BOS_ID  # rewrite most of the first document, not its end
-    after = per_token_losses(model, args, changed)
-    # From the second document's BOS (input 150) on, attention sees only that document. The smear
-    # gate mixes each token's embedding with its predecessor's (as in record #44, also across a
-    # document boundary), so the BOS at 150 reads token 149, which did not change.
-    assert torch.equal(after[150:], base[150:])
-    assert not torch.equal(after[:149], base[:149])
+    tokens = tokens_with_documents(385, [0, 150, 300])
+    packed = per_token_losses(model, args, tokens, separate_documents=True)
+    for start, end in ((0, 150), (150, 300), (300, 384)):
+        alone = per_token_losses(model, args, tokens[start:end + 1])
+        assert_close(packed[start:end], alone, rtol=1e-5, atol=1e-5)
+    leaky = per_token_losses(model, args, tokens)
+    assert not torch.allclose(leaky[150:300], packed[150:300])
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_model_forward_is_the_same_with_flex_and_sdpa():
     args = small_args()
-    model = randomized_model(args)
+    model = randomized_model(args, scale=0.1)
     tokens = tokens_with_documents(1025, [0, 64, 65, 500, 1000])
-    windows = T.attention_windows(args.num_iterations, args, final_validation=True)
+    windows = T.Schedule(args).windows(args.num_iterations, final_validation=True)
     sdpa = per_token_losses(model, args, tokens, windows, use_flex=False)
     flex = per_token_losses(model, args, tokens, windows, use_flex=True)
-    assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
+    assert_close(flex, sdpa, rtol=1e-4, atol=1e-4)
 
 
-def test_speedrun_layer_layout_is_record_44s():
+def test_speedrun_layer_plan_is_record_85s():
+    plans = T.layer_plan(T.parse_args(["--preset=speedrun"], True))
+    roles = {
+        "attention": [i for i in range(11) if i != 6], "paired": [0, 2, 5, 9], "long_window": [3, 10],
+        "xsa": [1, 3, 4, 7], "attn_gate": [3, 10], "dc": [10], "shared_input": [8, 9, 10], "skip_target": [6],
+        "mudd": [10],
+    }
+    for role, layers in roles.items():
+        assert [p.index for p in plans if getattr(p, role)] == layers, role
+    assert [p.value_embed for p in plans] == [None, 0, 1, None, None, None, None, None, 2, 3, 4]
+    assert [p.ve_gate for p in plans] == [None, 0, 1, None, None, None, None, None, 2, 3, None]
+
+
+def test_gate_layout_is_record_85s():
     args = T.parse_args(["--preset=speedrun"], True)
-    specs = T.layer_specs(args)
-    assert [i for i, s in enumerate(specs) if s.attention] == [1, 2, 3, 4, 5, 6, 8, 9, 10, 11]  # 10 layers
-    assert [i for i, s in enumerate(specs) if s.mlp] == list(range(1, 12))  # 11 layers
-    assert {i: s.value_embed for i, s in enumerate(specs) if s.value_embed is not None} == {
-        1: 1, 2: 2, 9: 0, 10: 1, 11: 2}
-    assert [i for i, s in enumerate(specs) if s.long_window] == [4, 11]
-    with torch.device("meta"):
-        model = T.GPT(args)
-    assert not model.blocks[0].active and list(model.blocks[0].parameters()) == []
-    assert model.blocks[7].attn is None and model.blocks[7].mlp is not None
-    assert (model.skip_from, model.skip_to) == ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10])  # 5 U-net skips
-    assert model.backout_layer == 8
-    assert T.padded_vocab(args.vocab_size) == 50304
-    assert model.head.lm_head.weight.shape == (50304, 768)
-    assert model.blocks[1].attn.num_heads == 6 and model.blocks[1].attn.head_dim == 128
-    assert model.blocks[1].attn.qkvo.shape == (4, 768, 768) and model.blocks[1].attn.gate.weight.shape == (6, 12)
-    assert model.blocks[1].mlp.fc.weight.shape == (3072, 768)
-    windows = T.layer_windows(args, (1, 3))
-    assert windows == [None, 128, 128, 128, 384, 128, 128, None, 128, 128, 128, 384]
+    layout = T.GateLayout.build(T.layer_plan(args), 6, args.mudd_gate_layer)
+    pre, post = layout.slots
+    assert layout.widths == (26, 41)
+    assert (pre[("xsa", 1)], pre[("xsa", 3)], pre[("attn", 3)]) == (slice(0, 6), slice(6, 12), slice(12, 18))
+    assert [pre[("bigram", layer)].start for layer in range(4)] == [19, 21, 23, 25]
+    assert (post[("xsa", 4)], post[("xsa", 7)], post[("attn", 10)]) == (slice(0, 6), slice(6, 12), slice(12, 18))
+    assert [post[("x0", layer)].start for layer in (4, 5, 7, 8, 9)] == [18, 20, 22, 24, 26]
+    assert (post[("skip",)], post[("dc_w1", 10)], post[("dc_w2", 10)]) == (slice(28, 29), slice(29, 35), slice(35, 41))
+    bias = [0.0] * 41
+    bias[12:18] = [2.5] * 6
+    bias[19:28:2] = [0.5] * 5
+    bias[28], bias[29:35] = 5.0, [10.0] * 6
+    assert layout.bias[1] == pytest.approx(bias)
+    pre_bias = [0.0] * 26
+    pre_bias[12:18], pre_bias[19:26:2] = [2.5] * 6, [0.5] * 4
+    assert layout.bias[0] == pytest.approx(pre_bias)
 
 
-def test_initial_values_follow_record_44():
-    args = T.parse_args(["--preset=smoke", "--model_dim=256", "--head_dim=64"], False)
+def test_initial_values_follow_record_85():
+    args = T.parse_args(["--preset=speedrun", "--bigram_vocab_size=1000", "--vocab_size=1000"], True)
     torch.manual_seed(0)
     model = T.GPT(args)
-    attn, mlp = model.blocks[1].attn, model.blocks[1].mlp
-    # 0.5 / sqrt(fan_in), uniform (the std of 3 * 256 * 256 samples is within 2% of it)
-    assert attn.qkvo[:3].std().item() == pytest.approx(0.5 / 16, rel=0.02)
-    assert attn.qkvo[:3].abs().max().item() <= 3 ** 0.5 * 0.5 / 16
-    assert mlp.fc.weight.std().item() == pytest.approx(0.5 / 16, rel=0.02)
-    for zero in (attn.qkvo[3], mlp.proj.weight, attn.gate.weight, model.smear_gate.weight,
-                 model.head.lm_head.weight, model.smear_scale):
+    assert torch.equal(model.embed.weight, model.lm_head.T)
+    assert model.lm_head.std().item() == pytest.approx(0.005, rel=0.02)
+    assert model.value_embeds.std().item() == pytest.approx(0.01, rel=0.02)
+    bound = 3 ** 0.5 * 0.5 * 768 ** -0.5
+    for block in model.blocks:
+        assert torch.equal(block.mlp.proj, torch.zeros_like(block.mlp.proj))
+        tensors = [block.mlp.fc] + ([block.attn.qk, block.attn.vo] if block.attn is not None else [])
+        for t in tensors:
+            assert t.abs().max() <= bound and t.abs().max() > 0.99 * bound
+    for zero in (model.bigram_embed.weight, model.smear_gate.weight, model.ve_gates, model.mudd_w2, model.mudd_gate_w2):
         assert not zero.any()
-    assert torch.equal(model.skip_gates, torch.full((len(model.skip_to),), -1.5))
-    assert model.backout_scale.item() == 0.5
-    assert attn.value_mix.tolist() == [0.5, 0.5] and model.blocks[2].attn.value_mix.tolist() == [0.5]
-    assert model.blocks[1].residual_mix.tolist() == [1.0, 0.0]
+    assert set(model.bigram_signs.unique().tolist()) == {-1.0, 1.0}
+    assert model.scalars.tolist() == [0.5, 1.0] * 11 + [0.0, -1.5]
+    assert_close(model.resid_lambdas, torch.full((11, 2), 1.1 ** 0.5))
+    assert torch.equal(model.post_lambdas, torch.ones(11, 2))
+    expected = torch.zeros(2, 14)
+    expected[0, 6:14] = torch.tensor([2, 2, 1.1 ** 0.5, 1, 0, 0.05, 1.1 ** 0.5, 1]) / 0.1
+    expected[1, 1] = -5
+    assert_close(model.mudd_b2, expected)
+    assert model.mudd_gate_scale.item() == pytest.approx(0.1)
+    assert model.mudd_w1.abs().max() <= 768 ** -0.5  # kaiming_uniform(a=sqrt(5)): bound 1/sqrt(fan_in)
 
 
 def test_every_parameter_gets_a_gradient():
     args = small_args()
-    model = randomized_model(args).train()
-    tokens = tokens_with_documents(513, [0, 200])
-    inputs, targets = tokens[:-1], tokens[1:]
-    masks = T.build_masks(inputs, T.layer_windows(args, (1, 3)), False, args.window_block)
-    model(inputs, targets, masks).backward()
-    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.any()]
-    assert missing == []
+    model = T.GPT(args).train()
+    tokens = tokens_with_documents(257, [0, 100])
+    masks = T.build_masks(tokens[:-1], model.plans, (1, 2), args.window_block, use_flex=False)
+    model(tokens[:-1], tokens[1:], masks, (1, 2), torch.tensor([1.0, 0.5, 0.25])).backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing, missing
 
 
-def test_smear_gate_mixes_in_the_previous_token():
+def test_logits_are_softcapped_with_the_records_shifted_sigmoid():
     args = small_args()
     model = randomized_model(args)
-    x = torch.randn(6, args.model_dim)
-    gate = torch.sigmoid(x[:, :T.GATE_CHANNELS] @ model.smear_gate.weight[0])
-    expected = x.clone()
-    expected[1:] += model.smear_scale * gate[1:, None] * x[:-1]
-    assert_close(model.smear(x), expected)
-    # generation continues from a previous token's embedding
-    assert_close(model.smear(x[3:], previous=x[2:3]), expected[3:])
+    x = torch.randn(5, args.model_dim)
+    assert_close(model.logits(x), 23 * torch.sigmoid((x @ model.lm_head + 5) / 7.5))
 
 
-def test_attention_gate_scales_each_head():
-    torch.manual_seed(0)
-    attn = T.CausalSelfAttention(64, 16, has_value_embed=False)
-    with torch.no_grad():
-        attn.qkvo.normal_()
-    x = torch.randn(1, 8, 64)
-    docs = torch.zeros(8, dtype=torch.long)
-    rot = T.Rotary(16, 8, 64, 3)
-    args = (None, T.dense_attention_mask(docs, 8), rot.cos[:8], rot.sin[:8], rot.attn_scale)
-    open_gate = attn(x, *args)
-    with torch.no_grad():
-        attn.gate.weight[2, 0] = 50.0  # head 2 gated by sigmoid(50 * x[..., 0])
-    gated = attn(x, *args)
-    g = torch.sigmoid(50 * x[0, :, 0])
-    # undo the output projection to compare per head
-    heads_open = torch.linalg.solve(attn.qkvo[3], open_gate[0].T).T.view(8, 4, 16)
-    heads_gated = torch.linalg.solve(attn.qkvo[3], gated[0].T).T.view(8, 4, 16)
-    assert_close(heads_gated[:, 2], heads_open[:, 2] * (g / 0.5)[:, None], rtol=1e-4, atol=1e-4)
-    assert_close(heads_gated[:, [0, 1, 3]], heads_open[:, [0, 1, 3]], rtol=1e-4, atol=1e-4)
-
-
-def test_backout_subtracts_a_share_of_its_layers_output():
-    args = small_args()
-    model = randomized_model(args)
-    tokens = tokens_with_documents(256, [0])
-    masks = T.build_masks(tokens, T.layer_windows(args, (1, 3)), False, args.window_block)
-    captured = {}
-    model.blocks[args.backout_layer].register_forward_hook(lambda m, i, out: captured.update(out=out))
-    with torch.no_grad():
-        model.backout_scale.fill_(0.0)
-        plain = model.hidden(tokens, masks)
-        model.backout_scale.fill_(0.5)
-        backed_out = model.hidden(tokens, masks)
-    assert_close(backed_out, plain - 0.5 * captured["out"])
-
-
-def test_logits_are_capped_with_a_sigmoid():
-    head = T.LossHead(16, 128, cap=30.0, cap_width=7.5, precision="fp32")
-    with torch.no_grad():
-        head.lm_head.weight.normal_(0, 3)
-    x = torch.randn(5, 16)
-    raw = T.norm(x) @ head.lm_head.weight.T
-    assert_close(head.logits(x), 30 * torch.sigmoid(raw / 7.5))
-    assert head.logits(x * 100).max() < 30 and head.logits(x).min() > 0
-
-
-# --- rotary and YaRN --------------------------------------------------------------------------
-
-def test_rotary_is_half_truncated_with_base_frequencies():
-    rot = T.Rotary(head_dim=128, max_len=16, window_block=128, first_window=3)
-    expected = np.concatenate([(1 / 1024) ** np.linspace(0, 1, 32), np.zeros(32)])
-    assert_close(rot.angular_freq.double(), torch.from_numpy(expected), rtol=1e-6, atol=0)
-    positions = torch.arange(16.0)[:, None]
-    assert_close(rot.cos, torch.cos(positions * rot.angular_freq))
-    assert rot.attn_scale.item() == pytest.approx(0.1)
-    x = torch.randn(1, 16, 2, 128)
-    y = T.apply_rotary(x, rot.cos, rot.sin)
-    assert torch.equal(y[..., 32:64], x[..., 32:64]) and torch.equal(y[..., 96:], x[..., 96:])  # no position
-    assert_close(y.norm(dim=-1), x.norm(dim=-1))  # a rotation
-
-
-def test_yarn_follows_its_formula_over_the_window_schedule():
-    rot = T.Rotary(head_dim=128, max_len=64, window_block=128, first_window=3)
-    freq = np.concatenate([(1 / 1024) ** np.linspace(0, 1, 32), np.zeros(32)])
-    scale, old = 0.1, 3
-    for new in (7, 11, 13):
-        rot.set_window(new)
-        turns = 128 * old * freq / (2 * math.pi)
-        ramp = np.clip((turns - 1) / (32 - 1), 0, 1)
-        freq = freq * (old / new + ramp * (1 - old / new))
-        scale *= 0.2 * math.log(new / old) + 1
-        old = new
-        assert_close(rot.angular_freq.double(), torch.from_numpy(freq), rtol=1e-5, atol=0)
-        assert rot.attn_scale.item() == pytest.approx(scale, rel=1e-6)
-        assert_close(rot.sin, torch.sin(torch.arange(64.0)[:, None] * rot.angular_freq))
-    # high frequencies (many turns per window) are kept, the lowest ones scaled by the full ratio
-    base = (1 / 1024) ** np.linspace(0, 1, 32)
-    assert rot.angular_freq[0].item() == pytest.approx(1.0)
-    assert rot.angular_freq[31].item() == pytest.approx(base[31] * 3 / 13, rel=1e-5)
-    rot.set_window(13)  # the same window again: nothing changes
-    assert rot.attn_scale.item() == pytest.approx(scale, rel=1e-6)
+def test_rotary_turns_adjacent_pairs_of_the_first_half_with_bf16_tables():
+    rotary = T.Rotary(16, 32, 64, 2)
+    freq = (1 / 1024) ** torch.linspace(0, 1, 4)
+    assert torch.equal(rotary.angular_freq, torch.cat([freq.repeat_interleave(2), torch.zeros(8)]))
+    assert rotary.cos.dtype == torch.bfloat16 and rotary.cos.size(0) == 64  # twice the positions (paired layers)
+    x = torch.randn(10, 1, 16)
+    positions = torch.arange(10)
+    ours = T.apply_rotary(x, rotary.cos[:10, None], rotary.sin[:10, None])
+    assert_close(ours, rope(x, positions, rotary.angular_freq), rtol=1e-6, atol=1e-6)
+    assert torch.equal(ours[..., 8:], x[..., 8:])  # the stationary half
 
 
 def test_rotary_state_round_trips_through_the_state_dict():
@@ -296,80 +579,38 @@ def test_rotary_state_round_trips_through_the_state_dict():
     assert torch.equal(fresh.rotary.cos, model.rotary.cos) and torch.equal(fresh.rotary.attn_scale, model.rotary.attn_scale)
 
 
-# --- the FP8 head -----------------------------------------------------------------------------
-
-def fp8_emulated(x, w, grad):
-    """The FP8 head's math in fp32: quantise, multiply, dequantise (the definition, not the kernel)."""
-    x_scale = x.size(-1) ** 0.5 / 448
-    x8 = (x / x_scale).to(torch.float8_e4m3fn).float() * x_scale
-    w8 = (w / 2 ** -9).to(torch.float8_e4m3fn).float() * 2 ** -9
-    g8 = (grad.bfloat16() * 448).to(torch.float8_e5m2).float() / 448  # backward receives the bf16 output's gradient
-    return x8 @ w8.T, g8 @ w8, g8.T @ x8
-
-
-def test_fp8_head_matches_its_quantised_definition_and_a_bf16_reference():
-    torch.manual_seed(0)
-    x = T.norm(torch.randn(64, 128))
-    w = (torch.randn(256, 128) * 0.05).requires_grad_()
-    xr = x.clone().requires_grad_()
-    out = T.FP8Linear.apply(xr, w, 128 ** 0.5 / 448)
-    grad = torch.rand(64, 256) * 2 - 1  # a summed cross-entropy's logit gradients lie in [-1, 1]
-    out.backward(grad)
-    ref_out, ref_gx, ref_gw = fp8_emulated(x, w.detach(), grad)
-    assert out.dtype == torch.bfloat16
-    assert_close(out.float(), ref_out, rtol=2 ** -8, atol=1e-3)  # bf16 rounding of the same products
-    assert_close(xr.grad.float(), ref_gx, rtol=2 ** -8, atol=1e-3)
-    assert_close(w.grad, ref_gw, rtol=1e-5, atol=1e-5)
-    # against plain bf16: FP8's 3 mantissa bits cost a few percent on each operand
-    bf16 = (x.bfloat16() @ w.detach().bfloat16().T).float()
-    rel = ((out.float() - bf16).norm() / bf16.norm()).item()
-    assert 1e-3 < rel < 0.06, rel
-
-
-def test_fp8_head_is_used_for_training_and_bf16_for_evaluation():
-    torch.manual_seed(0)
-    head = T.LossHead(128, 256, 30.0, 7.5, precision="fp8")
-    with torch.no_grad():
-        head.lm_head.weight.normal_(0, 0.05)
-    x = torch.randn(1, 32, 128)
-    emulated, _, _ = fp8_emulated(T.norm(x[0]), head.lm_head.weight, torch.zeros(32, 256))
-    assert_close(head.train().logits(x)[0].float(), 30 * torch.sigmoid(emulated / 7.5), rtol=2 ** -7, atol=2e-2)
-    bf16 = (T.norm(x).bfloat16() @ head.lm_head.weight.bfloat16().T)
-    assert torch.equal(head.eval().logits(x), 30 * torch.sigmoid(bf16 / 7.5))
-
-
 def test_the_residual_stream_stays_in_bf16_with_gpu_dtypes():
     # Every scalar multiplied into the stream must be 0-dim (or bf16): a 1-element fp32 vector would
     # promote the whole stream, and with it every matmul, to fp32.
     args = small_args()
     model = T.cast_for_device(randomized_model(args), torch.device("cuda"))
     tokens = tokens_with_documents(512, [0, 100])
-    masks = T.build_masks(tokens, T.layer_windows(args, (1, 3)), False, args.window_block)
+    masks = T.build_masks(tokens, model.plans, (1, 2), args.window_block, use_flex=False)
     seen = set()
     for block in model.blocks:
-        block.register_forward_hook(lambda m, i, out: seen.add(out.dtype))
+        for module in (block.attn, block.mlp):
+            if module is not None:
+                module.register_forward_hook(lambda m, i, out: seen.add(out.dtype))
     with torch.no_grad():
-        assert model.hidden(tokens, masks).dtype == torch.bfloat16
+        assert model.hidden(tokens, masks, (1, 2)).dtype == torch.bfloat16
     assert seen == {torch.bfloat16}
 
 
-def test_gpu_parameter_dtypes_are_record_44s():
-    args = T.parse_args(["--preset=speedrun", "--num_layers=4", "--no_attention_layers=0",
-                         "--long_window_layers=3", "--backout_layer=2", "--num_value_embeds=1"], True)
+def test_gpu_parameter_dtypes_are_record_85s():
+    args = T.parse_args(["--preset=speedrun"], True)
     with torch.device("meta"):
-        model = T.cast_for_device(T.GPT(args, "fp8"), torch.device("cuda"))
-    dtypes = {name: p.dtype for name, p in model.named_parameters()}
-    bf16 = sorted(n for n, d in dtypes.items() if d == torch.bfloat16)
-    assert bf16 == sorted(["embed.weight", "value_embeds.0.weight", "head.lm_head.weight", "smear_gate.weight",
-                           "blocks.1.attn.gate.weight", "blocks.2.attn.gate.weight", "blocks.3.attn.gate.weight"])
-    assert dtypes["blocks.1.attn.qkvo"] == dtypes["blocks.1.mlp.fc.weight"] == dtypes["skip_gates"] == torch.float32
+        model = T.cast_for_device(T.GPT(args, "fp8", "fp8"), torch.device("cuda"))
+    fp32 = sorted(n for n, p in model.named_parameters() if p.dtype == torch.float32)
+    assert fp32 == sorted(["scalars", "resid_lambdas", "post_lambdas", "mudd_gate_scale"])
+    assert all(p.dtype in (torch.float32, torch.bfloat16) for p in model.parameters())
+    assert model.bigram_signs.dtype == torch.bfloat16
 
 
 # --- config -----------------------------------------------------------------------------------
 
 def test_config_overrides_and_errors():
-    args = T.parse_args(["--preset=smoke", "--num_iterations=7", "--compile", "false", "--embed_lr=0.5"], False)
-    assert (args.num_iterations, args.compile, args.embed_lr, args.preset) == (7, False, 0.5, "smoke")
+    args = T.parse_args(["--preset=smoke", "--num_iterations=7", "--compile", "false", "--adam_lr=0.5"], False)
+    assert (args.num_iterations, args.compile, args.adam_lr, args.preset) == (7, False, 0.5, "smoke")
     assert T.parse_args([], cuda_available=True).preset == "speedrun"
     assert T.parse_args([], cuda_available=False).preset == "smoke"
     errors = [
@@ -377,17 +618,21 @@ def test_config_overrides_and_errors():
         (["--num_iterations=abc"], "--num_iterations=abc: expected int"),
         (["--compile=maybe"], "--compile=maybe: expected a boolean"),
         (["--preset=fast"], "unknown preset"),
-        (["--batch_tokens=1000", "--micro_batch_tokens=512"], "multiple of --micro_batch_tokens"),
-        (["--no_attention_layers=0,x"], "--no_attention_layers=0,x: expected comma-separated integers"),
+        (["--stage_batch_tokens=1000,2048,3072"], "each batch must split into --micro_batches=4 micro-batches"),
+        (["--stage_lr=1,2"], "must list one value per stage"),
+        (["--stage_windows=1:2,4:2,3:6"], "short <= long"),
+        (["--stage_mtp_weights=1,0.5>1/1>1/1>1"], "as many weights after '>'"),
+        (["--paired_layers=0,x"], "--paired_layers=0,x: expected comma-separated integers"),
         (["--long_window_layers=3,6"], "--long_window_layers: layer 6 is not in 0..5"),
-        (["--no_attention_layers=0,4"], "value embedding 0 would feed no layer with attention"),
-        (["--window_schedule="], "--window_schedule=: expected positive block counts"),
+        (["--no_attention_layers=2"], "must be the skip target alone"),
+        (["--paired_layers=0,1"], "layer 1 is paired"),
+        (["--dc_layers=1"], "DC layers must be at or after --mudd_gate_layer=2"),
+        (["--value_embed_layers=1,2,4"], "needs attention, no pairing and a value embedding"),
+        (["--dc_window=100"], "--dc_window=100: at most --window_block=64"),
         (["--extension_steps=30"], "--extension_steps=30 must be less than --num_iterations=30"),
         (["--save_every=3"], "--save_every=3 must be a multiple of --adam_every=2"),
         (["--attention=fast"], "--attention=fast: choose auto, flex, sdpa"),
-        (["--micro_batch_tokens=500", "--batch_tokens=2000"], "--micro_batch_tokens=500 must be a multiple of "
-                                                              "--window_block=64"),
-        (["--head_dim=18", "--model_dim=72"], "--head_dim=18 must be a multiple of 4"),
+        (["--head_dim=32", "--model_dim=96"], "even number of --head_dim=32 heads"),
     ]
     for argv, message in errors:
         with pytest.raises(T.ConfigError, match=message):
@@ -405,17 +650,12 @@ def test_training_with_flex_on_cpu_is_refused_and_evaluation_allowed():
 
 def test_world_size_that_cannot_split_the_batch_is_an_error():
     args = small_args()
-    chunks = args.batch_tokens // args.micro_batch_tokens
-    assert T.check_world_size(args, 1) == chunks
-    assert T.check_world_size(args, 2) == chunks // 2
+    assert T.check_world_size(args, 1) == 4 and T.check_world_size(args, 2) == 2
     with pytest.raises(T.ConfigError, match="world size 3 cannot split the batch"):
         T.check_world_size(args, 3)
-    speedrun = T.Hyperparameters()
-    for world_size in (1, 2, 4, 8):
-        assert T.check_world_size(speedrun, world_size) * world_size * speedrun.micro_batch_tokens \
-            == speedrun.batch_tokens
-    with pytest.raises(T.ConfigError, match="a smaller --micro_batch_tokens makes more"):
+    speedrun = T.parse_args(["--preset=speedrun"], True)
+    assert [T.check_world_size(speedrun, w) for w in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    with pytest.raises(T.ConfigError, match="a larger --micro_batches makes more"):
         T.check_world_size(speedrun, 16)
-    two_nodes = T.parse_args(["--preset=speedrun", f"--micro_batch_tokens={speedrun.micro_batch_tokens // 2}",
-                              "--val_seq_len=65536"], True)
+    two_nodes = T.parse_args(["--preset=speedrun", "--micro_batches=16", "--val_seq_len=65536"], True)
     assert T.check_world_size(two_nodes, 16) == 1
