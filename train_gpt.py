@@ -1685,7 +1685,7 @@ class _Bucket:
         if self._in_place():
             return self.params[0].data.view(-1)
         flat = torch.zeros(self.padded_numel, dtype=self.params[0].dtype, device=self.params[0].device)
-        torch.cat([p.data.view(-1) for p in self.params], out=flat[:self.numel])
+        torch.cat([p.data.reshape(-1) for p in self.params], out=flat[:self.numel])
         return flat
 
     def write_back(self, flat: Tensor):

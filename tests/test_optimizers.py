@@ -31,30 +31,36 @@ def gloo_runs(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_dist_adam_matches_torch_adam(gloo_runs, world_size):
+def test_dist_adam_matches_record_85s_adam(gloo_runs, world_size):
     # The worker steps DistAdam every 2 training steps of 2 micro-batches, as the trainer does, and asserts
-    # reduced gradient shards, exp_avg/exp_avg_sq shards and parameters against torch.optim.Adam on the
-    # summed mean-over-ranks gradients, one reduce-scatter per bucket launched during the last backward
-    # and none under no_sync(), and identical parameters on every rank.
-    assert gloo_runs[world_size][0].count("DistAdam matched torch.optim.Adam") == world_size
+    # reduced gradient shards and parameters against record #85's Adam (written out there) on the summed
+    # mean-over-ranks gradients, with per-group betas and cautious weight decay, and a tied pair untied
+    # halfway; one reduce-scatter per bucket launched during the last backward (the tied source's joins its
+    # target's) and none under no_sync(), and identical parameters on every rank.
+    assert gloo_runs[world_size][0].count("DistAdam matched record #85's Adam") == world_size
 
 
-def test_dist_adam_single_process_equals_torch_adam():
+def test_a_tied_pair_sums_gradients_moves_together_and_unties_with_the_targets_state():
     torch.manual_seed(0)
-    shapes = [(50, 3), (7,), (1,)]
-    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
-    refs = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt = T.DistAdam(params, lr=0.01, betas=(0.8, 0.95), eps=1e-10, small_numel=16)
-    ref = torch.optim.Adam(refs, lr=0.01, betas=(0.8, 0.95), eps=1e-10, foreach=False)
-    for t in range(1, 6):
-        grads = [torch.randn(s) for s in shapes]
-        for p, r, g in zip(params, refs, grads):
-            p.grad, r.grad = g.clone(), g.clone()
-        opt.step()
-        ref.param_groups[0]["eps"] = 1e-10 / (1 - 0.95 ** t) ** 0.5  # record #44's eps placement, see the worker
-        ref.step()
-    for p, r in zip(params, refs):
-        assert_close(p.data, r.data)
+    target = torch.nn.Parameter(torch.randn(3, 5))
+    source = torch.nn.Parameter(target.detach().T.contiguous())
+    opt = T.DistAdam([dict(params=[source]), dict(params=[target])], lr=0.1, betas=(0.5, 0.95), eps=1e-10)
+    opt.tie(source, target)
+    g_source, g_target = torch.randn(5, 3), torch.randn(3, 5)
+    source.grad, target.grad = g_source.clone(), g_target.clone()
+    opt.step()
+    # one Adam step on the summed gradient: -lr * sign(g) per element (first step, eps negligible)
+    assert_close(target.data, target.data.new_tensor(0) + (source.data.T), rtol=0, atol=0)
+    expected = torch.sign(g_target + g_source.T)
+    assert torch.equal(opt.state[target]["exp_avg"].view(3, 5).sign(), expected)
+    opt.untie()
+    assert opt.tied is None and opt.state[source]["step"] == 1
+    assert torch.equal(opt.state[source]["exp_avg"].view(5, 3), opt.state[target]["exp_avg"].view(3, 5).T)
+    assert torch.equal(opt.state[source]["exp_avg_sq"].view(5, 3), opt.state[target]["exp_avg_sq"].view(3, 5).T)
+    before = source.data.clone()
+    source.grad, target.grad = torch.randn(5, 3), torch.randn(3, 5)
+    opt.step()  # now each moves on its own
+    assert not torch.equal(source.data, before) and not torch.equal(source.data, target.data.T)
 
 
 def test_dist_adam_state_dict_round_trip_keeps_fp32_state():
@@ -97,7 +103,7 @@ def spread_matrix(rows, cols, decades, seed=0, dtype=torch.float32):
     return (u[:, :k] @ torch.diag(torch.logspace(0, -decades, k, dtype=torch.float64)) @ v[:k]).to(dtype)
 
 
-PUBLISHED_POLAR_EXPRESS = [  # record #44 (num_iters=5, safety_factor=2e-2, cushion=2)
+PUBLISHED_POLAR_EXPRESS = [  # record #85 (num_iters=5, safety_factor=2e-2, cushion=2)
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
     (4.042929935166739, -2.808917465908714, 0.5000178451051316),
     (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
@@ -150,24 +156,26 @@ def normuon_step(p, grad, **kwargs):
     return opt
 
 
-@pytest.mark.parametrize("shape", [(96, 32), (32, 96), (48, 48), (3, 24, 24)])
+@pytest.mark.parametrize("shape", [(96, 32), (32, 96), (48, 48), (3, 24, 24), (2, 16, 48)])
 def test_normuon_normalises_each_neuron_and_keeps_the_update_norm(shape):
     # From zero state, one step: the update is the orthogonalised Nesterov gradient with each neuron's
     # slice divided by its root mean square, rescaled to the orthogonalised update's norm. So every
-    # neuron of the update has the same RMS: per row for tall matrices, per column otherwise.
+    # neuron of the update has the same RMS: per row for tall and square matrices (the record's
+    # rows >= cols), per column for wide ones; each matrix of a stack on its own.
     torch.manual_seed(0)
     grad = torch.randn(shape) * torch.rand(shape[-1])  # columns of very different scales
     p = torch.nn.Parameter(torch.zeros(shape))
     opt = normuon_step(p, grad, lr=0.1, momentum=0.9, beta2=0.95)
     rows, cols = shape[-2:]
     update = -p.data / (0.1 * max(1, rows / cols) ** 0.5)
-    axis = -1 if rows > cols else -2
+    axis = -1 if rows >= cols else -2
     rms = update.square().mean(dim=axis).sqrt()
     assert_close(rms, rms.mean(dim=-1, keepdim=True).expand_as(rms), rtol=1e-4, atol=0)
     orthogonal = T.polar_express(grad.lerp(0.1 * grad, 0.9), dtype=torch.float32)
     assert_close(update.norm(dim=(-2, -1)), orthogonal.norm(dim=(-2, -1)), rtol=1e-5, atol=0)
-    moment = opt.state[p]["second_moment"]
-    assert_close(moment, 0.05 * orthogonal.square().mean(dim=axis, keepdim=True), rtol=1e-5, atol=0)
+    moments = torch.stack([s["second_moment"] for s in opt.matrix_state]).view_as(
+        orthogonal.square().mean(dim=axis, keepdim=True))
+    assert_close(moments, 0.05 * orthogonal.square().mean(dim=axis, keepdim=True), rtol=1e-5, atol=0)
 
 
 def test_cautious_weight_decay_touches_only_coordinates_where_update_and_weight_agree():
@@ -186,18 +194,52 @@ def test_cautious_weight_decay_touches_only_coordinates_where_update_and_weight_
     assert_close(difference[agree], (lr * scale * lr * wd * weights)[agree], rtol=1e-4, atol=1e-7)
 
 
+def test_lr_multiplier_and_shape_scale_the_update():
+    torch.manual_seed(2)
+    grad, weights = torch.randn(48, 16), torch.randn(48, 16)
+    plain, doubled = torch.nn.Parameter(weights.clone()), torch.nn.Parameter(weights.clone())
+    normuon_step(plain, grad, lr=0.01, momentum=0.9)
+    doubled.grad = grad.clone()
+    T.NorMuon([dict(params=[doubled], lr_mul=2.0)], lr=0.01, momentum=0.9, ns_dtype=torch.float32).step()
+    # sqrt(48 / 16) for the shape, times 2 for the group (the record's c_proj: 2 * 2 = 4)
+    assert_close(weights - doubled.data, 2 * (weights - plain.data), rtol=1e-5, atol=5e-7)  # fp32 ulps of weights ~1
+    v = (weights - plain.data) / (0.01 * 3 ** 0.5)
+    assert_close(v.square().mean(-1).sqrt(), torch.ones(48) * v.square().mean().sqrt(), rtol=1e-4, atol=0)
+
+
+def test_bf16_weights_keep_an_fp32_master_in_their_mantissas():
+    # The record's "mantissa": a bf16 weight and its 16 saved low bits are the fp32 value an fp32 weight would
+    # hold after the same steps, bit for bit; the bf16 weight is that value truncated.
+    torch.manual_seed(3)
+    start = torch.randn(32, 64).bfloat16()
+    half, full = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.float())
+    opt_half = T.NorMuon([half], lr=0.002, momentum=0.9, weight_decay=1.2, ns_dtype=torch.float32)
+    opt_full = T.NorMuon([full], lr=0.002, momentum=0.9, weight_decay=1.2, ns_dtype=torch.float32)
+    for _ in range(5):
+        grad = torch.randn(32, 64).bfloat16()
+        half.grad, full.grad = grad.clone(), grad.float()
+        opt_half.step()
+        opt_full.step()
+    precise = T.bf16_with_mantissa(half.data, opt_half.matrix_state[0]["mantissa"])
+    assert torch.equal(precise, full.data)
+    truncated = (full.data.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+    assert torch.equal(half.data, truncated)
+    assert not torch.equal(half.data, start)  # updates of 0.002 moved bf16 weights too
+
+
 def test_normuon_state_round_trips_in_fp32_for_bf16_parameters():
     p = torch.nn.Parameter(torch.randn(8, 24, dtype=torch.bfloat16))
     opt = normuon_step(p, torch.randn(8, 24, dtype=torch.bfloat16), lr=0.1)
     saved = opt.state_dict()
     fresh = T.NorMuon([p], lr=0.5)
     fresh.load_state_dict(saved)
-    state = fresh.state[p]
+    state = fresh.matrix_state[0]
     assert state["momentum_buffer"].dtype == torch.float32 and state["second_moment"].shape == (1, 24)
-    assert torch.equal(state["momentum_buffer"], opt.state[p]["momentum_buffer"])
+    assert torch.equal(state["momentum_buffer"], opt.matrix_state[0]["momentum_buffer"])
+    assert torch.equal(state["mantissa"], opt.matrix_state[0]["mantissa"])
     assert fresh.param_groups[0]["lr"] == 0.1
 
 
 def test_normuon_rejects_vectors():
-    with pytest.raises(ValueError, match="matrices"):
+    with pytest.raises(ValueError, match="matrices or stacks"):
         T.NorMuon([torch.nn.Parameter(torch.zeros(3))])

@@ -1,6 +1,9 @@
-"""DistAdam in a gloo group, stepping every ADAM_EVERY training steps as the trainer does, against
-torch.optim.Adam on the summed (over those steps) mean-over-ranks gradients."""
+"""DistAdam in a gloo group, stepping every ADAM_EVERY training steps as the trainer does, against record
+#85's Adam written out here (per element: bias-corrected moments, eps added to sqrt(v), cautious weight decay
+lr^2 * wd * p where the update and the weight agree) on the summed (over those steps) mean-over-ranks
+gradients; with a tied pair (an embedding that is the lm_head's transpose) untied after TIED_STEPS."""
 
+import math
 import sys
 from pathlib import Path
 
@@ -12,10 +15,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train_gpt as T  # noqa: E402
 
 STEPS, ADAM_EVERY, MICRO = 4, 2, 2  # Adam steps; training steps per Adam step; micro-batches per step
+TIED_STEPS = 2  # Adam steps before the untie
 SMALL = 16  # parameters below this many elements are coalesced
-# Shapes chosen so that some split evenly over 2 and 3 ranks and some don't, in both kinds of bucket.
-GROUPS = [dict(shapes=[(6, 4), (7, 5), (3,), (1,)], lr=0.01), dict(shapes=[(40,), (2, 2), (9, 3)], lr=0.003)]
-BETAS, EPS = (0.8, 0.95), 1e-8
+# Shapes chosen so that some split evenly over 2 and 3 ranks and some don't, in both kinds of bucket; the
+# last two groups are the tied pair (source, target).
+GROUPS = [dict(shapes=[(6, 4), (7, 5), (3,), (1,)], lr=0.01, betas=(0.8, 0.95), weight_decay=30.0),
+          dict(shapes=[(40,), (2, 2), (9, 3)], lr=0.003, betas=(0.9, 0.99), weight_decay=0.0),
+          dict(shapes=[(7, 4)], lr=0.02, betas=(0.5, 0.95), weight_decay=50.0),
+          dict(shapes=[(4, 7)], lr=0.02, betas=(0.5, 0.95), weight_decay=50.0)]
+EPS = 1e-10
 
 
 def batch(step: int, micro: int, rank: int, shape) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,33 +40,72 @@ def loss_fn(params, step, micro, rank):
     return total / MICRO
 
 
+class RecordAdam:
+    """Record #85's Adam on plain tensors, one parameter at a time, and its tie: the source's gradient is
+    added (transposed) to the target's, the source is the target's transpose after each step, and the
+    untie gives the source the target's moments and step count, transposed."""
+
+    def __init__(self, params, settings):
+        self.params, self.settings = params, settings
+        self.state = [dict(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p)) for p in params]
+        self.tied = (len(params) - 2, len(params) - 1)
+
+    def step(self, grads):
+        grads = list(grads)
+        if self.tied:
+            source, target = self.tied
+            grads[target] = grads[target] + grads[source].T
+        for i, (p, g) in enumerate(zip(self.params, grads)):
+            if self.tied and i == self.tied[0]:
+                continue
+            (b1, b2), lr, wd = self.settings[i]
+            s = self.state[i]
+            s["t"] += 1
+            s["m"] = b1 * s["m"] + (1 - b1) * g
+            s["v"] = b2 * s["v"] + (1 - b2) * g * g
+            update = s["m"] / (s["v"].sqrt() + EPS) * (lr * math.sqrt(1 - b2 ** s["t"]) / (1 - b1 ** s["t"]))
+            update = update + (update * p > 0) * p * (lr * lr * wd)
+            p -= update
+        if self.tied:
+            self.params[self.tied[0]].copy_(self.params[self.tied[1]].T)
+
+    def untie(self):
+        source, target = self.tied
+        t = self.state[target]
+        self.state[source] = dict(t=t["t"], m=t["m"].T.clone(), v=t["v"].T.clone())
+        self.tied = None
+
+
 def check_dist_adam(rank: int, world: int):
-    """Asserts every reduced gradient shard, Adam state shard and parameter; inside an initialised group."""
+    """Asserts every reduced gradient shard and parameter; inside an initialised group."""
     torch.manual_seed(0)
     init = [[torch.randn(s) for s in g["shapes"]] for g in GROUPS]
+    init[-2][0] = init[-1][0].T.contiguous()  # tied: the source starts as the target's transpose
     params = [[torch.nn.Parameter(t.clone()) for t in ts] for ts in init]
-    refs = [[torch.nn.Parameter(t.clone()) for t in ts] for ts in init]
-    flat_params, flat_refs = [p for ps in params for p in ps], [p for ps in refs for p in ps]
+    flat_params = [p for ps in params for p in ps]
+    refs = [t.clone() for ts in init for t in ts]
+    settings = [(g["betas"], g["lr"], g["weight_decay"]) for g in GROUPS for _ in g["shapes"]]
 
-    opt = T.DistAdam([dict(params=ps, lr=g["lr"]) for ps, g in zip(params, GROUPS)], betas=BETAS, eps=EPS,
-                     small_numel=SMALL)
-    ref_opt = torch.optim.Adam([dict(params=ps, lr=g["lr"]) for ps, g in zip(refs, GROUPS)], betas=BETAS, eps=EPS,
-                               foreach=False)
-    assert len(opt.buckets) == 6, [len(b.params) for b in opt.buckets]  # 4 large + one small bucket per group
+    opt = T.DistAdam([dict(params=ps, lr=g["lr"], betas=g["betas"], weight_decay=g["weight_decay"])
+                      for ps, g in zip(params, GROUPS)], eps=EPS, small_numel=SMALL)
+    opt.tie(params[-2][0], params[-1][0])
+    reference = RecordAdam(refs, settings)
+    assert len(opt.buckets) == 8, [len(b.params) for b in opt.buckets]  # 6 large + one small bucket per group
 
     launched = []
     original = T.reduce_scatter_async
     T.reduce_scatter_async = lambda out, inp: (launched.append(inp.numel()), original(out, inp))[1]
     try:
-        run_steps(rank, world, opt, ref_opt, flat_params, flat_refs, launched)
+        run_steps(rank, world, opt, reference, flat_params, launched)
     finally:
         T.reduce_scatter_async = original
-    print(f"rank {rank}: DistAdam matched torch.optim.Adam for {STEPS} steps of {ADAM_EVERY} at world size {world}")
+    print(f"rank {rank}: DistAdam matched record #85's Adam for {STEPS} steps of {ADAM_EVERY} at world size {world}")
 
 
-def run_steps(rank, world, opt, ref_opt, flat_params, flat_refs, launched):
+def run_steps(rank, world, opt, reference, flat_params, launched):
     for step in range(STEPS):
         launched.clear()
+        tied = opt.tied is not None
         passes = [(ADAM_EVERY * step + sub, micro) for sub in range(ADAM_EVERY) for micro in range(MICRO)]
         for n, (train_step, micro) in enumerate(passes):
             if n < len(passes) - 1:
@@ -67,45 +114,40 @@ def run_steps(rank, world, opt, ref_opt, flat_params, flat_refs, launched):
                 assert not launched, f"a reduce-scatter was launched inside no_sync: {launched}"
             else:
                 loss_fn(flat_params, train_step, micro, rank).backward()
-        # All launched by hooks during the last backward, one per bucket, before step() runs.
-        assert len(launched) == len(opt.buckets), (len(launched), len(opt.buckets))
+        # All launched by hooks during the last backward, one per bucket (the tied source's joins its
+        # target's), before step() runs.
+        assert len(launched) == len(opt.buckets) - tied, (len(launched), len(opt.buckets), tied)
 
-        # Reference: plain Adam on the gradients summed over the training steps, averaged over ranks.
-        for ref in flat_refs:
-            ref.grad = torch.zeros_like(ref)
+        # Reference: the gradients summed over the training steps, averaged over ranks.
+        refs = reference.params
+        grads = [torch.zeros_like(r) for r in refs]
         for r in range(world):
             for train_step, micro in passes:
-                grads = torch.autograd.grad(loss_fn(flat_refs, train_step, micro, r), flat_refs)
-                for ref, g in zip(flat_refs, grads):
-                    ref.grad += g / world
-        ref_of = dict(zip(map(id, flat_params), flat_refs))
-
+                leaves = [t.clone().requires_grad_() for t in refs]
+                for g, new in zip(grads, torch.autograd.grad(loss_fn(leaves, train_step, micro, r), leaves)):
+                    g += new / world
         for bucket in opt.buckets:
+            if bucket.work is None:
+                continue  # the tied source
             bucket.work.wait()
-            expected = torch.cat([ref_of[id(p)].grad.reshape(-1) for p in bucket.params])
+            index = [next(i for i, q in enumerate(flat_params) if q is p) for p in bucket.params]
+            expected = torch.cat([(grads[i] + (grads[i - 1].T if tied and i == len(grads) - 1 else 0)).reshape(-1)
+                                  for i in index])
             expected = torch.nn.functional.pad(expected, (0, bucket.padded_numel - bucket.numel))
             lo = rank * bucket.shard_numel
             assert_close(bucket.grad_shard / world, expected[lo:lo + bucket.shard_numel])
 
         opt.step()
-        # torch.optim.Adam divides by sqrt(v / (1 - beta2^t)) + eps, record #44 (and DistAdam) by
-        # (sqrt(v) + eps) / sqrt(1 - beta2^t): the same with torch's eps set to eps / sqrt(1 - beta2^t).
-        for group in ref_opt.param_groups:
-            group["eps"] = EPS / (1 - BETAS[1] ** (step + 1)) ** 0.5
-        ref_opt.step()
+        reference.step(grads)
         opt.zero_grad(set_to_none=True)
-        ref_opt.zero_grad(set_to_none=True)
-        assert len(launched) == len(opt.buckets), "step() launched extra reduce-scatters"
-
-        for bucket in opt.buckets:
-            state = opt.state[bucket.params[0]]
-            lo = rank * bucket.shard_numel
-            for key in ("exp_avg", "exp_avg_sq"):
-                expected = torch.cat([ref_opt.state[ref_of[id(p)]][key].reshape(-1) for p in bucket.params])
-                expected = torch.nn.functional.pad(expected, (0, bucket.padded_numel - bucket.numel))
-                assert_close(state[key], expected[lo:lo + bucket.shard_numel], msg=f"{key} step {step}")
-        for p, ref in zip(flat_params, flat_refs):
-            assert_close(p.data, ref.data, msg=f"parameter {tuple(p.shape)} step {step}")
+        if step + 1 == TIED_STEPS:
+            opt.untie()
+            reference.untie()
+        assert len(launched) == len(opt.buckets) - tied, "step() launched extra reduce-scatters"
+        for p, ref in zip(flat_params, refs):
+            assert_close(p.data, ref, msg=f"parameter {tuple(p.shape)} step {step}")
+        if tied:
+            assert torch.equal(flat_params[-2].data, flat_params[-1].data.T)
 
         # Every rank holds exactly the same parameters.
         flat = torch.cat([p.data.reshape(-1) for p in flat_params])
@@ -113,3 +155,4 @@ def run_steps(rank, world, opt, ref_opt, flat_params, flat_refs, launched):
         dist.all_gather(gathered, flat)
         for other in gathered:
             assert torch.equal(other, flat), "parameters differ across ranks"
+    assert opt.tied is None

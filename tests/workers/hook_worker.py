@@ -15,7 +15,7 @@ import train_gpt as T  # noqa: E402
 def check_hooks(rank: int, world: int):
     """Asserts where every reduce-scatter started; inside an initialised group of a size that splits the batch."""
     # Smoke steps of 4 micro-batches of 256 tokens: what is checked does not depend on their length.
-    args = T.parse_args(["--preset=smoke", "--batch_tokens=1024", "--micro_batch_tokens=256"], False)
+    args = T.parse_args(["--preset=smoke", "--stage_batch_tokens=1024,1024,1024"], False)
     env = T.DistEnv(rank, rank, world, torch.device("cpu"))
     model = T.build_model(args, env)
     muon, adam = T.build_optimizers(model, args)
@@ -47,22 +47,28 @@ def run_steps(args, env, model, muon, adam, loader, launches, where):
     marked(adam, "step")
     marked(muon, "muon")  # NorMuon's own reduce-scatters, launched from its step(), are not DistAdam's
 
-    for step in range(4):
+    schedule = T.Schedule(args)
+    # the first steps, and steps around the untie step: tied, the embedding's gradient joins the lm_head's
+    # single reduce-scatter (one launch fewer than buckets); untied, every bucket has its own
+    for step in [0, 1, 2, 3, schedule.untie_step - 1, schedule.untie_step, schedule.untie_step + 1,
+                 schedule.untie_step + 2]:
         launches.clear()
-        windows = T.layer_windows(args, T.attention_windows(step, args))
-        T.train_step(model, (muon, adam), loader.next_batch(), windows, step, args, use_flex=False)
+        tied = adam.tied is not None
+        T.set_schedules(step, (muon, adam), schedule, args)
+        T.train_step(model, (muon, adam), loader.next_batch(step), step, schedule, args, use_flex=False)
         launches[:] = [launch for launch in launches if launch[0] != "muon"]
         if T.adam_steps_at(step, args):
             late = [size for w, size in launches if w == "step"]
             assert late == [], f"step {step}: buckets of {late} elements were reduced from step(), not their hooks"
-            assert len(launches) == len(adam.buckets), (launches, len(adam.buckets))
+            assert len(launches) == len(adam.buckets) - tied, (step, launches, len(adam.buckets))
+            assert torch.equal(model.embed.weight, model.lm_head.T) == tied
         else:
             assert launches == [], f"step {step}: no Adam step, but reduce-scatters {launches}"
-    assert adam.late_reductions == 0
+    assert adam.tied is None and adam.late_reductions == 0
 
     # The control: a parameter without a gradient keeps its bucket from completing during backward.
-    unused = torch.nn.Parameter(torch.zeros(3))
-    control = T.DistAdam([dict(params=[model.skip_gates, unused])])
-    (model.skip_gates.sum() * 2).backward()
+    used, unused = torch.nn.Parameter(torch.ones(5)), torch.nn.Parameter(torch.zeros(3))
+    control = T.DistAdam([dict(params=[used, unused])])
+    (used.sum() * 2).backward()
     control.step()
     assert control.late_reductions == 1, control.late_reductions

@@ -13,9 +13,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train_gpt as T  # noqa: E402
 
-# Includes chunks shorter than the world size, a stack of matrices (like the attention's q, k, v, o)
-# and a gate-like 1 x 12 matrix.
-SHAPES = [(8, 16)] * 3 + [(16, 8)] * 2 + [(5, 7), (4, 8, 8), (1, 12)]
+# Includes chunks shorter than the world size, stacks of matrices (like the attention's head-pair blocks)
+# whose matrices share chunks with lone ones of their shape, and a 1 x 12 matrix.
+SHAPES = [(8, 16)] * 3 + [(16, 8)] * 2 + [(5, 7), (4, 8, 8), (1, 12), (3, 16, 8)]
 STEPS = 3
 
 
@@ -36,10 +36,11 @@ def run_normuon(rank: int, world: int) -> torch.Tensor:
         gathered = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(gathered, flat)
         assert all(torch.equal(x, flat) for x in gathered), "parameters differ across ranks"
-        owned = sum(len(opt.state[p]) > 0 for p in params)
+        owned = sum(len(state) > 0 for state in opt.matrix_state)
         counts = [torch.zeros(1) for _ in range(world)]
         dist.all_gather(counts, torch.tensor([float(owned)]))
-        # Each matrix's momentum lives on exactly one rank: the work is split, not repeated.
-        assert sum(int(c) for c in counts) == len(params), counts
-        assert owned < len(params), "one rank orthogonalised every matrix"
+        # Each matrix's momentum lives on exactly one rank (a stack's matrices are units of their own): the
+        # work is split, not repeated.
+        assert sum(int(c) for c in counts) == len(opt.matrices), counts
+        assert owned < len(opt.matrices), "one rank orthogonalised every matrix"
     return flat
