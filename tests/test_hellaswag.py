@@ -97,7 +97,8 @@ def test_download_checks_the_file_before_keeping_it(tmp_path):
 
 def test_packed_sequences_score_as_if_each_were_alone():
     """sample.py packs a batch's sequences into one forward pass; each must score exactly as alone
-    (attention, the smear gate and the first prediction all stop at the BOS between them)."""
+    (attention, the smear gate, the bigram hash, the key offset, the rotary positions and the first prediction
+    all start afresh at the BOS between them)."""
     model, args, info = random_model()
     token_losses = sample.token_losses_fn(model, args, info)
     sequences = [[464, 3290, 11, 257], [50, 60, 70], [1110, 13, 257, 3290, 11, 464, 99], [5, 6]]
@@ -107,10 +108,10 @@ def test_packed_sequences_score_as_if_each_were_alone():
         assert_close(losses, token_losses([seq])[0], rtol=1e-5, atol=1e-5)
     # and the losses are the model's: the mean over a lone sequence equals its forward loss
     seq = torch.tensor([sample.T.BOS_ID, *sequences[2]])
-    windows = sample.T.layer_windows(args, tuple(info["windows"]))
+    windows = tuple(info["windows"])
     with torch.no_grad():
-        full = model(seq[:-1], seq[1:], sample.T.build_masks(seq[:-1], windows, False, args.window_block),
-                     reduction="none").float()
+        masks = sample.T.build_masks(seq[:-1], model.plans, windows, args.window_block, use_flex=False)
+        full = model(seq[:-1], seq[1:], masks, windows, reduction="none").float()
     assert_close(token_losses([sequences[2]])[0], full[1:], rtol=1e-5, atol=1e-5)
 
 

@@ -28,7 +28,7 @@ class NoHostSync(TorchDispatchMode):
 
 def smoke_setup():
     # Short micro-batches: a host sync is the same whatever their length.
-    args = T.parse_args(["--preset=smoke", "--batch_tokens=1024", "--micro_batch_tokens=256"], False)
+    args = T.parse_args(["--preset=smoke", "--stage_batch_tokens=1024,1024,1024"], False)
     env = T.DistEnv(0, 0, 1, torch.device("cpu"))
     model = T.build_model(args, env)
     return args, env, model, T.build_optimizers(model, args)
@@ -37,13 +37,14 @@ def smoke_setup():
 def test_training_step_has_no_host_sync():
     args, env, model, optimizers = smoke_setup()
     loader = T.SyntheticLoader(args, env)
-    windows = T.layer_windows(args, T.attention_windows(0, args))
-    for step in range(3):  # a step without Adam, one with it, and one with optimizer state present
-        batch = loader.next_batch()
-        T.set_schedules(step, optimizers, args)
+    schedule = T.Schedule(args)
+    # a step without Adam, one with it, one with optimizer state present, and the untie step
+    for step in (0, 1, 2, schedule.untie_step):
+        batch = loader.next_batch(step)
+        T.set_schedules(step, optimizers, schedule, args)
         with NoHostSync() as mode:
-            T.train_step(model, optimizers, batch, windows, step, args, use_flex=False)
-        assert mode.seen == [], f"host syncs in the training step: {mode.seen}"
+            T.train_step(model, optimizers, batch, step, schedule, args, use_flex=False)
+        assert mode.seen == [], f"host syncs in the training step {step}: {mode.seen}"
     with NoHostSync() as mode:  # the check itself can fail
         torch.ones(3).sum().item()
     assert mode.seen == ["aten::_local_scalar_dense"]
@@ -51,34 +52,41 @@ def test_training_step_has_no_host_sync():
 
 def test_flex_block_masks_are_built_without_host_sync():
     args = T.parse_args(["--preset=speedrun"], True)
-    tokens = T.SyntheticLoader(args, T.DistEnv(0, 0, 1, torch.device("cpu"))).next_batch()[0][0]
+    tokens = T.SyntheticLoader(args, T.DistEnv(0, 0, 1, torch.device("cpu"))).next_batch(0)[0][0]
+    with torch.device("meta"):
+        plans = T.GPT(args).plans
     with NoHostSync() as mode:
-        masks = T.build_masks(tokens, T.layer_windows(args, (6, 13)), True, args.window_block)
+        masks = T.build_masks(tokens, plans, (6, 13), args.window_block, use_flex=True)
     assert mode.seen == []
-    assert len({id(m) for m in masks if m is not None}) == 2  # one per window size, shared by the layers
+    # one per kind of layer, shared: short and long windows, and the paired layers' doubled sequence
+    assert set(masks.by_kind) == {(768, True), (768, False), (1664, False)}
 
 
 def test_model_flops_per_token_counts_matmuls_and_windowed_attention():
     args = T.parse_args(["--preset=speedrun"], True)
     with torch.device("meta"):
         model = T.GPT(args)
-    # 10 attention layers of 4 d^2, 11 MLPs of 8 d^2, 10 attention gates (6 x 12), the smear gate, the lm_head
-    matmul_params = 10 * 4 * 768 ** 2 + 11 * 8 * 768 ** 2 + 10 * 6 * 12 + 12 + 50304 * 768
-    # One document of 4096 tokens: position i attends to min(i + 1, window + 1) keys.
+    # 10 attention layers of 4 d^2, 11 MLPs of 8 d^2, the lm_head, and the four MUDD nets' first layers
+    # (64 x d each; their second layers and the gates are small and not counted)
+    matmul_params = 10 * 4 * 768 ** 2 + 11 * 8 * 768 ** 2 + 50304 * 768 + 4 * 64 * 768
+    # One document of 4096 tokens: position i attends to min(i + 1, window + 1) keys in a plain layer; a paired
+    # layer's token sits at positions 2i and 2i + 1 of the doubled document (half the heads each); DC adds
+    # its 112-key window on layer 10.
     tokens = torch.full((4096,), 7)
     tokens[0] = T.BOS_ID
-    windows = T.layer_windows(args, (3, 7))
-    flops = T.model_flops_per_token(args, model, tokens, windows)
-    contexts = [sum(min(i + 1, w + 1) for i in range(4096)) / 4096 for w in windows if w is not None]
-    assert len(contexts) == 10
+    flops = T.model_flops_per_token(args, model, tokens, (3, 7))
+    n = 4096
+    plain = lambda w: sum(min(i + 1, w + 1) for i in range(n)) / n
+    paired = lambda w: sum(min(2 * i + 1, w + 1) + min(2 * i + 2, w + 1) for i in range(n)) / (2 * n)
+    contexts = [paired(384)] * 4 + [plain(384)] * 4 + [plain(896)] * 2 + [sum(min(i + 1, 112) for i in range(n)) / n]
     expected = 6 * matmul_params + sum(12 * 768 * c for c in contexts)
     assert flops == pytest.approx(expected, rel=1e-9)
 
 
 @pytest.mark.slow
 def test_synthetic_benchmark_runs_on_cpu(tmp_path):
-    # Two steps give the perf line its median; no warmup: nothing here compiles.
-    proc = run_main("--synthetic=true", "--num_iterations=2", "--extension_steps=1", "--warmup_steps=0",
+    # One step per stage and the extension give the perf line its median; no warmup: nothing here compiles.
+    proc = run_main("--synthetic=true", "--num_iterations=4", "--extension_steps=1", "--warmup_steps=0",
                     "--val_loss_every=0", f"--logs_dir={tmp_path}", "--run_id=bench")
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = (tmp_path / "bench.txt").read_text()
