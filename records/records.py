@@ -97,6 +97,8 @@ class Log:
     final_val_loss: float | None    # val loss at step N
     train_time_ms: float | None     # of the whole run (or up to the last line if cut short)
     problems: list[str] = field(default_factory=list)   # empty for a complete, unedited log
+    file_id: tuple[int, int] | None = None   # (device, inode): one file under two names is still one run
+    steps_digest: str | None = None          # sha256 of the step lines: a renamed copy keeps them
 
     @property
     def name(self) -> str:
@@ -165,9 +167,11 @@ def parse_header(lines: list[str]) -> dict:
 
 def parse_body(lines: list[str]) -> dict:
     """Step lines and end-of-run lines after the second RULE line."""
-    b: dict = {"steps": [], "malformed": [], "summary": None, "peak": None, "error": None, "resumed": None}
+    b: dict = {"steps": [], "malformed": [], "summary": None, "peak": None, "error": None, "resumed": None,
+               "step_lines": []}
     for line in lines:
         if line.startswith("step:"):
+            b["step_lines"].append(line.rstrip())
             parsed = parse_step_line(line)
             if parsed is None:
                 b["malformed"].append(line)
@@ -188,7 +192,9 @@ def read_log(path: str | Path) -> Log:
     """Parse one log file; raise ToolError when it is not a speedrun log at all."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            data = f.read()
+            st = os.fstat(f.fileno())
     except OSError as e:
         raise ToolError(f"{path}: cannot read ({e.strerror or e})") from None
     if not data.strip():
@@ -260,6 +266,10 @@ def read_log(path: str | Path) -> Log:
               hyperparameters=hparams, total_steps=total, last_step=max((s for s, _, _ in steps), default=0),
               vals=vals, final_val_loss=final, train_time_ms=train_time)
     log.problems = find_problems(log, body, cut, extended, totals)
+    log.file_id = (st.st_dev, st.st_ino)
+    # Only timed steps identify a run: two runs that stopped after step 0 can print the same line.
+    if log.last_step > 0:
+        log.steps_digest = sha256_text("\n".join(body["step_lines"]))
     return log
 
 
@@ -352,6 +362,41 @@ def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[i
         problems.append(f"edited: embedded source hashes to {sha256_text(log.source)[:12]}..., "
                         f"header says code_sha256 {log.declared_hash[:12]}...")
     return problems
+
+
+# =============================================================================
+# Several logs: distinct runs
+# =============================================================================
+# n copies of one run are not n runs: they shrink the spread and fake a p-value.
+
+def duplicate_reason(first: Log, later: Log) -> str | None:
+    """Why `later` is the same run as `first`, or None."""
+    if first.file_id is not None and first.file_id == later.file_id:
+        return "the same file"
+    why = []
+    if first.run_id == later.run_id:
+        why.append(f"same run id {first.run_id}")
+    if first.steps_digest is not None and first.steps_digest == later.steps_digest:
+        why.append("identical step lines")
+    return " and ".join(why) or None
+
+
+def duplicates_line(logs: list[Log], labels: list[str] | None = None) -> str | None:
+    """`duplicate runs: B duplicates A (why); ...`, one clause per log that repeats an earlier one; None if none."""
+    labels = labels or [lg.name for lg in logs]
+    clauses = []
+    for j, later in enumerate(logs):
+        for i in range(j):
+            if why := duplicate_reason(logs[i], later):
+                clauses.append(f"{labels[j]} is given twice" if labels[j] == labels[i]
+                               else f"{labels[j]} duplicates {labels[i]} ({why})")
+                break
+    return "duplicate runs: " + "; ".join(clauses) if clauses else None
+
+
+def distinct_runs(logs: list[Log]) -> list[Log]:
+    """The logs less those that repeat an earlier one."""
+    return [lg for j, lg in enumerate(logs) if not any(duplicate_reason(logs[i], lg) for i in range(j))]
 
 
 # =============================================================================
@@ -695,6 +740,8 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 def cmd_summarize(args) -> int:
     logs = load_logs(args.logs)
+    if dup := duplicates_line(logs):
+        raise ToolError(dup)
     headers, rows = run_rows(logs)
     print(text_table(headers, rows, right={1, 2, 3, 4, 5}))
     print()
@@ -729,6 +776,10 @@ def cmd_compare(args) -> int:
             raise ToolError(f"{bad[0].name}: incomplete log ({bad[0].problems[0]}); compare needs complete runs")
         if len(logs) < 2:
             raise ToolError(f"{role} has {len(logs)} run: Welch's t-test needs at least 2 runs per group")
+    # A run in both groups, or twice in one, would make the groups look alike or tighter than they are.
+    both = [(f"{role} {lg.name}", lg) for role, logs in groups.items() for lg in logs]
+    if dup := duplicates_line([lg for _, lg in both], [label for label, _ in both]):
+        raise ToolError(dup)
     kinds = {role: sorted({hardware_long(lg) for lg in logs}) for role, logs in groups.items()}
     if kinds["baseline"] != kinds["candidate"] or len(kinds["baseline"]) > 1:
         message = (f"different hardware: baseline {'; '.join(kinds['baseline'])} vs "
@@ -762,6 +813,8 @@ def verify_logs(logs: list[Log], target: float, require_source: bool) -> tuple[l
     """(failures as 'FAIL file: reason', warnings, target statistics) for a set of logs."""
     fails = [f"FAIL {lg.name}: {p}" for lg in logs for p in lg.problems]
     warnings = []
+    if dup := duplicates_line(logs):
+        fails.append(f"FAIL {dup}")
 
     stripped = [lg for lg in logs if lg.source is None]
     if stripped and require_source:
@@ -782,7 +835,7 @@ def verify_logs(logs: list[Log], target: float, require_source: bool) -> tuple[l
     if len({hardware_key(lg) for lg in logs}) > 1:
         warnings.append("the logs ran on different hardware: " + "; ".join(sorted({hardware_long(lg) for lg in logs})))
 
-    scored = [lg for lg in logs if lg.final_val_loss is not None and lg.train_time_ms is not None]
+    scored = [lg for lg in distinct_runs(logs) if lg.final_val_loss is not None and lg.train_time_ms is not None]
     st = group_stats(scored, target) if scored else None
     if st and not st.met:
         who = scored[0].name if len(scored) == 1 else f"all {len(scored)} logs"
@@ -968,6 +1021,9 @@ def scan_records(records_dir: Path) -> list[Record]:
         if len({hardware_key(lg) for lg in logs}) > 1:
             warn(f"{folder}: left out of the table (its logs ran on different hardware)")
             continue
+        if dup := duplicates_line(logs):
+            warn(f"{folder}: left out of the table ({dup})")
+            continue
         track = meta.get("track") or default_track(logs[0])
         if conflict := track_conflict(track, logs[0]):
             warn(f"{folder}: left out of the table ({conflict})")
@@ -1136,14 +1192,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "it gets the table between its records markers")
 
     sp = add("summarize", "one row per run, then val-loss and train-time statistics",
-             "Incomplete logs are shown but left out of the statistics.")
+             "Incomplete logs are shown but left out of the statistics. Refuses a run given twice.")
     sp.add_argument("logs", nargs="+", metavar="LOG")
     target(sp)
     sp.set_defaults(func=cmd_summarize)
 
     sp = add("compare", "train-time difference of a candidate against a baseline, with a confidence interval",
              "Refuses groups that ran on different hardware (GPU, device or world size) "
-             "unless --allow-different-hardware.")
+             "unless --allow-different-hardware, and a run given twice (in one group or both).")
     sp.add_argument("--baseline", nargs="+", required=True, metavar="LOG")
     sp.add_argument("--candidate", nargs="+", required=True, metavar="LOG")
     sp.add_argument("--allow-different-hardware", action="store_true",
@@ -1153,7 +1209,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("verify", "exit 0 only if the logs back a record",
              "Checks: each log is complete (step lines 1..N, val lines every val_loss_every steps, "
              "final val loss at step N, end-of-run line, no error line, last line not cut) and unedited "
-             "(embedded source matches code_sha256); all ran the same code and preset; the target is met. "
+             "(embedded source matches code_sha256); no run is given twice (same file, run id or step lines); "
+             "all ran the same code and preset; the target is met. "
              "Prints 'FAIL <file>: <reason>' per failure. Logs without embedded source only warn.")
     sp.add_argument("logs", nargs="+", metavar="LOG")
     target(sp)

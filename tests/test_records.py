@@ -617,3 +617,88 @@ def test_help_documents_every_subcommand(capsys):
     top = capsys.readouterr().out
     for sub in ["summarize", "compare", "verify", "extract", "plot", "new", "table", "one-sided one-sample t-test"]:
         assert sub in top
+
+
+# ---------------------------------------------------------------------------------------
+# Records integrity: distinct runs
+
+def dup_case(how, tmp_path, monkeypatch):
+    """(paths to pass, the expected 'duplicate runs: ...' text, target) for one way of giving a run twice."""
+    a = tmp_path / "a.txt"
+    if how in ("same path twice", "./x and x", "symlink", "hard link", "renamed copies"):
+        a.write_bytes(PUBLIC[0].read_bytes())
+        if how == "same path twice":
+            return [a, a], f"{a} is given twice", "3.285"
+        if how == "./x and x":
+            monkeypatch.chdir(tmp_path)
+            return ["a.txt", "./a.txt"], "a.txt is given twice", "3.285"
+        b = tmp_path / "b.txt"
+        if how == "symlink":
+            b.symlink_to(a)
+            return [a, b], f"{b} duplicates {a} (the same file)", "3.285"
+        if how == "hard link":
+            b.hardlink_to(a)
+            return [a, b], f"{b} duplicates {a} (the same file)", "3.285"
+        # the review's case: three copies of one public log, each under its own name
+        c = tmp_path / "c.txt"
+        b.write_bytes(a.read_bytes())
+        c.write_bytes(a.read_bytes())
+        return [a, b, c], f"{b} duplicates {a} (identical step lines); {c} duplicates {a} (identical step lines)", \
+            "3.285"
+    if how == "copy with an edited run id":
+        b = edited(tmp_path, SAME_CODE[0], "b.txt", lambda t: t.replace("run_id: handmade-cpu-run1", "run_id: zzz"))
+        return [SAME_CODE[0], SAME_CODE[1], b], f"{b} duplicates {SAME_CODE[0]} (identical step lines)", "7.5"
+    assert how == "same run id"   # other step lines, the run id of another log
+    b = edited(tmp_path, SAME_CODE[1], "b.txt",
+               lambda t: t.replace("run_id: handmade-cpu-run2", "run_id: handmade-cpu-run1"))
+    return [SAME_CODE[0], b, SAME_CODE[2]], f"{b} duplicates {SAME_CODE[0]} (same run id handmade-cpu-run1)", "7.5"
+
+
+DUP_CASES = ["same path twice", "./x and x", "symlink", "hard link", "renamed copies", "copy with an edited run id",
+             "same run id"]
+
+
+@pytest.mark.parametrize("how", DUP_CASES)
+def test_verify_summarize_new_refuse_duplicate_runs(capsys, tmp_path, monkeypatch, repo, how):
+    paths, dup, target = dup_case(how, tmp_path, monkeypatch)
+    code, out, _ = run(capsys, "verify", *paths, "--target", target)
+    assert code == 1 and f"FAIL duplicate runs: {dup}" in out.splitlines()
+    code, out, err = run(capsys, "summarize", *paths, "--target", target)
+    assert (code, out, err) == (1, "", f"error: duplicate runs: {dup}\n")
+    code, out, err = run(capsys, "new", "dup", *paths, "--target", target, "--records-dir", repo)
+    assert code == 1 and f"FAIL duplicate runs: {dup}" in out.splitlines()
+    assert err.endswith("error: no record filed: the logs fail verify (reasons above)\n")
+    assert not repo.exists()
+
+
+def test_compare_refuses_duplicate_runs(capsys, tmp_path):
+    code, out, err = run(capsys, "compare", "--baseline", *PUBLIC, "--candidate", *PUBLIC)   # identical groups
+    assert code == 1 and out == ""
+    assert err.startswith(f"error: duplicate runs: candidate {PUBLIC[0]} duplicates baseline {PUBLIC[0]} (the same "
+                          f"file); candidate {PUBLIC[1]} duplicates") and err.count("\n") == 1
+    code, _, err = run(capsys, "compare", "--baseline", *PUBLIC[:3], "--candidate", PUBLIC[2], *PUBLIC[3:])
+    assert code == 1 and err == f"error: duplicate runs: candidate {PUBLIC[2]} duplicates baseline {PUBLIC[2]} " \
+                                "(the same file)\n"
+    copy = tmp_path / "renamed.txt"
+    copy.write_bytes(PUBLIC[1].read_bytes())
+    code, _, err = run(capsys, "compare", "--baseline", *PUBLIC[:3], "--candidate", copy, *PUBLIC[3:])
+    assert code == 1 and err == f"error: duplicate runs: candidate {copy} duplicates baseline {PUBLIC[1]} " \
+                                "(identical step lines)\n"
+
+
+def test_runs_that_stopped_at_step_0_are_not_duplicates(capsys, tmp_path):
+    # Same seed, same step-0 val line: nothing timed tells them apart, and nothing says they are one run.
+    cut = [edited(tmp_path, SAME_CODE[0], f"cut{i}.txt", lambda t, i=i: t[:t.index("step:1/")].replace(
+        "run_id: handmade-cpu-run1", f"run_id: cut{i}")) for i in (1, 2)]
+    code, out, _ = run(capsys, "summarize", *cut)
+    assert code == 0 and "runs: 2 (0 complete)" in out
+
+
+def test_table_leaves_out_a_record_holding_a_run_twice(capsys, repo):
+    code, _, _ = run(capsys, "new", "smoke", *SAME_CODE, "--target", "7.5", "--records-dir", repo)
+    folder = repo / "2026-11-22_smoke"
+    (folder / "b-cpu-run4.txt").write_bytes(SAME_CODE[2].read_bytes())   # a fourth "run"
+    code, _, err = run(capsys, "table", "--records-dir", repo)
+    assert code == 0 and (f"left out of the table (duplicate runs: {folder / 'b-cpu-run4.txt'} duplicates "
+                          f"{folder / 'b-cpu-run3.txt'} (same run id handmade-cpu-run3 and identical step lines))") in err
+    assert "[smoke](" not in (repo / "RECORDS.md").read_text()
