@@ -365,7 +365,7 @@ def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[i
 
 
 # =============================================================================
-# Several logs: distinct runs
+# Several logs: distinct runs of one experiment
 # =============================================================================
 # n copies of one run are not n runs: they shrink the spread and fake a p-value.
 
@@ -397,6 +397,71 @@ def duplicates_line(logs: list[Log], labels: list[str] | None = None) -> str | N
 def distinct_runs(logs: list[Log]) -> list[Log]:
     """The logs less those that repeat an earlier one."""
     return [lg for j, lg in enumerate(logs) if not any(duplicate_reason(logs[i], lg) for i in range(j))]
+
+
+# Hyperparameters a rerun of one experiment may change: the seed (what repeats vary), where files go,
+# checkpointing and the device flag (the hardware is compared on its own).
+FREE_FIELDS = {"seed", "run_id", "logs_dir", "checkpoint_dir", "resume", "force_resume", "save_every",
+               "save_final", "pg_timeout_s", "device"}
+# Shown first: the fields that most change what a run computes.
+KEY_FIELDS = ["num_iterations", "world_size", "train_files", "val_files", "val_tokens", "val_seq_len",
+              "repeat_data", "batch_tokens", "micro_batch_tokens", "train_max_seq_len"]
+
+
+def experiment_fields(logs: list[Log]) -> dict[str, list[str | None]]:
+    """Field -> its value in each log (None: not logged), for every field that defines the experiment.
+    num_iterations is the N of the step lines. Logs without a hyperparameters section (the public
+    logs) show no batch size, and the code behind them may scale it with the world size: for them
+    the world size is part of the experiment."""
+    fields: dict[str, list[str | None]] = {
+        "num_iterations": [None if lg.total_steps is None else str(lg.total_steps) for lg in logs]}
+    if any(not lg.hyperparameters for lg in logs):
+        fields["world_size"] = [None if lg.world_size is None else str(lg.world_size) for lg in logs]
+    names = set().union(*(lg.hyperparameters for lg in logs)) - FREE_FIELDS - fields.keys()
+    for name in sorted(names, key=lambda n: (KEY_FIELDS.index(n) if n in KEY_FIELDS else len(KEY_FIELDS), n)):
+        fields[name] = [lg.hyperparameters.get(name) for lg in logs]
+    return fields
+
+
+def experiment_differences(logs: list[Log]) -> dict[str, dict[str | None, list[Log]]]:
+    """Field -> {value: logs with it}, for the experiment fields whose value is not the same in every log."""
+    out = {}
+    for name, values in experiment_fields(logs).items():
+        if len(set(values)) > 1:
+            groups: dict[str | None, list[Log]] = {}
+            for value, lg in zip(values, logs):
+                groups.setdefault(value, []).append(lg)
+            out[name] = groups
+    return out
+
+
+def differs_text(name: str, groups: dict[str | None, list[Log]], name_of=lambda lg: lg.name) -> str:
+    """`batch_tokens is 2048 in a.txt, b.txt; 4096 in c.txt`"""
+    def shown(v):
+        return "not logged" if v is None else (repr(v) if v == "" else v)
+    return f"{name} is " + "; ".join(f"{shown(v)} in {', '.join(map(name_of, lgs))}" for v, lgs in groups.items())
+
+
+def parse_allowed(values: list[str] | None, logs: list[Log]) -> set[str]:
+    """The fields of --allow-differences (repeatable, comma-separated); a name no log records is a typo."""
+    allowed = {name.strip() for value in values or [] for name in value.split(",") if name.strip()}
+    known = {"num_iterations", "world_size"}.union(*(lg.hyperparameters for lg in logs))
+    unknown = sorted(allowed - known)
+    if unknown:
+        raise ToolError(f"--allow-differences: no log records a field {unknown[0]!r} (the fields are the "
+                        "hyperparameter names in the logs' headers, num_iterations and world_size)")
+    return allowed
+
+
+def experiment_fails(logs: list[Log], allowed: set[str], limit: int = 5) -> list[str]:
+    """One FAIL line per experiment field that differs and is not allowed to (the rest named in one more)."""
+    shown = [(name, groups) for name, groups in experiment_differences(logs).items() if name not in allowed]
+    fails = [f"FAIL not the same experiment: {differs_text(name, groups)} "
+             f"(--allow-differences={name} if that is intended)" for name, groups in shown[:limit]]
+    if len(shown) > limit:
+        fails.append(f"FAIL not the same experiment: {len(shown) - limit} more fields differ: "
+                     + ", ".join(name for name, _ in shown[limit:]))
+    return fails
 
 
 # =============================================================================
@@ -809,12 +874,15 @@ def cmd_compare(args) -> int:
 # verify
 # =============================================================================
 
-def verify_logs(logs: list[Log], target: float, require_source: bool) -> tuple[list[str], list[str], Stats | None]:
-    """(failures as 'FAIL file: reason', warnings, target statistics) for a set of logs."""
+def verify_logs(logs: list[Log], target: float, require_source: bool,
+                allowed: set[str] = frozenset()) -> tuple[list[str], list[str], Stats | None]:
+    """(failures as 'FAIL file: reason', warnings, target statistics) for a set of logs; `allowed`:
+    experiment fields that may differ between them."""
     fails = [f"FAIL {lg.name}: {p}" for lg in logs for p in lg.problems]
     warnings = []
     if dup := duplicates_line(logs):
         fails.append(f"FAIL {dup}")
+    fails += experiment_fails(logs, allowed)
 
     stripped = [lg for lg in logs if lg.source is None]
     if stripped and require_source:
@@ -832,6 +900,10 @@ def verify_logs(logs: list[Log], target: float, require_source: bool) -> tuple[l
                 if key(lg) not in (None, ref):
                     mine = key(lg)[:12] if what == "code" else key(lg)
                     fails.append(f"FAIL {lg.name}: ran different {what} ({mine}) than {n_ref} other log(s) ({shown})")
+    bare = [lg for lg in logs if not lg.hyperparameters]
+    if bare:
+        warnings.append(f"{len(bare)} of {len(logs)} logs record no hyperparameters: of their settings only the "
+                        "number of steps and the world size can be compared")
     if len({hardware_key(lg) for lg in logs}) > 1:
         warnings.append("the logs ran on different hardware: " + "; ".join(sorted({hardware_long(lg) for lg in logs})))
 
@@ -850,7 +922,8 @@ def cmd_verify(args) -> int:
             logs.append(read_log(path))
         except ToolError as e:
             fails.append(f"FAIL {e}")
-    more, warnings, st = verify_logs(logs, args.target, args.require_source)
+    allowed = parse_allowed(args.allow_differences, logs)
+    more, warnings, st = verify_logs(logs, args.target, args.require_source, allowed)
     for w in warnings:
         warn(w)
     fails += more
@@ -859,7 +932,9 @@ def cmd_verify(args) -> int:
     if fails:
         return 1
     same = "no embedded source to compare" if logs[0].code_hash is None else f"same code {logs[0].code_hash[:12]}"
-    print(f"OK {len(logs)} log(s): complete; {same}; {target_rule(st)}")
+    differ = experiment_differences(logs)
+    allowed_text = f"runs differ in {', '.join(differ)} (allowed); " if differ else ""
+    print(f"OK {len(logs)} log(s): complete; {same}; {allowed_text}{target_rule(st)}")
     return 0
 
 
@@ -943,6 +1018,10 @@ def record_readme(name: str, date: str, track: str, target: float, logs: list[Lo
     lines = [f"# {name} ({date})", "",
              f"Track: **{track}**. Hardware, from the logs: {hardware_long(first)}; "
              f"PyTorch {first.torch or 'unknown'}, Python {first.python or 'unknown'}.", ""]
+    if differ := experiment_differences(logs):
+        lines += [f"**Not one experiment**: filed with `--allow-differences={','.join(differ)}`; the statistics "
+                  "below pool runs whose settings differ:", ""]
+        lines += [f"- {differs_text(k, g, lambda lg: lg.path.name)}" for k, g in differ.items()] + [""]
     if first.note:
         lines += [f"> {first.note}", ""]
     lines += ["## Runs", "", md_table(headers, rows), "",
@@ -1024,6 +1103,13 @@ def scan_records(records_dir: Path) -> list[Record]:
         if dup := duplicates_line(logs):
             warn(f"{folder}: left out of the table ({dup})")
             continue
+        declared = meta.get("allowed_differences")
+        declared = {k for k in declared if isinstance(k, str)} if isinstance(declared, list) else set()
+        undeclared = [k for k in experiment_differences(logs) if k not in declared]
+        if undeclared:
+            warn(f"{folder}: left out of the table (its runs differ in {', '.join(undeclared)}, "
+                 "which record.json does not allow)")
+            continue
         track = meta.get("track") or default_track(logs[0])
         if conflict := track_conflict(track, logs[0]):
             warn(f"{folder}: left out of the table ({conflict})")
@@ -1092,7 +1178,8 @@ def cmd_new(args) -> int:
         raise ToolError(f"record name {args.name!r}: use letters, digits, '_', '.', '-' only")
     records_dir = Path(args.records_dir)
     logs = load_logs(args.logs)
-    fails, warnings, _ = verify_logs(logs, args.target, args.require_source)
+    allowed = parse_allowed(args.allow_differences, logs)
+    fails, warnings, _ = verify_logs(logs, args.target, args.require_source, allowed)
     for w in warnings:
         warn(w)
     if fails:
@@ -1121,6 +1208,8 @@ def cmd_new(args) -> int:
         for lg in logs:
             write_bytes(tmp / lg.path.name, lg.path.read_bytes(), shown=folder / lg.path.name)
         meta = {"name": args.name, "date": date, "track": track, "target": args.target}
+        if differ := experiment_differences(logs):
+            meta["allowed_differences"] = list(differ)
         write_bytes(tmp / "record.json", (json.dumps(meta, indent=2) + "\n").encode("utf-8"),
                     shown=folder / "record.json")
         rel = folder.resolve().relative_to(records_dir.resolve().parent).as_posix()
@@ -1186,6 +1275,11 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--target", type=float, default=DEFAULT_TARGET,
                         help=f"val-loss target (default {DEFAULT_TARGET})")
 
+    def allow_differences(sp):
+        sp.add_argument("--allow-differences", action="append", metavar="FIELD[,FIELD]",
+                        help="experiment fields the runs may differ in (hyperparameter names, num_iterations, "
+                             "world_size); without it runs that differ in any but seed and where files go fail")
+
     def records_dir(sp):
         sp.add_argument("--records-dir", default=str(RECORDS_DIR), metavar="DIR",
                         help="records root (default: the folder records.py is in); the README.md beside "
@@ -1210,10 +1304,12 @@ def build_parser() -> argparse.ArgumentParser:
              "Checks: each log is complete (step lines 1..N, val lines every val_loss_every steps, "
              "final val loss at step N, end-of-run line, no error line, last line not cut) and unedited "
              "(embedded source matches code_sha256); no run is given twice (same file, run id or step lines); "
-             "all ran the same code and preset; the target is met. "
+             "all ran the same code, preset and experiment (steps, data, validation and batch settings: every "
+             "logged hyperparameter but the seed and where files go); the target is met. "
              "Prints 'FAIL <file>: <reason>' per failure. Logs without embedded source only warn.")
     sp.add_argument("logs", nargs="+", metavar="LOG")
     target(sp)
+    allow_differences(sp)
     sp.add_argument("--require-source", action="store_true",
                     help="fail logs whose embedded source was stripped instead of warning")
     sp.set_defaults(func=cmd_verify)
@@ -1232,13 +1328,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("new", "file a record: records/<date>_<NAME>/ with the logs, record.json and a README, "
              "then regenerate the table",
-             "The logs must pass verify and share one hardware. The date is the first log's "
+             "The logs must pass verify (with the same --allow-differences, which the record's README and "
+             "record.json then list) and share one hardware. The date is the first log's "
              "(else today); the track defaults to the logs' hardware and preset, e.g. '8×H100' or '2×CPU smoke'.")
     sp.add_argument("name", metavar="NAME")
     sp.add_argument("logs", nargs="+", metavar="LOG")
     sp.add_argument("--track", help="track name; refused if it names hardware the logs did not run on")
     sp.add_argument("--date", type=valid_date, help="YYYY-MM-DD instead of the first log's date")
     target(sp)
+    allow_differences(sp)
     sp.add_argument("--require-source", action="store_true", help="as for verify")
     records_dir(sp)
     sp.set_defaults(func=cmd_new)
