@@ -1114,8 +1114,12 @@ def scan_records(records_dir: Path) -> list[Record]:
         if conflict := track_conflict(track, logs[0]):
             warn(f"{folder}: left out of the table ({conflict})")
             continue
-        found.append(Record(folder, meta.get("name", name), meta.get("date", date), track,
-                            float(meta.get("target", DEFAULT_TARGET)), logs))
+        try:
+            target = check_target(meta.get("target", DEFAULT_TARGET))
+        except ValueError as e:
+            warn(f"{folder}/record.json: {e}: left out of the table")
+            continue
+        found.append(Record(folder, meta.get("name", name), meta.get("date", date), track, target, logs))
     return found
 
 
@@ -1241,6 +1245,24 @@ def cmd_table(args) -> int:
 # Command line
 # =============================================================================
 
+def check_target(value) -> float:
+    """A val-loss target is a finite number > 0: an infinite one is met by any run, nan or <= 0 by none."""
+    try:
+        target = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"target {value!r} is not a number") from None
+    if not math.isfinite(target) or target <= 0:
+        raise ValueError(f"target {value!r} must be a finite number > 0")
+    return target
+
+
+def valid_target(text: str) -> float:
+    try:
+        return check_target(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def valid_date(text: str) -> str:
     try:
         return dt.date.fromisoformat(text).isoformat()
@@ -1272,8 +1294,8 @@ def build_parser() -> argparse.ArgumentParser:
         return sp
 
     def target(sp):
-        sp.add_argument("--target", type=float, default=DEFAULT_TARGET,
-                        help=f"val-loss target (default {DEFAULT_TARGET})")
+        sp.add_argument("--target", type=valid_target, default=DEFAULT_TARGET,
+                        help=f"val-loss target, a finite number > 0 (default {DEFAULT_TARGET})")
 
     def allow_differences(sp):
         sp.add_argument("--allow-differences", action="append", metavar="FIELD[,FIELD]",

@@ -620,7 +620,7 @@ def test_help_documents_every_subcommand(capsys):
 
 
 # ---------------------------------------------------------------------------------------
-# Records integrity: distinct runs of one experiment
+# Records integrity: distinct runs of one experiment, finite targets
 
 def with_hparams(text: str, **fields) -> str:
     """The log text with these `  name = value` hyperparameter lines set (replaced, or added to the section)."""
@@ -811,6 +811,20 @@ def test_many_differences_are_capped(capsys):
     assert re.fullmatch(r"FAIL not the same experiment: \d+ more fields differ: [\w, ]+", lines[5])
 
 
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "0", "-3.28"])
+@pytest.mark.parametrize("command", ["verify", "summarize", "new"])
+def test_targets_must_be_finite_and_positive(capsys, repo, command, value):
+    args = [command] + (["x"] if command == "new" else []) + [*PUBLIC, f"--target={value}"]
+    args += ["--records-dir", repo] if command == "new" else []
+    with pytest.raises(SystemExit) as exit_:
+        rec.main([str(a) for a in args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.splitlines()[-1] == (f"records.py {command}: error: argument --target: target '{value}' must be a "
+                                    "finite number > 0")
+    assert not repo.exists()
+
+
 def test_table_leaves_out_a_record_holding_a_run_twice(capsys, repo):
     code, _, _ = run(capsys, "new", "smoke", *SAME_CODE, "--target", "7.5", "--records-dir", repo)
     folder = repo / "2026-11-22_smoke"
@@ -818,4 +832,14 @@ def test_table_leaves_out_a_record_holding_a_run_twice(capsys, repo):
     code, _, err = run(capsys, "table", "--records-dir", repo)
     assert code == 0 and (f"left out of the table (duplicate runs: {folder / 'b-cpu-run4.txt'} duplicates "
                           f"{folder / 'b-cpu-run3.txt'} (same run id handmade-cpu-run3 and identical step lines))") in err
+    assert "[smoke](" not in (repo / "RECORDS.md").read_text()
+
+
+def test_table_leaves_out_a_record_with_an_unusable_target(capsys, repo):
+    code, _, _ = run(capsys, "new", "smoke", *SAME_CODE, "--target", "7.5", "--records-dir", repo)
+    folder = repo / "2026-11-22_smoke"
+    meta = rec.json.loads((folder / "record.json").read_text())
+    (folder / "record.json").write_text(rec.json.dumps({**meta, "target": math.inf}))   # `Infinity`: met by anything
+    code, _, err = run(capsys, "table", "--records-dir", repo)
+    assert code == 0 and f"{folder}/record.json: target inf must be a finite number > 0: left out" in err
     assert "[smoke](" not in (repo / "RECORDS.md").read_text()
