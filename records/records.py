@@ -773,6 +773,7 @@ def write_bytes(path: Path, data: bytes, shown: Path | None = None) -> None:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
+            os.fchmod(fd, 0o644)   # whatever the umask, or mkstemp's private mode: files others read
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
@@ -780,6 +781,22 @@ def write_bytes(path: Path, data: bytes, shown: Path | None = None) -> None:
             os.close(fd)
     except OSError as e:
         raise ToolError(f"{shown or path}: cannot write ({why_not_written(e)})") from None
+
+
+def make_dirs(path: Path) -> None:
+    """mkdir -p, each new folder 0755 whatever the umask."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        if path.parent == path:
+            break
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(exist_ok=True)
+            os.chmod(folder, 0o755)
+        except OSError as e:
+            raise ToolError(f"{folder}: cannot create ({why_not_written(e)})") from None
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -1206,9 +1223,10 @@ def cmd_new(args) -> int:
         raise ToolError(f"{folder}: already exists")
 
     # Build the folder beside its final place and rename it: no half-made record on failure.
-    records_dir.mkdir(parents=True, exist_ok=True)
+    make_dirs(records_dir)
     tmp = Path(tempfile.mkdtemp(dir=records_dir, prefix=".new-"))
     try:
+        os.chmod(tmp, 0o755)   # mkdtemp makes it private; a record is for everyone to read
         for lg in logs:
             write_bytes(tmp / lg.path.name, lg.path.read_bytes(), shown=folder / lg.path.name)
         meta = {"name": args.name, "date": date, "track": track, "target": args.target}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import math
+import os
 import re
 import statistics
 import subprocess
@@ -620,7 +621,7 @@ def test_help_documents_every_subcommand(capsys):
 
 
 # ---------------------------------------------------------------------------------------
-# Records integrity: distinct runs of one experiment, finite targets
+# Records integrity: distinct runs of one experiment, finite targets, readable files
 
 def with_hparams(text: str, **fields) -> str:
     """The log text with these `  name = value` hyperparameter lines set (replaced, or added to the section)."""
@@ -843,3 +844,24 @@ def test_table_leaves_out_a_record_with_an_unusable_target(capsys, repo):
     code, _, err = run(capsys, "table", "--records-dir", repo)
     assert code == 0 and f"{folder}/record.json: target inf must be a finite number > 0: left out" in err
     assert "[smoke](" not in (repo / "RECORDS.md").read_text()
+
+
+@pytest.fixture
+def private_umask():
+    old = os.umask(0o077)
+    yield
+    os.umask(old)
+
+
+def test_written_files_are_readable_whatever_the_umask(capsys, repo, tmp_path, private_umask):
+    code, out, _ = run(capsys, "new", "smoke", *SAME_CODE, "--target", "7.5", "--records-dir", repo)
+    assert code == 0, out
+    folder = repo / "2026-11-22_smoke"
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "b-cpu-run1.txt", "b-cpu-run2.txt",
+                                                       "b-cpu-run3.txt", "record.json"]
+    for path in [repo, folder]:
+        assert oct(path.stat().st_mode & 0o777) == "0o755", path
+    for path in [*folder.iterdir(), repo / "RECORDS.md", repo.parent / "README.md"]:
+        assert oct(path.stat().st_mode & 0o777) == "0o644", path
+    code, _, _ = run(capsys, "extract", SAME_CODE[0], "-o", tmp_path / "train.py")
+    assert code == 0 and oct((tmp_path / "train.py").stat().st_mode & 0o777) == "0o644"
