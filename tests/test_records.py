@@ -844,6 +844,9 @@ def test_table_leaves_out_a_record_with_an_unusable_target(capsys, repo):
     code, _, err = run(capsys, "table", "--records-dir", repo)
     assert code == 0 and f"{folder}/record.json: target inf must be a finite number > 0: left out" in err
     assert "[smoke](" not in (repo / "RECORDS.md").read_text()
+    (folder / "record.json").write_text(rec.json.dumps({**meta, "target": "low"}))
+    code, _, err = run(capsys, "table", "--records-dir", repo)
+    assert code == 0 and f"{folder}/record.json: target 'low' is not a number: left out" in err
 
 
 @pytest.fixture
