@@ -169,6 +169,8 @@ def parse_args(argv):
             raise SampleError(f"--{name}={getattr(options, name)}: must be zero or positive")
     if not 0 <= options.temperature < math.inf:
         raise SampleError(f"--temperature={options.temperature}: must be zero (greedy) or a finite positive number")
+    if not 0 <= options.seed < 2 ** 64:  # what torch.Generator.manual_seed takes, negatives aside (they alias)
+        raise SampleError(f"--seed={options.seed}: must be in 0..2**64-1")
     if options.batch_size <= 0:
         raise SampleError(f"--batch_size={options.batch_size}: must be positive")
     if options.eval is None and not options.prompt:

@@ -427,6 +427,8 @@ SAMPLE_CASES = [
     ("windows not a list", edit_config(with_key("windows", "3,10")), ["--prompt=x"], ['"windows" must be']),
     ("config not an object", edit_config(with_key("config", 5)), ["--prompt=x"], ["config.json: not train_gpt.py's"]),
     ("config.json a list", edit_config(lambda info: [1]), ["--prompt=x"], ["config.json: not train_gpt.py's"]),
+    ("seed negative", None, ["--prompt=x", "--seed=-1"], ["--seed=-1: must be in 0..2**64-1"]),
+    ("seed 2**64", None, ["--prompt=x", f"--seed={2 ** 64}"], [f"--seed={2 ** 64}: must be in 0..2**64-1"]),
 ]
 
 
