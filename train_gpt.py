@@ -1948,6 +1948,11 @@ def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters
         if info.get("format") != FINAL_WEIGHTS_FORMAT:
             raise ValueError(f"format {info.get('format')!r}")
         names = {f.name for f in dataclasses.fields(Hyperparameters)}
+        # Every field a run's config records (run control aside) must be there: a default would
+        # silently rebuild another model, e.g. the speedrun's.
+        missing = [n for n in names if n not in RUN_CONTROL_FIELDS and n not in info["config"]]
+        if missing:
+            raise ValueError(f"\"config\" lacks {', '.join(sorted(missing))}, needed to rebuild the model")
         args = Hyperparameters(**{k: v for k, v in info["config"].items() if k in names})
         validate_config(args)
         windows = info.get("windows")

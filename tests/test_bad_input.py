@@ -417,6 +417,14 @@ def edit_config(change):
     return edit
 
 
+def without_config_fields(*names):
+    def change(info):
+        for name in names:
+            del info["config"][name]
+        return info
+    return change
+
+
 SAMPLE_CASES = [
     # (what, how the final folder is changed, sample.py flags, fragments)
     ("temperature nan", None, ["--prompt=x", "--temperature=nan"], ["--temperature=nan: must be zero (greedy) or a"]),
@@ -429,6 +437,10 @@ SAMPLE_CASES = [
     ("config.json a list", edit_config(lambda info: [1]), ["--prompt=x"], ["config.json: not train_gpt.py's"]),
     ("seed negative", None, ["--prompt=x", "--seed=-1"], ["--seed=-1: must be in 0..2**64-1"]),
     ("seed 2**64", None, ["--prompt=x", f"--seed={2 ** 64}"], [f"--seed={2 ** 64}: must be in 0..2**64-1"]),
+    # both equal the speedrun's defaults here: filled in, the model would load as if nothing were missing
+    ("config lacks model fields", edit_config(without_config_fields("logit_cap", "vocab_size")), ["--prompt=x"],
+     ['config.json: not train_gpt.py\'s final-weights config ("config" lacks logit_cap, vocab_size, needed to '
+      'rebuild the model)']),
 ]
 
 
@@ -439,6 +451,17 @@ def test_sample_refuses_bad_values_and_configs(final_folder_in_process, tmp_path
         folder = copy_of(final_folder_in_process, tmp_path)
         edit(folder)
     one_line_error(sample_main(folder, *flags), *fragments)
+
+
+def test_final_weights_load_without_the_run_control_fields(final_folder_in_process, tmp_path):
+    # they steer a run, never the model: a config.json may leave them out
+    folder = copy_of(final_folder_in_process, tmp_path)
+    edit_config(without_config_fields(*T.RUN_CONTROL_FIELDS))(folder)
+    model, args, _ = T.load_final_weights(folder, torch.device("cpu"))
+    saved = json.loads((final_folder_in_process / "config.json").read_text())["config"]
+    assert all(getattr(args, name) == value for name, value in saved.items() if name not in T.RUN_CONTROL_FIELDS)
+    reference, _, _ = T.load_final_weights(final_folder_in_process, torch.device("cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
 
 
 def test_a_tiny_temperature_samples_greedily():
