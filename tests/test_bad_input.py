@@ -425,6 +425,25 @@ def without_config_fields(*names):
     return change
 
 
+def with_config_field(name, value):
+    def change(info):
+        info["config"][name] = value
+        return info
+    return change
+
+
+def edit_weights(drop=(), add=None):
+    """model.pt without the weights named in `drop`, and with those in `add` (added or replaced)."""
+    def edit(folder):
+        state = torch.load(folder / "model.pt", weights_only=True)
+        for name in drop:
+            del state[name]
+        state.update(add or {})
+        (folder / "model.pt").unlink()
+        torch.save(state, folder / "model.pt")
+    return edit
+
+
 SAMPLE_CASES = [
     # (what, how the final folder is changed, sample.py flags, fragments)
     ("temperature nan", None, ["--prompt=x", "--temperature=nan"], ["--temperature=nan: must be zero (greedy) or a"]),
@@ -441,6 +460,14 @@ SAMPLE_CASES = [
     ("config lacks model fields", edit_config(without_config_fields("logit_cap", "vocab_size")), ["--prompt=x"],
      ['config.json: not train_gpt.py\'s final-weights config ("config" lacks logit_cap, vocab_size, needed to '
       'rebuild the model)']),
+    ("weights of another width", edit_config(with_config_field("model_dim", 32)), ["--prompt=x"],
+     ["model.pt: cannot load these weights into the model of config.json (", "shape mismatch(es): embed.weight: "
+      "checkpoint (50304, 64), model (50304, 32); value_embeds.0.weight: checkpoint (50304, 64), model (50304, 32)"]),
+    ("a weight of another shape", edit_weights(add={"blocks.1.attn.qkvo": torch.zeros(4, 32, 32)}), ["--prompt=x"],
+     ["(1 shape mismatch(es): blocks.1.attn.qkvo: checkpoint (4, 32, 32), model (4, 64, 64))"]),
+    ("a weight missing, one extra",
+     edit_weights(drop=["blocks.1.attn.qkvo"], add={"blocks.9.mlp.fc.weight": torch.zeros(1)}), ["--prompt=x"],
+     ["(1 missing key(s): blocks.1.attn.qkvo; 1 unexpected key(s): blocks.9.mlp.fc.weight)"]),
 ]
 
 
