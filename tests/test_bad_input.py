@@ -468,6 +468,8 @@ SAMPLE_CASES = [
     ("a weight missing, one extra",
      edit_weights(drop=["blocks.1.attn.qkvo"], add={"blocks.9.mlp.fc.weight": torch.zeros(1)}), ["--prompt=x"],
      ["(1 missing key(s): blocks.1.attn.qkvo; 1 unexpected key(s): blocks.9.mlp.fc.weight)"]),
+    ("hellaswag data a directory", None, ["--eval=hellaswag", f"--data={REPO / 'data'}"],
+     [f"{REPO / 'data'}: a directory, not a HellaSwag .jsonl file"]),
 ]
 
 
@@ -489,6 +491,21 @@ def test_final_weights_load_without_the_run_control_fields(final_folder_in_proce
     assert all(getattr(args, name) == value for name, value in saved.items() if name not in T.RUN_CONTROL_FIELDS)
     reference, _, _ = T.load_final_weights(final_folder_in_process, torch.device("cpu"))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+def test_hellaswag_data_from_a_pipe_is_read(final_folder_in_process, tmp_path):
+    data = hellaswag_file(tmp_path / "val.jsonl", examples=3, context_words=14)
+    from_file = sample_main(final_folder_in_process, "--eval=hellaswag", f"--data={data}")
+    assert from_file.returncode == 0, from_file.stderr
+    read, write = os.pipe()  # what `--data=<(...)` or `--data=/dev/stdin` with a pipe gives
+    try:
+        os.write(write, data.read_bytes())  # a few hundred bytes: within the pipe's buffer
+        os.close(write)
+        piped = sample_main(final_folder_in_process, "--eval=hellaswag", f"--data=/dev/fd/{read}")
+    finally:
+        os.close(read)
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == from_file.stdout and piped.stdout.startswith("hellaswag: 3 examples")
 
 
 def test_a_tiny_temperature_samples_greedily():
