@@ -19,6 +19,7 @@ The output depends only on the inputs and their order, never on --workers.
 import argparse
 import codecs
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -49,7 +50,12 @@ SHARD_NAME_RE = r"_(?:train|val)_\d{6}\.bin"
 
 
 class TokenizeError(Exception):
-    """An expected failure (bad input, bad flag, no network); main() prints it as one line."""
+    """An expected failure (bad input, bad flag, no network); main() prints it as one line and exits
+    with `code`."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
 
 
 # -----------------------------------------------------------------------------
@@ -333,6 +339,15 @@ def existing_shards(out_dir: Path, prefix: str) -> list[Path]:
     return sorted(p for p in out_dir.iterdir() if pattern.fullmatch(p.name))
 
 
+def remove_empty(folders):
+    """Removes these folders, deepest first, while they are empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (or not made): the folders above it stay too
+            return
+
+
 def _batches(docs, max_chars=BATCH_CHARS):
     batch, chars = [], 0
     for doc in docs:
@@ -370,18 +385,26 @@ def write_dataset(out_dir, prefix, train_docs, val_docs=None, val_tokens=0, *, b
     if max_doc_tokens < 0 or max_doc_tokens == 1:
         raise TokenizeError(f"--max-doc-tokens {max_doc_tokens}: must be 0 (keep documents whole) or at least 2 "
                             f"(the BOS and one token)")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise TokenizeError(f"--out {out_dir}: exists and is not a folder")
-    old = existing_shards(out_dir, prefix)
+    try:
+        if out_dir.exists() and not out_dir.is_dir():
+            raise TokenizeError(f"--out {out_dir}: exists and is not a folder", code=2)
+        old = existing_shards(out_dir, prefix)
+    except OSError as e:
+        raise TokenizeError(f"--out {out_dir}: cannot read it ({e.strerror or e})", code=2) from None
     if old and not overwrite:
         raise TokenizeError(f"--out {out_dir} already holds {len(old)} {prefix} shard(s) (e.g. {old[0].name}); "
                             f"pass --overwrite to replace them")
 
     global _ENCODING
     _ENCODING = load_encoding(bpe_file)  # loads here first so that a bad --bpe-file fails before any work
-    created_out = not out_dir.exists()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{prefix}-staging-", dir=out_dir))
+    created = []  # the folders this run makes, deepest first: a failed run removes them again
+    try:
+        created = list(itertools.takewhile(lambda folder: not folder.exists(), [out_dir, *out_dir.parents]))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=f".{prefix}-staging-", dir=out_dir))
+    except OSError as e:
+        remove_empty(created)
+        raise TokenizeError(f"--out {out_dir}: cannot write there ({e.strerror or e})", code=2) from None
     pool, finished = None, False
     try:
         val = ShardSequence(stage, prefix, "val", 0, shard_tokens)
@@ -442,8 +465,8 @@ def write_dataset(out_dir, prefix, train_docs, val_docs=None, val_tokens=0, *, b
             pool.terminate()
             pool.join()
         shutil.rmtree(stage, ignore_errors=True)
-        if created_out and not finished and not any(out_dir.iterdir()):
-            out_dir.rmdir()  # a failed run leaves no trace
+        if not finished:
+            remove_empty(created)  # a failed run leaves no trace
 
     def listing(seq):
         return [(out_dir / p.name, n) for p, n in seq.written]
@@ -592,7 +615,7 @@ def main(argv=None) -> int:
         result = run(args)
     except (TokenizeError, shards.ShardError, shakespeare_docs.CorpusError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return getattr(e, "code", 1)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
