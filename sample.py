@@ -36,7 +36,7 @@ class SampleError(Exception):
 def load_tokenizer():
     """GPT-2's BPE from data/gpt2.tiktoken: never downloaded."""
     try:
-        return tokenize_text.load_encoding(tokenize_text.BUNDLED_BPE)
+        return tokenize_text.load_encoding(tokenize_text.BUNDLED_BPE, flag=None)  # sample.py has no --bpe-file
     except tokenize_text.TokenizeError as e:
         raise SampleError(str(e)) from None
 

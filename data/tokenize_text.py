@@ -47,6 +47,7 @@ DEFAULT_MAX_DOC_TOKENS = 2048
 SUFFIXES = (".txt", ".jsonl")
 BATCH_CHARS = 8_000_000  # text handed to the worker pool at a time: bounds memory, keeps workers busy
 SHARD_NAME_RE = r"_(?:train|val)_\d{6}\.bin"
+PREFIX_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 
 
 class TokenizeError(Exception):
@@ -75,8 +76,9 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def load_encoding(bpe_file=None):
-    """GPT-2's tiktoken Encoding: from a .tiktoken ranks file if given, else tiktoken's own "gpt2"."""
+def load_encoding(bpe_file=None, flag: str | None = "--bpe-file"):
+    """GPT-2's tiktoken Encoding: from a .tiktoken ranks file if given, else tiktoken's own "gpt2".
+    Errors name the file after `flag`, or alone when the caller chose the file (None)."""
     import tiktoken
     import tiktoken.load
 
@@ -90,20 +92,21 @@ def load_encoding(bpe_file=None):
             ) from None
 
     path = Path(bpe_file)
+    where = f"{flag} {path}" if flag else str(path)
     if not path.is_file():
-        raise TokenizeError(f"--bpe-file {path}: no such file")
+        raise TokenizeError(f"{where}: no such file")
     digest = sha256_of(path)
     if path.resolve() == BUNDLED_BPE and digest != BUNDLED_BPE_SHA256:
-        raise TokenizeError(f"--bpe-file {path}: sha256 {digest} is not the bundled GPT-2 file's "
+        raise TokenizeError(f"{where}: sha256 {digest} is not the bundled GPT-2 file's "
                             f"{BUNDLED_BPE_SHA256}; restore it with `git checkout -- data/gpt2.tiktoken`")
     try:
         # tiktoken caches files by path; passing the hash makes it reread a file that has changed.
         ranks = tiktoken.load.load_tiktoken_bpe(str(path), expected_hash=digest)
     except ValueError:
-        raise TokenizeError(f"--bpe-file {path}: not a .tiktoken ranks file "
+        raise TokenizeError(f"{where}: not a .tiktoken ranks file "
                             f"(expected lines of 'base64-token rank')") from None
     if sorted(ranks.values()) != list(range(GPT2_RANKS)):
-        raise TokenizeError(f"--bpe-file {path}: expected GPT-2's {GPT2_RANKS} ranks 0..{GPT2_RANKS - 1}, "
+        raise TokenizeError(f"{where}: expected GPT-2's {GPT2_RANKS} ranks 0..{GPT2_RANKS - 1}, "
                             f"found {len(ranks)} entries")
     return tiktoken.Encoding(name=f"gpt2 ({path.name})", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
                              special_tokens={ENDOFTEXT: shards.BOS_ID}, explicit_n_vocab=GPT2_RANKS + 1)
@@ -362,7 +365,7 @@ def _batches(docs, max_chars=BATCH_CHARS):
 
 def write_dataset(out_dir, prefix, train_docs, val_docs=None, val_tokens=0, *, bpe_file=None,
                   shard_tokens=DEFAULT_SHARD_TOKENS, max_doc_tokens=DEFAULT_MAX_DOC_TOKENS, workers=1,
-                  overwrite=False, progress=None) -> dict:
+                  overwrite=False, progress=None, bpe_flag: str | None = "--bpe-file") -> dict:
     """Tokenize documents into PREFIX_val_*.bin and PREFIX_train_*.bin shards in out_dir.
 
     The validation set is either val_docs (whole held-out documents), or, with val_tokens > 0, the
@@ -372,7 +375,7 @@ def write_dataset(out_dir, prefix, train_docs, val_docs=None, val_tokens=0, *, b
     succeeded. progress, if given, is called after each batch of documents.
     """
     out_dir = Path(out_dir)
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", prefix):
+    if not re.fullmatch(PREFIX_PATTERN, prefix):
         raise TokenizeError(f"--prefix {prefix!r}: use letters, digits, '.', '_' and '-' only")
     if not 1 <= shard_tokens <= shards.MAX_TOKENS:
         raise TokenizeError(f"--shard-tokens {shard_tokens}: must be between 1 and {shards.MAX_TOKENS}")
@@ -396,7 +399,7 @@ def write_dataset(out_dir, prefix, train_docs, val_docs=None, val_tokens=0, *, b
                             f"pass --overwrite to replace them")
 
     global _ENCODING
-    _ENCODING = load_encoding(bpe_file)  # loads here first so that a bad --bpe-file fails before any work
+    _ENCODING = load_encoding(bpe_file, bpe_flag)  # loads here first so that a bad --bpe-file fails before any work
     created = []  # the folders this run makes, deepest first: a failed run removes them again
     try:
         created = list(itertools.takewhile(lambda folder: not folder.exists(), [out_dir, *out_dir.parents]))
@@ -568,7 +571,8 @@ def run_preset(args):
     train, val = shakespeare_docs.documents(shakespeare_docs.TEXTS_DIR)
     # Its documents are scenes and runs of poems, cut by shakespeare_docs itself: kept whole.
     return write_dataset(args.out or shakespeare_docs.OUT_DIR, shakespeare_docs.PREFIX, train, val,
-                         bpe_file=BUNDLED_BPE, max_doc_tokens=0, workers=args.workers, overwrite=args.overwrite)
+                         bpe_file=BUNDLED_BPE, max_doc_tokens=0, workers=args.workers, overwrite=args.overwrite,
+                         bpe_flag=None)
 
 
 def run(args):
@@ -579,6 +583,9 @@ def run(args):
     if not args.out:
         raise TokenizeError("--out is required: the folder for the shards")
     prefix = args.prefix or Path(args.out).resolve().name
+    if not args.prefix and not re.fullmatch(PREFIX_PATTERN, prefix):
+        raise TokenizeError(f"--out {args.out}: the shards are named after its folder, {prefix!r}, which is not a "
+                            f"plain name (letters, digits, '.', '_' and '-'); pass --prefix")
     from tqdm import tqdm
 
     def warn(message):  # through tqdm, so that warnings do not garble the progress bar

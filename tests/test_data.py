@@ -497,6 +497,25 @@ def test_a_failed_run_removes_every_folder_it_made(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt"]
 
 
+def test_a_prefix_taken_from_out_is_blamed_on_out(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("some text")
+    out = tmp_path / "my corpus"
+    code, errors = tokenize_in_process(capsys, tmp_path / "a.txt", "--out", out)
+    assert code == 1 and errors == [f"error: --out {out}: the shards are named after its folder, 'my corpus', "
+                                    f"which is not a plain name (letters, digits, '.', '_' and '-'); pass --prefix"]
+    assert not out.exists()
+
+
+def test_the_preset_does_not_blame_a_bpe_file_flag_it_was_not_given(tmp_path, capsys, monkeypatch):
+    damaged = tmp_path / "gpt2.tiktoken"
+    damaged.write_bytes(tokenize_text.BUNDLED_BPE.read_bytes()[:-20])
+    monkeypatch.setattr(tokenize_text, "BUNDLED_BPE", damaged)
+    assert tokenize_text.main(["--preset", "shakespeare", "--out", str(tmp_path / "s")]) == 1
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 1 and errors[0].startswith(f"error: {damaged}: sha256 "), errors
+    assert not (tmp_path / "s").exists()
+
+
 # -----------------------------------------------------------------------------
 # The bundled Shakespeare corpus
 
