@@ -284,6 +284,8 @@ class DocumentReader:
                 self.bytes_read += len(raw)
                 line, bad = decode_utf8(raw)
                 self._replaced += bad
+                if lineno == 1:
+                    line = line.removeprefix("\ufeff")  # a UTF-8 byte order mark, as in .txt files
                 if not line.strip():
                     continue
                 try:

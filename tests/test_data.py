@@ -516,6 +516,17 @@ def test_the_preset_does_not_blame_a_bpe_file_flag_it_was_not_given(tmp_path, ca
     assert not (tmp_path / "s").exists()
 
 
+def test_a_jsonl_file_with_a_byte_order_mark_is_read_like_a_txt_file(tmp_path, capsys):
+    lines = b'{"text": "first document"}\n{"text": "second"}\n'
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + lines)
+    (tmp_path / "plain.jsonl").write_bytes(lines)
+    for name in ("bom", "plain"):
+        code, errors = tokenize_in_process(capsys, tmp_path / f"{name}.jsonl", "--out", tmp_path / f"out_{name}")
+        assert code == 0 and errors == []
+    bom, plain = (tmp_path / f"out_{name}/out_{name}_train_000001.bin" for name in ("bom", "plain"))
+    assert bom.read_bytes() == plain.read_bytes()
+
+
 # -----------------------------------------------------------------------------
 # The bundled Shakespeare corpus
 
