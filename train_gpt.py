@@ -1948,6 +1948,11 @@ def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters
         if info.get("format") != FINAL_WEIGHTS_FORMAT:
             raise ValueError(f"format {info.get('format')!r}")
         names = {f.name for f in dataclasses.fields(Hyperparameters)}
+        # Every field a run's config records (run control aside) must be there: a default would
+        # silently rebuild another model, e.g. the speedrun's.
+        missing = [n for n in names if n not in RUN_CONTROL_FIELDS and n not in info["config"]]
+        if missing:
+            raise ValueError(f"\"config\" lacks {', '.join(sorted(missing))}, needed to rebuild the model")
         args = Hyperparameters(**{k: v for k, v in info["config"].items() if k in names})
         validate_config(args)
         windows = info.get("windows")
@@ -1958,11 +1963,37 @@ def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters
         raise DataError(f"{path / 'config.json'}: not train_gpt.py's final-weights config ({e})") from None
     model = cast_for_device(GPT(args, "bf16" if device.type == "cuda" else "fp32").to(device), device)
     try:
-        model.load_state_dict(torch.load(path / "model.pt", map_location=device, weights_only=True))
+        saved = torch.load(path / "model.pt", map_location=device, weights_only=True)
+        mismatch = state_dict_mismatch(saved, model.state_dict())
+        if mismatch:
+            raise ValueError(mismatch)
+        model.load_state_dict(saved)
     except Exception as e:
         raise DataError(f"{path / 'model.pt'}: cannot load these weights into the model of config.json "
                         f"({first_line(e)})") from None
     return model.eval(), args, info
+
+
+def state_dict_mismatch(saved, expected: dict, shown: int = 3) -> str:
+    """What keeps `saved` from loading into a model whose state_dict is `expected`, in one line, the
+    first few keys of each kind named ('' when nothing does): load_state_dict's own message spans lines."""
+    if not isinstance(saved, dict):
+        return f"not a state dict but a {type(saved).__name__}"
+
+    def shape(value) -> str:
+        return str(tuple(value.shape)) if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+
+    def listed(what: str, items: list) -> str:
+        more = f"; and {len(items) - shown} more" if len(items) > shown else ""
+        return f"{len(items)} {what}: {'; '.join(items[:shown])}{more}"
+
+    missing = [k for k in expected if k not in saved]
+    unexpected = [k for k in saved if k not in expected]
+    shapes = [f"{k}: checkpoint {shape(saved[k])}, model {shape(v)}" for k, v in expected.items()
+              if k in saved and shape(saved[k]) != shape(v)]
+    parts = [listed(what, items) for what, items in (("shape mismatch(es)", shapes), ("missing key(s)", missing),
+                                                      ("unexpected key(s)", unexpected)) if items]
+    return "; ".join(parts)
 
 
 def resolve_checkpoint(resume: str, args: Hyperparameters) -> Path:

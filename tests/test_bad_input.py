@@ -417,6 +417,33 @@ def edit_config(change):
     return edit
 
 
+def without_config_fields(*names):
+    def change(info):
+        for name in names:
+            del info["config"][name]
+        return info
+    return change
+
+
+def with_config_field(name, value):
+    def change(info):
+        info["config"][name] = value
+        return info
+    return change
+
+
+def edit_weights(drop=(), add=None):
+    """model.pt without the weights named in `drop`, and with those in `add` (added or replaced)."""
+    def edit(folder):
+        state = torch.load(folder / "model.pt", weights_only=True)
+        for name in drop:
+            del state[name]
+        state.update(add or {})
+        (folder / "model.pt").unlink()
+        torch.save(state, folder / "model.pt")
+    return edit
+
+
 SAMPLE_CASES = [
     # (what, how the final folder is changed, sample.py flags, fragments)
     ("temperature nan", None, ["--prompt=x", "--temperature=nan"], ["--temperature=nan: must be zero (greedy) or a"]),
@@ -427,6 +454,22 @@ SAMPLE_CASES = [
     ("windows not a list", edit_config(with_key("windows", "3,10")), ["--prompt=x"], ['"windows" must be']),
     ("config not an object", edit_config(with_key("config", 5)), ["--prompt=x"], ["config.json: not train_gpt.py's"]),
     ("config.json a list", edit_config(lambda info: [1]), ["--prompt=x"], ["config.json: not train_gpt.py's"]),
+    ("seed negative", None, ["--prompt=x", "--seed=-1"], ["--seed=-1: must be in 0..2**64-1"]),
+    ("seed 2**64", None, ["--prompt=x", f"--seed={2 ** 64}"], [f"--seed={2 ** 64}: must be in 0..2**64-1"]),
+    # both equal the speedrun's defaults here: filled in, the model would load as if nothing were missing
+    ("config lacks model fields", edit_config(without_config_fields("logit_cap", "vocab_size")), ["--prompt=x"],
+     ['config.json: not train_gpt.py\'s final-weights config ("config" lacks logit_cap, vocab_size, needed to '
+      'rebuild the model)']),
+    ("weights of another width", edit_config(with_config_field("model_dim", 32)), ["--prompt=x"],
+     ["model.pt: cannot load these weights into the model of config.json (", "shape mismatch(es): embed.weight: "
+      "checkpoint (50304, 64), model (50304, 32); value_embeds.0.weight: checkpoint (50304, 64), model (50304, 32)"]),
+    ("a weight of another shape", edit_weights(add={"blocks.1.attn.qkvo": torch.zeros(4, 32, 32)}), ["--prompt=x"],
+     ["(1 shape mismatch(es): blocks.1.attn.qkvo: checkpoint (4, 32, 32), model (4, 64, 64))"]),
+    ("a weight missing, one extra",
+     edit_weights(drop=["blocks.1.attn.qkvo"], add={"blocks.9.mlp.fc.weight": torch.zeros(1)}), ["--prompt=x"],
+     ["(1 missing key(s): blocks.1.attn.qkvo; 1 unexpected key(s): blocks.9.mlp.fc.weight)"]),
+    ("hellaswag data a directory", None, ["--eval=hellaswag", f"--data={REPO / 'data'}"],
+     [f"{REPO / 'data'}: a directory, not a HellaSwag .jsonl file"]),
 ]
 
 
@@ -437,6 +480,32 @@ def test_sample_refuses_bad_values_and_configs(final_folder_in_process, tmp_path
         folder = copy_of(final_folder_in_process, tmp_path)
         edit(folder)
     one_line_error(sample_main(folder, *flags), *fragments)
+
+
+def test_final_weights_load_without_the_run_control_fields(final_folder_in_process, tmp_path):
+    # they steer a run, never the model: a config.json may leave them out
+    folder = copy_of(final_folder_in_process, tmp_path)
+    edit_config(without_config_fields(*T.RUN_CONTROL_FIELDS))(folder)
+    model, args, _ = T.load_final_weights(folder, torch.device("cpu"))
+    saved = json.loads((final_folder_in_process / "config.json").read_text())["config"]
+    assert all(getattr(args, name) == value for name, value in saved.items() if name not in T.RUN_CONTROL_FIELDS)
+    reference, _, _ = T.load_final_weights(final_folder_in_process, torch.device("cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+def test_hellaswag_data_from_a_pipe_is_read(final_folder_in_process, tmp_path):
+    data = hellaswag_file(tmp_path / "val.jsonl", examples=3, context_words=14)
+    from_file = sample_main(final_folder_in_process, "--eval=hellaswag", f"--data={data}")
+    assert from_file.returncode == 0, from_file.stderr
+    read, write = os.pipe()  # what `--data=<(...)` or `--data=/dev/stdin` with a pipe gives
+    try:
+        os.write(write, data.read_bytes())  # a few hundred bytes: within the pipe's buffer
+        os.close(write)
+        piped = sample_main(final_folder_in_process, "--eval=hellaswag", f"--data=/dev/fd/{read}")
+    finally:
+        os.close(read)
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == from_file.stdout and piped.stdout.startswith("hellaswag: 3 examples")
 
 
 def test_a_tiny_temperature_samples_greedily():
