@@ -1270,8 +1270,9 @@ class DistAdam(torch.optim.Optimizer):
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
 SHARD_HEADER_INTS = 256
-FETCH_HINT = ("fetch FineWeb with `python data/cached_fineweb10B.py`, or rebuild the bundled corpus with "
-              "`python data/tokenize_text.py --preset shakespeare --overwrite`")
+FETCH_HINT = "fetch FineWeb with `python data/cached_fineweb10B.py`"
+REPO_DIR = Path(__file__).resolve().parent  # where the bundled corpus and the data tools are
+BUNDLED_CORPUS = REPO_DIR / "data" / "shakespeare"
 
 
 def read_shard_header(path) -> int:
@@ -1305,10 +1306,32 @@ def read_shard(path) -> np.ndarray:
     return np.fromfile(path, dtype="<u2", count=num_tokens, offset=SHARD_HEADER_INTS * 4).astype(np.uint16, copy=False)
 
 
-def find_shards(pattern: str, what: str) -> list[Path]:
+def match_shards(pattern: str) -> tuple[list[Path], bool]:
+    """The files a glob matches, sorted, and whether they were found under the repository: a relative glob
+    that matches nothing under the working directory is looked up under train_gpt.py's folder, as sample.py
+    finds its files, so that the smoke preset's data/shakespeare/... runs from any directory."""
     files = sorted(Path(p) for p in glob.glob(pattern))
+    if files or Path(pattern).is_absolute():
+        return files, False
+    files = sorted(Path(p) for p in glob.glob(str(REPO_DIR / pattern)))
+    return files, bool(files)
+
+
+def find_shards(pattern: str, what: str) -> list[Path]:
+    files, _ = match_shards(pattern)
     if not files:
-        raise DataError(f"no {what} shards match {pattern!r}: {FETCH_HINT}")
+        cwd = Path.cwd().resolve()
+        where = "" if Path(pattern).is_absolute() else (
+            f" (looked under the working directory {cwd})" if cwd == REPO_DIR else
+            f" (looked under the working directory {cwd} and under {REPO_DIR})")
+        hint = FETCH_HINT + ("" if cwd == REPO_DIR else f" in {REPO_DIR}")
+        bundled = [sorted(BUNDLED_CORPUS.glob(f"shakespeare_{part}_*.bin")) for part in ("train", "val")]
+        if all(bundled):  # never suggest rebuilding a corpus that is there
+            hint += f"; the smoke preset (--preset=smoke) trains on the bundled corpus in {BUNDLED_CORPUS}"
+        else:
+            hint += (", or rebuild the bundled corpus with `python data/tokenize_text.py --preset shakespeare "
+                     "--overwrite`")
+        raise DataError(f"no {what} shards match {pattern!r}{where}: {hint}")
     return files
 
 
@@ -1457,6 +1480,16 @@ class TrainLoader:
 
     def __init__(self, args: Hyperparameters, env: DistEnv):
         files = find_shards(args.train_files, "training")
+        val_files, val_under_repo = match_shards(args.val_files)
+        validation = {f.resolve() for f in val_files}
+        for f in files:  # resolved: the same file named by two globs, or through a link, is one file
+            if f.resolve() in validation:
+                raise DataError(f"{f}: both a training shard (--train_files={args.train_files}) and a validation "
+                                f"shard (--val_files={args.val_files}); the val loss must come from text the run "
+                                f"does not train on")
+        self.found_under_repo = [f"--{name}={pattern}" for name, pattern, under_repo in (
+            ("train_files", args.train_files, match_shards(args.train_files)[1]),
+            ("val_files", args.val_files, val_under_repo)) if under_repo]
         self.num_micro, self.micro_tokens = args.batch_tokens // args.micro_batch_tokens, args.micro_batch_tokens
         for f in files:
             if read_shard_header(f) < self.num_micro * (self.micro_tokens + 1):
@@ -1485,6 +1518,9 @@ class TrainLoader:
         lines = [f"data: {len(self.scans)} training shard(s) supply {self.supplied:,} steps, the run needs "
                  f"{self.needed:,}; the steps use {self.supplied * step_tokens / tokens:.1%} of their "
                  f"{tokens:,} tokens" + (f" ({self.unread} more shard(s) are not needed)" if self.unread else "")]
+        if self.found_under_repo:
+            lines.append(f"data: {' and '.join(self.found_under_repo)} matched nothing under the working directory; "
+                         f"read relative to {REPO_DIR}")
         if self.supplied < self.needed:
             lines.append(f"data: --repeat_data=true: after {self.supplied:,} steps the data starts over from the "
                          f"first shard (logged each time)")

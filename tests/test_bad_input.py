@@ -76,6 +76,12 @@ FLAG_CASES = [
                                                          "1,048,576-token sequence takes at least 9,216 GiB to build"]),
     (["--synthetic=true", "--vocab_size=1000"], ["--vocab_size=1000: --synthetic=true documents start with "
                                                  "<|endoftext|>, token 50256"]),
+    # a training shard that is also a validation shard, named directly, by a glob, or by another spelling
+    (["--val_files=data/shakespeare/shakespeare_train_000001.bin"],
+     ["data/shakespeare/shakespeare_train_000001.bin: both a training shard (--train_files=data/shakespeare/"
+      "shakespeare_train_*.bin) and a validation shard (--val_files=data/shakespeare/shakespeare_train_000001.bin)"]),
+    (["--val_files=data/shakespeare/*.bin"], ["shakespeare_train_000001.bin: both a training shard"]),
+    (["--val_files=data/../data/shakespeare/./shakespeare_train_*.bin"], ["both a training shard"]),
 ]
 
 
