@@ -1423,9 +1423,24 @@ class ShardScan:
     num_tokens: int
     starts: np.ndarray  # BOS positions: the loader reuses them when it opens the shard
     steps: int  # steps the loader takes from it (DocumentPieces.count_steps)
+    fingerprint: str = ""  # shard_fingerprint: a checkpoint records it, a resume compares it
 
 
 SCAN_THREADS = 4  # shards scanned at once; numpy releases the GIL while it reads and compares
+FINGERPRINT_BLOCKS, FINGERPRINT_BLOCK_TOKENS = 16, 4096
+
+
+def shard_fingerprint(tokens: np.ndarray, starts: np.ndarray) -> str:
+    """sha256 of what tells shards apart at no extra reading (the scan holds the tokens): the token count,
+    16 evenly spaced blocks of 4,096 tokens (the first and the last included) and every document's start.
+    Another shard, or this text tokenized or shuffled differently, changes it; one token edited between the
+    blocks, inside a document, would not."""
+    h = hashlib.sha256(np.int64(len(tokens)).tobytes())
+    last = max(len(tokens) - FINGERPRINT_BLOCK_TOKENS, 0)
+    for offset in np.linspace(0, last, FINGERPRINT_BLOCKS).astype(np.int64):
+        h.update(tokens[offset:offset + FINGERPRINT_BLOCK_TOKENS].astype("<u2").tobytes())
+    h.update(starts.astype("<i8").tobytes())
+    return h.hexdigest()
 
 
 def scan_shard(path: Path, args: Hyperparameters) -> ShardScan:
@@ -1443,7 +1458,7 @@ def scan_shard(path: Path, args: Hyperparameters) -> ShardScan:
                         f"a document gives its first {args.train_max_seq_len} tokens at most (--train_max_seq_len) "
                         f"and a micro-batch skips the rest of the one it ends in; split long documents "
                         f"(`python data/tokenize_text.py` does, see --max-doc-tokens) or add text")
-    return ShardScan(path, len(tokens), starts, steps)
+    return ShardScan(path, len(tokens), starts, steps, shard_fingerprint(tokens, starts))
 
 
 def scan_training_shards(files: list[Path], args: Hyperparameters) -> list[ShardScan]:
@@ -1535,6 +1550,11 @@ class TrainLoader:
                          f"{self.micro_tokens + 1} skips the rest of the one it ends in; documents of at most "
                          f"{shorter} tokens (data/tokenize_text.py --max-doc-tokens={shorter}) would use most of them")
         return lines
+
+    def shard_record(self) -> list[dict]:
+        """The shards the run reads, in order, as a checkpoint records them (see check_resume_shards)."""
+        return [{"file": str(scan.path), "bytes": SHARD_HEADER_INTS * 4 + 2 * scan.num_tokens,
+                 "fingerprint": scan.fingerprint} for scan in self.scans]
 
     def state_dict(self) -> dict:
         return {"file_index": self.file_index, "piece": self.piece}
@@ -1888,9 +1908,10 @@ def write_file(path: Path, content) -> dict:
 def save_checkpoint(step: int, train_time_ms: float, model: GPT, optimizers, loader, args: Hyperparameters,
                     env: DistEnv, source: str, run_id: str) -> Path:
     """checkpoint_dir/<run_id>/step_NNNNNN/: model.pt (rank 0), rank_R.pt (each rank's optimizer shards
-    and RNG states, and the step), meta.json written last with every file's size and sha256. Everything
-    goes to a temporary folder renamed at the end, so a crash mid-save never leaves a checkpoint that
-    looks complete; a write that fails (a full disk) removes that folder and stops every rank."""
+    and RNG states, and the step), meta.json written last with every file's size and sha256 and the
+    training shards' fingerprints. Everything goes to a temporary folder renamed at the end, so a crash
+    mid-save never leaves a checkpoint that looks complete; a write that fails (a full disk) removes that
+    folder and stops every rank."""
     run_dir = Path(args.checkpoint_dir) / run_id
     final, tmp = run_dir / f"step_{step:06d}", run_dir / f".step_{step:06d}.partial"
     error = None
@@ -1915,8 +1936,10 @@ def save_checkpoint(step: int, train_time_ms: float, model: GPT, optimizers, loa
     every_rank = gather_from_ranks(None if error else files)
     failed = [rank for rank, written in enumerate(every_rank) if written is None]
     if env.is_main and not failed:
+        shard_record = loader.shard_record() if hasattr(loader, "shard_record") else []  # none: synthetic data
         meta = {"step": step, "train_time_ms": train_time_ms, "world_size": env.world_size,
                 "loader": loader.state_dict(), "config": config_for_checkpoint(args), "code_sha256": code_hash(source),
+                "shards": shard_record,
                 "files": {name: written[name] for written in every_rank for name in sorted(written)}}
         latest_tmp = run_dir / ".latest.tmp"
         try:
@@ -2001,18 +2024,42 @@ def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters
     return model.eval(), args, info
 
 
+LATEST_PATTERN = re.compile(r"step_\d{6,}")  # what save_checkpoint writes into `latest`
+
+
 def resolve_checkpoint(resume: str, args: Hyperparameters) -> Path:
-    if resume == "latest":
-        pointers = sorted(Path(args.checkpoint_dir).glob("*/latest"), key=lambda p: p.stat().st_mtime)
-        if not pointers:
-            raise TrainingError(f"--resume=latest: no checkpoint under {args.checkpoint_dir}/")
-        return pointers[-1].parent / pointers[-1].read_text().strip()
-    return Path(resume)
+    """--resume as a folder: 'latest' is the newest `latest` pointer under --checkpoint_dir (that of the run
+    that saved last). A damaged newest pointer is refused rather than passed over: an older run's would
+    resume the wrong run."""
+    if resume != "latest":
+        return Path(resume)
+    pointers = []
+    for run in Path(args.checkpoint_dir).glob("*/"):
+        with contextlib.suppress(OSError):  # lstat: a pointer that is a link to nowhere is found, and refused
+            pointers.append((os.lstat(run / "latest").st_mtime, str(run / "latest"), run / "latest"))
+    if not pointers:
+        raise TrainingError(f"--resume=latest: no checkpoint under {args.checkpoint_dir}/")
+    pointer = max(pointers)[2]
+    damaged = f"--resume=latest: {pointer} is damaged"
+    remedy = "; pass the checkpoint folder itself, --resume=DIR/<run_id>/step_NNNNNN"
+    if not pointer.is_file():
+        raise TrainingError(f"{damaged} (not a file{', a folder' if pointer.is_dir() else ''}){remedy}")
+    try:
+        name = pointer.read_bytes()[:100].decode("ascii").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not text"
+        raise TrainingError(f"{damaged} ({why}){remedy}") from None
+    if not LATEST_PATTERN.fullmatch(name):
+        raise TrainingError(f"{damaged} (it should name a checkpoint folder beside it, e.g. step_000100, "
+                            f"not {name[:40]!r}){remedy}")
+    if not (pointer.parent / name).is_dir():
+        raise TrainingError(f"{damaged}: it names {pointer.parent / name}, which does not exist{remedy}")
+    return pointer.parent / name
 
 
 # What meta.json must hold, and of which JSON types (a bool is never a number here).
 CHECKPOINT_META = {"step": int, "train_time_ms": (int, float), "world_size": int, "loader": dict, "config": dict,
-                   "code_sha256": str, "files": dict}
+                   "code_sha256": str, "shards": list, "files": dict}
 
 
 @dataclass
@@ -2064,6 +2111,11 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
         if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
             raise TrainingError(f"--resume={path}: meta.json has no valid {key!r} (edited, or written by an older "
                                 f"train_gpt.py?)")
+    for shard in meta["shards"]:
+        if not (isinstance(shard, dict) and isinstance(shard.get("file"), str) and type(shard.get("bytes")) is int
+                and isinstance(shard.get("fingerprint"), str)):
+            raise TrainingError(f"--resume={path}: meta.json has no valid 'shards' (edited, or written by an older "
+                                f"train_gpt.py?)")
     if meta["world_size"] != env.world_size:
         raise TrainingError(f"--resume={path}: written at world size {meta['world_size']}, this run has "
                             f"{env.world_size}; DistAdam and NorMuon state are sharded per rank, so resume with "
@@ -2083,7 +2135,39 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
     if saved_at != meta["step"]:
         raise TrainingError(f"--resume={path}: meta.json says step {meta['step']}, but rank_{env.rank}.pt was "
                             f"saved at step {saved_at}")
+    if meta["step"] > args.num_iterations or (args.force_resume and meta["step"] == args.num_iterations):
+        # (unforced, num_iterations matched: the same run's last checkpoint runs only its final validation)
+        raise TrainingError(f"--resume={path}: the checkpoint is at step {meta['step']}, at or past "
+                            f"--num_iterations={args.num_iterations}: nothing is left to train (a longer run needs a "
+                            f"larger --num_iterations)")
     return Resume(path, meta, model_state, rank_state)
+
+
+def check_resume_shards(resume: Resume, loader, args: Hyperparameters):
+    """The training shards this run reads must be the ones the checkpoint's run read, where both read them
+    (in order, by size and fingerprint; a folder moved elsewhere is the same data): other data would not
+    continue that run. --force_resume=true goes on anyway, from the same shard index and position."""
+    recorded = resume.meta["shards"]
+    scans = getattr(loader, "scans", [])
+    if bool(recorded) != bool(scans):
+        raise TrainingError(f"--resume={resume.path}: the checkpoint was trained on "
+                            f"{'shards' if recorded else 'synthetic tokens'}, this run reads "
+                            f"{'shards' if scans else 'synthetic tokens'}")
+    if not scans:
+        return
+    position = resume.meta["loader"].get("file_index")
+    if type(position) is not int or not 0 <= position < len(scans):
+        raise TrainingError(f"--resume={resume.path}: the checkpoint stopped in training shard {position!r}, but "
+                            f"--train_files={args.train_files} gives this run {len(scans)} shard(s)")
+    if args.force_resume:
+        return
+    for i, (saved, scan) in enumerate(zip(recorded, scans)):
+        size = SHARD_HEADER_INTS * 4 + 2 * scan.num_tokens
+        if saved["bytes"] != size or saved["fingerprint"] != scan.fingerprint:
+            other = ", another fingerprint" if saved["bytes"] == size else ""
+            raise TrainingError(f"--resume={resume.path}: training shard {i + 1}, {scan.path} ({size:,} bytes), is "
+                                f"not the one the checkpoint's run read ({saved['file']}, {saved['bytes']:,} bytes"
+                                f"{other}); use --force_resume=true to go on with these shards anyway")
 
 
 def load_checkpoint(resume: Resume, model: GPT, optimizers, loader, env: DistEnv) -> tuple[int, float]:
@@ -2265,6 +2349,7 @@ def train(args: Hyperparameters, env: DistEnv):
                       if args.synthetic else load_val_tokens(args))
         if args.resume:
             resume = check_checkpoint(resolve_checkpoint(args.resume, args), args, env, source)
+            check_resume_shards(resume, loader, args)
         if env.is_main and log_path.exists():
             raise ConfigError(f"--run_id={run_id}: {log_path} already exists; choose another run id")
     except (ConfigError, DataError, TrainingError) as e:

@@ -162,31 +162,76 @@ def without_key(key):
     return change
 
 
+def edit_first_shard(key, value):
+    def change(meta):
+        meta["shards"][0][key] = value
+        return meta
+    return change
+
+
 RESUME_CASES = [
-    # (what is wrong, how the checkpoint is changed, fragments of the error line)
-    ("meta.json is {}", edit_meta(lambda meta: {}), ["meta.json has no valid 'step'"]),
-    ("meta.json is a list", edit_meta(lambda meta: [1, 2]), ["meta.json is not a checkpoint's (a JSON list"]),
-    ("step edited", edit_meta(with_key("step", 4)), ["meta.json says step 4, but rank_0.pt was saved at step 2"]),
-    ("step is text", edit_meta(with_key("step", "2")), ["meta.json has no valid 'step'"]),
-    ("loader is a list", edit_meta(with_key("loader", [])), ["meta.json has no valid 'loader'"]),
-    ("no file list (older format)", edit_meta(without_key("files")), ["meta.json has no valid 'files'"]),
-    ("file not listed", edit_meta(with_key("files", {})), ["meta.json does not list model.pt"]),
-    ("model.pt replaced", flip_a_byte("model.pt"), ["model.pt is not the file saved with this meta.json"]),
-    ("rank file truncated", truncate("rank_0.pt"), ["rank_0.pt has 1000 bytes, meta.json recorded"]),
-    ("rank file missing", lambda folder: (folder / "rank_0.pt").unlink(), ["cannot read rank_0.pt"]),
+    # (what is wrong, how the checkpoint is changed, fragments of the error line, flags of the resume)
+    ("meta.json is {}", edit_meta(lambda meta: {}), ["meta.json has no valid 'step'"], []),
+    ("meta.json is a list", edit_meta(lambda meta: [1, 2]), ["meta.json is not a checkpoint's (a JSON list"], []),
+    ("step edited", edit_meta(with_key("step", 4)), ["meta.json says step 4, but rank_0.pt was saved at step 2"], []),
+    ("step is text", edit_meta(with_key("step", "2")), ["meta.json has no valid 'step'"], []),
+    ("loader is a list", edit_meta(with_key("loader", [])), ["meta.json has no valid 'loader'"], []),
+    ("no file list (older format)", edit_meta(without_key("files")), ["meta.json has no valid 'files'"], []),
+    ("file not listed", edit_meta(with_key("files", {})), ["meta.json does not list model.pt"], []),
+    ("model.pt replaced", flip_a_byte("model.pt"), ["model.pt is not the file saved with this meta.json"], []),
+    ("rank file truncated", truncate("rank_0.pt"), ["rank_0.pt has 1000 bytes, meta.json recorded"], []),
+    ("rank file missing", lambda folder: (folder / "rank_0.pt").unlink(), ["cannot read rank_0.pt"], []),
+    # the training shards the checkpoint's run read, recorded in meta.json, are not this run's
+    ("no shard list (older format)", edit_meta(without_key("shards")), ["meta.json has no valid 'shards'"], []),
+    ("shard record not a list of records", edit_meta(with_key("shards", [5])), ["meta.json has no valid 'shards'"], []),
+    ("another shard's fingerprint", edit_meta(edit_first_shard("fingerprint", "0" * 64)),
+     ["training shard 1, data/shakespeare/shakespeare_train_000001.bin (2,846,636 bytes), is not the one the "
+      "checkpoint's run read (data/shakespeare/shakespeare_train_000001.bin, 2,846,636 bytes, another fingerprint); "
+      "use --force_resume=true"], []),
+    ("another shard's size", edit_meta(edit_first_shard("bytes", 1000)), ["shakespeare_train_000001.bin, 1,000 bytes)"],
+     []),
+    # --force_resume from a step with nothing left to train
+    ("forced at the last step", None, ["the checkpoint is at step 2, at or past --num_iterations=2: nothing is left "
+                                       "to train"], ["--force_resume=true"]),
+    ("forced past the end", None, ["at step 2, at or past --num_iterations=1"],
+     ["--force_resume=true", "--num_iterations=1", "--extension_steps=0"]),
 ]
 
 
 @pytest.mark.slow  # the fixture trains two steps
-@pytest.mark.parametrize("what, edit, fragments", RESUME_CASES, ids=[case[0] for case in RESUME_CASES])
-def test_a_checkpoint_that_does_not_match_its_meta_json_is_refused(checkpoint, tmp_path, what, edit, fragments):
+@pytest.mark.parametrize("what, edit, fragments, flags", RESUME_CASES, ids=[case[0] for case in RESUME_CASES])
+def test_a_checkpoint_that_does_not_match_its_meta_json_is_refused(checkpoint, tmp_path, what, edit, fragments,
+                                                                   flags):
     folder = copy_of(checkpoint, tmp_path)
-    edit(folder)
+    if edit is not None:
+        edit(folder)
     proc = run_main(*TINY, f"--resume={folder}", f"--logs_dir={tmp_path}/logs", f"--checkpoint_dir={tmp_path}/ck",
-                    "--run_id=again")
+                    "--run_id=again", *flags)
     one_line(proc, 1, f"error [rank 0]: --resume={folder}: ", *fragments)
     # nothing was created, so the run id is still free for the corrected resume
     assert not (tmp_path / "logs").exists() and not (tmp_path / "ck").exists()
+
+
+def test_a_resume_on_changed_training_shards_is_refused(tmp_path):
+    # A checkpoint of a run on a copy of the bundled shard (saved untrained: what is checked is the data).
+    shard = tmp_path / "data/copy_train_000001.bin"
+    shard.parent.mkdir()
+    shard.write_bytes((REPO / "data/shakespeare/shakespeare_train_000001.bin").read_bytes())
+    flags = [*TINY, f"--train_files={tmp_path}/data/copy_train_*.bin", f"--checkpoint_dir={tmp_path}/ck"]
+    args = T.parse_args(flags, False)
+    env = T.DistEnv(0, 0, 1, torch.device("cpu"))
+    model = T.build_model(args, env)
+    saved = T.save_checkpoint(1, 10.0, model, T.build_optimizers(model, args), T.TrainLoader(args, env), args, env,
+                              TRAIN.read_text(), "before")
+    # The shard is then rewritten: the same size, one token of its first document another.
+    data = bytearray(shard.read_bytes())
+    data[1024 + 2 * 100] ^= 1
+    shard.unlink()
+    shard.write_bytes(bytes(data))
+    proc = run_main(*flags, f"--resume={saved}", f"--logs_dir={tmp_path}/logs", "--run_id=after")
+    one_line(proc, 1, f"--resume={saved}: training shard 1, {shard} (2,846,636 bytes), is not the one the "
+                      f"checkpoint's run read", "another fingerprint")
+    assert not (tmp_path / "logs").exists()
 
 
 @pytest.mark.slow  # the fixture trains two steps
@@ -197,6 +242,31 @@ def test_an_untouched_checkpoint_passes_every_check(checkpoint):
     assert sorted(resume.meta["files"]) == ["model.pt", "rank_0.pt"]
     for name, listed in resume.meta["files"].items():
         assert listed["bytes"] == (checkpoint / name).stat().st_size
+
+
+# -----------------------------------------------------------------------------
+# --resume=latest: a damaged pointer is one line naming it (exit 1, no log)
+
+LATEST_CASES = [
+    # (what, how `latest` is made, fragments of the error line)
+    ("binary garbage", lambda latest: latest.write_bytes(bytes(range(255, 0, -1))), ["is damaged (not text)"]),
+    ("a folder", lambda latest: latest.mkdir(), ["is damaged (not a file, a folder)"]),
+    ("a link to nowhere", lambda latest: latest.symlink_to("nowhere"), ["is damaged (not a file)"]),
+    ("a folder that does not exist", lambda latest: latest.write_text("step_000099\n"),
+     ["is damaged: it names ", "/ck/run/step_000099, which does not exist"]),
+    ("not a checkpoint's name", lambda latest: latest.write_text("../../elsewhere\n"),
+     ["is damaged (it should name a checkpoint folder beside it, e.g. step_000100, not '../../elsewhere')"]),
+]
+
+
+@pytest.mark.parametrize("what, make, fragments", LATEST_CASES, ids=[case[0] for case in LATEST_CASES])
+def test_a_damaged_latest_pointer_is_one_line(tmp_path, what, make, fragments):
+    latest = tmp_path / "ck/run/latest"
+    latest.parent.mkdir(parents=True)
+    make(latest)
+    proc = run_main(*TINY, "--resume=latest", f"--checkpoint_dir={tmp_path}/ck", f"--logs_dir={tmp_path}/logs")
+    one_line(proc, 1, f"--resume=latest: {latest} ", *fragments, "pass the checkpoint folder itself")
+    assert not (tmp_path / "logs").exists()
 
 
 # -----------------------------------------------------------------------------
