@@ -1905,6 +1905,17 @@ def write_file(path: Path, content) -> dict:
     return {"bytes": writer.size, "sha256": writer.sha256.hexdigest()}
 
 
+def remove_unfinished(tmp: Path, what: str = "") -> str:
+    """Removes a folder a save left unfinished and says so truthfully, for the error line. Tried a few times:
+    under torchrun another rank may still be adding its file while the folder is emptied."""
+    for _ in range(20):
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.lexists(tmp):
+            return f"the unfinished {what}{tmp} was removed"
+        time.sleep(0.05)
+    return f"the unfinished {what}{tmp} could not be removed: delete it"
+
+
 def save_checkpoint(step: int, train_time_ms: float, model: GPT, optimizers, loader, args: Hyperparameters,
                     env: DistEnv, source: str, run_id: str) -> Path:
     """checkpoint_dir/<run_id>/step_NNNNNN/: model.pt (rank 0), rank_R.pt (each rank's optimizer shards
@@ -1952,10 +1963,9 @@ def save_checkpoint(step: int, train_time_ms: float, model: GPT, optimizers, loa
         except OSError as e:
             error = write_error(final, e)
         latest_tmp.unlink(missing_ok=True)
-    if env.is_main and tmp.exists():  # the save failed before the rename: leave nothing half-written
-        shutil.rmtree(tmp, ignore_errors=True)
+    if env.is_main and os.path.lexists(tmp):  # the save failed before the rename: leave nothing half-written
         reason = error or f"rank {failed[0]} could not write its part of the checkpoint"
-        error = TrainingError(f"{reason}; the unfinished checkpoint {tmp} was removed")
+        error = TrainingError(f"{reason}; {remove_unfinished(tmp, 'checkpoint ')}")
     if not all_ranks_ok(error is None, env.device):
         raise error or TrainingError(f"checkpoint {final} could not be written (rank 0 says why)")
     return final
@@ -1965,6 +1975,34 @@ def publish_folder(tmp: Path, final: Path):
     """Puts a completely written folder in place with one rename, replacing an older one."""
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
+
+
+def claim_run_folder(run_dir: Path, args: Hyperparameters) -> list[Path]:
+    """Creates checkpoint_dir/<run_id>/ for a run that saves (checkpoints or final weights), and writes a file
+    in it, so that an unwritable --checkpoint_dir stops the run before step 0, not after it has trained.
+    The folder is made exclusively: a run that took this id since it was checked cannot be written over.
+    Returns the folders made, innermost first, for release_folders."""
+    made = [folder for folder in (run_dir, *run_dir.parents) if not os.path.lexists(folder)]
+    probe = run_dir / ".write_test"
+    try:
+        os.makedirs(run_dir)  # exist_ok=False; a file on the way is ENOTDIR
+        write_file(probe, b"probe")
+        probe.unlink()
+    except (OSError, TrainingError) as e:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+        release_folders(made)
+        why = e.strerror if isinstance(e, OSError) else str(e)
+        raise ConfigError(f"--checkpoint_dir={args.checkpoint_dir}: cannot write checkpoints in {run_dir} ({why})") \
+            from None
+    return made
+
+
+def release_folders(made: list[Path]):
+    """Removes the folders a run made that stayed empty (innermost first); one holding a checkpoint stays."""
+    for folder in made:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 FINAL_WEIGHTS_FORMAT = "train_gpt.py final weights, version 1"
@@ -1982,16 +2020,18 @@ def save_final_weights(model: GPT, args: Hyperparameters, source: str, run_id: s
             "code_sha256": code_hash(source)}
     shutil.rmtree(tmp, ignore_errors=True)
     try:
+        tmp.mkdir(parents=True)
+    except OSError as e:  # nothing was made, so nothing is said to be removed
+        raise write_error(tmp, e) from None
+    try:
         try:
-            tmp.mkdir(parents=True)
             write_file(tmp / "model.pt", model.state_dict())
             write_file(tmp / "config.json", json.dumps(info, indent=1).encode())
             publish_folder(tmp, final)
         except OSError as e:
             raise write_error(tmp, e) from None
     except TrainingError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise TrainingError(f"{e}; the unfinished {tmp} was removed") from None
+        raise TrainingError(f"{e}; {remove_unfinished(tmp)}") from None
     return final
 
 
@@ -2341,8 +2381,9 @@ def train(args: Hyperparameters, env: DistEnv):
     # Every input check (data, checkpoint, run id) runs before anything is created, so bad input leaves
     # no log and no folder behind and takes no run id. All ranks agree on the outcome before the log is
     # created and again after, so one rank's error never leaves the others waiting in a collective.
-    log, error, resume = Logger(None), None, None
+    log, error, resume, made = Logger(None), None, None, []
     log_path = Path(args.logs_dir) / f"{run_id}.txt"
+    run_dir = Path(args.checkpoint_dir) / run_id
     try:
         loader = SyntheticLoader(args, env) if args.synthetic else TrainLoader(args, env)
         val_tokens = (torch.randint(0, BOS_ID, (args.val_tokens + 1,), generator=torch.Generator().manual_seed(0))
@@ -2350,19 +2391,29 @@ def train(args: Hyperparameters, env: DistEnv):
         if args.resume:
             resume = check_checkpoint(resolve_checkpoint(args.resume, args), args, env, source)
             check_resume_shards(resume, loader, args)
-        if env.is_main and log_path.exists():
-            raise ConfigError(f"--run_id={run_id}: {log_path} already exists; choose another run id")
+        # A run id names one run, its log and its checkpoint folder, whichever --logs_dir and --checkpoint_dir
+        # are given: another run's are never written over. A resumed run is a new run with its own id.
+        for taken, what in ((log_path, "log"), (run_dir, "checkpoint folder")):
+            if env.is_main and os.path.lexists(taken):
+                raise ConfigError(f"--run_id={run_id}: {taken} already exists (another run's {what}); choose another "
+                                  f"run id" + (" (a resumed run takes a new one)" if args.resume else ""))
     except (ConfigError, DataError, TrainingError) as e:
         error = e
-    if all_ranks_ok(error is None, env.device) and env.is_main:
-        try:
-            log = Logger(log_path)
-        except OSError as e:
-            error = ConfigError(f"--logs_dir={args.logs_dir}: cannot write the log ({e.strerror})")
-    if not all_ranks_ok(error is None, env.device):
-        raise error or TrainingError("another rank failed during setup")
 
     try:
+        if all_ranks_ok(error is None, env.device) and env.is_main:
+            try:
+                if args.save_every or args.save_final:
+                    made = claim_run_folder(run_dir, args)
+                log = Logger(log_path)
+            except ConfigError as e:
+                error = e
+            except OSError as e:
+                release_folders(made)
+                error = ConfigError(f"--logs_dir={args.logs_dir}: cannot write the log ({e.strerror})")
+        if not all_ranks_ok(error is None, env.device):
+            raise error or TrainingError("another rank failed during setup")
+
         model = build_model(args, env)
         log_header(log, source, args, env, run_id, model)
         for line in loader.report():
@@ -2375,6 +2426,8 @@ def train(args: Hyperparameters, env: DistEnv):
     finally:
         with contextlib.suppress(TrainingError):
             log.close()
+        if env.is_main:  # a run that saved nothing leaves no empty folders
+            release_folders(made)
 
 
 class StepTimer:

@@ -245,6 +245,72 @@ def test_an_untouched_checkpoint_passes_every_check(checkpoint):
 
 
 # -----------------------------------------------------------------------------
+# A run id names one run: its log and its checkpoint folder are never another run's (exit 2, nothing written)
+
+def an_earlier_runs_checkpoints(tmp_path):
+    """checkpoints of an earlier run named `taken`, whose log is elsewhere or deleted"""
+    (tmp_path / "ck/taken/step_000002").mkdir(parents=True)
+    (tmp_path / "ck/taken/latest").write_text("step_000002\n")
+    return ["--run_id=taken"]
+
+
+def a_file(name):
+    def make(tmp_path):
+        (tmp_path / "a_file").write_text("")
+        return [f"--checkpoint_dir={tmp_path}/{name}", "--run_id=r"]
+    return make
+
+
+RUN_CASES = [
+    # (what, what is made beforehand (returns the run's flags), further flags, fragments of the error line)
+    ("the checkpoint folder of an earlier run", an_earlier_runs_checkpoints, [],
+     ["--run_id=taken: ", "ck/taken already exists (another run's checkpoint folder); choose another run id"]),
+    ("--checkpoint_dir a file, --save_final", a_file("a_file"), ["--save_final=true"],
+     ["--checkpoint_dir=", "/a_file: cannot write checkpoints in ", "/a_file/r (Not a directory)"]),
+    ("--checkpoint_dir a file, --save_every", a_file("a_file"), ["--save_every=2"], ["(Not a directory)"]),
+    ("--checkpoint_dir under a file", a_file("a_file/ck"), ["--save_final=true"], ["/a_file/ck/r (Not a directory)"]),
+]
+
+
+def tree(root) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("what, make, flags, fragments", RUN_CASES, ids=[case[0] for case in RUN_CASES])
+def test_a_run_that_could_not_keep_its_checkpoints_is_refused_before_it_starts(tmp_path, what, make, flags,
+                                                                                fragments):
+    run_flags = make(tmp_path)
+    before = tree(tmp_path)
+    proc = run_main(*TINY, f"--logs_dir={tmp_path}/logs", f"--checkpoint_dir={tmp_path}/ck", *run_flags, *flags)
+    one_line_error(proc, *fragments)
+    assert tree(tmp_path) == before  # no log, and nothing of the earlier run's replaced
+
+
+@pytest.mark.slow  # the fixture trains two steps
+def test_a_resume_takes_a_new_run_id(checkpoint, tmp_path):
+    # the run the checkpoint belongs to, resumed under its own id: it would write into that run's folder
+    proc = run_main(*TINY, f"--resume={checkpoint}", f"--checkpoint_dir={checkpoint.parent.parent}", "--run_id=base",
+                    f"--logs_dir={tmp_path}/logs", "--save_every=2")
+    one_line_error(proc, f"--run_id=base: {checkpoint.parent} already exists (another run's checkpoint folder); "
+                         f"choose another run id (a resumed run takes a new one)")
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["latest", "step_000002"]
+    assert not (tmp_path / "logs").exists()
+
+
+def test_final_weights_that_cannot_start_claim_no_removal(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    args, env, model, optimizers, loader = tiny_model(blocker)
+    source = TRAIN.read_text()
+    with pytest.raises(T.TrainingError) as failure:
+        T.save_final_weights(model, args, source, "run", 30, 5.0)
+    assert str(failure.value) == f"cannot write {blocker}/run/.final.partial: Not a directory"  # nothing was made
+    with pytest.raises(T.TrainingError) as failure:
+        T.save_checkpoint(2, 1.0, model, optimizers, loader, args, env, source, "run")
+    assert str(failure.value) == f"cannot write {blocker}/run/.step_000002.partial: Not a directory"
+
+
+# -----------------------------------------------------------------------------
 # --resume=latest: a damaged pointer is one line naming it (exit 1, no log)
 
 LATEST_CASES = [
@@ -385,7 +451,7 @@ def test_a_real_write_error_during_a_checkpoint_ends_the_run_in_one_line(tmp_pat
     partial = tmp_path / "ck/limited/.step_000002.partial"
     line = one_line(proc, 1, f"cannot write {partial}/rank_0.pt: File too large",
                     f"the unfinished checkpoint {partial} was removed")
-    assert list((tmp_path / "ck/limited").iterdir()) == []
+    assert not (tmp_path / "ck").exists()  # nor the folders made for it, left empty
     log = (tmp_path / "limited.txt").read_text()
     assert log.endswith(line.replace("error [rank 0]: ", "error: ") + "\n")
 
