@@ -1921,51 +1921,58 @@ def save_checkpoint(step: int, train_time_ms: float, model: GPT, optimizers, loa
     """checkpoint_dir/<run_id>/step_NNNNNN/: model.pt (rank 0), rank_R.pt (each rank's optimizer shards
     and RNG states, and the step), meta.json written last with every file's size and sha256 and the
     training shards' fingerprints. Everything goes to a temporary folder renamed at the end, so a crash
-    mid-save never leaves a checkpoint that looks complete; a write that fails (a full disk) removes that
-    folder and stops every rank."""
+    mid-save never leaves a checkpoint that looks complete; a write that fails (a full disk), or a signal
+    (Ctrl-C), removes that folder and stops every rank."""
     run_dir = Path(args.checkpoint_dir) / run_id
     final, tmp = run_dir / f"step_{step:06d}", run_dir / f".step_{step:06d}.partial"
-    error = None
-    if env.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            tmp.mkdir(parents=True)
-        except OSError as e:
-            error = write_error(tmp, e)
-    if not all_ranks_ok(error is None, env.device):
-        raise error or TrainingError(f"rank 0 could not create {tmp}")
-    files = {}
+    latest_tmp = run_dir / ".latest.tmp"
+    error, made = None, False
     try:
-        rank_state = {"step": step, "optimizers": [opt.state_dict() for opt in optimizers],
-                      "cpu_rng": torch.get_rng_state(),
-                      "cuda_rng": torch.cuda.get_rng_state() if env.device.type == "cuda" else torch.empty(0)}
-        files[f"rank_{env.rank}.pt"] = write_file(tmp / f"rank_{env.rank}.pt", rank_state)
         if env.is_main:
-            files["model.pt"] = write_file(tmp / "model.pt", model.state_dict())
-    except TrainingError as e:
-        error = e
-    every_rank = gather_from_ranks(None if error else files)
-    failed = [rank for rank, written in enumerate(every_rank) if written is None]
-    if env.is_main and not failed:
-        shard_record = loader.shard_record() if hasattr(loader, "shard_record") else []  # none: synthetic data
-        meta = {"step": step, "train_time_ms": train_time_ms, "world_size": env.world_size,
-                "loader": loader.state_dict(), "config": config_for_checkpoint(args), "code_sha256": code_hash(source),
-                "shards": shard_record,
-                "files": {name: written[name] for written in every_rank for name in sorted(written)}}
-        latest_tmp = run_dir / ".latest.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                tmp.mkdir(parents=True)
+                made = True
+            except OSError as e:
+                error = write_error(tmp, e)
+        if not all_ranks_ok(error is None, env.device):
+            raise error or TrainingError(f"rank 0 could not create {tmp}")
+        files = {}
         try:
-            write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
-            publish_folder(tmp, final)
-            write_file(latest_tmp, (final.name + "\n").encode())
-            os.replace(latest_tmp, run_dir / "latest")
+            rank_state = {"step": step, "optimizers": [opt.state_dict() for opt in optimizers],
+                          "cpu_rng": torch.get_rng_state(),
+                          "cuda_rng": torch.cuda.get_rng_state() if env.device.type == "cuda" else torch.empty(0)}
+            files[f"rank_{env.rank}.pt"] = write_file(tmp / f"rank_{env.rank}.pt", rank_state)
+            if env.is_main:
+                files["model.pt"] = write_file(tmp / "model.pt", model.state_dict())
         except TrainingError as e:
             error = e
-        except OSError as e:
-            error = write_error(final, e)
-        latest_tmp.unlink(missing_ok=True)
-    if env.is_main and os.path.lexists(tmp):  # the save failed before the rename: leave nothing half-written
-        reason = error or f"rank {failed[0]} could not write its part of the checkpoint"
-        error = TrainingError(f"{reason}; {remove_unfinished(tmp, 'checkpoint ')}")
+        every_rank = gather_from_ranks(None if error else files)
+        failed = [rank for rank, written in enumerate(every_rank) if written is None]
+        if env.is_main and not failed:
+            shard_record = loader.shard_record() if hasattr(loader, "shard_record") else []  # none: synthetic data
+            meta = {"step": step, "train_time_ms": train_time_ms, "world_size": env.world_size,
+                    "loader": loader.state_dict(), "config": config_for_checkpoint(args),
+                    "code_sha256": code_hash(source), "shards": shard_record,
+                    "files": {name: written[name] for written in every_rank for name in sorted(written)}}
+            try:
+                write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
+                publish_folder(tmp, final)
+                write_file(latest_tmp, (final.name + "\n").encode())
+                os.replace(latest_tmp, run_dir / "latest")
+            except TrainingError as e:
+                error = e
+            except OSError as e:
+                error = write_error(final, e)
+            latest_tmp.unlink(missing_ok=True)
+        if env.is_main and os.path.lexists(tmp):  # the save failed before the rename: leave nothing half-written
+            reason = error or f"rank {failed[0]} could not write its part of the checkpoint"
+            error = TrainingError(f"{reason}; {remove_unfinished(tmp, 'checkpoint ')}")
+    except BaseException:  # a signal (Ctrl-C) or a failed collective mid-save: take the unfinished folder back
+        if env.is_main and made:
+            remove_unfinished(tmp)
+            latest_tmp.unlink(missing_ok=True)
+        raise
     if not all_ranks_ok(error is None, env.device):
         raise error or TrainingError(f"checkpoint {final} could not be written (rank 0 says why)")
     return final
@@ -1988,10 +1995,12 @@ def claim_run_folder(run_dir: Path, args: Hyperparameters) -> list[Path]:
         os.makedirs(run_dir)  # exist_ok=False; a file on the way is ENOTDIR
         write_file(probe, b"probe")
         probe.unlink()
-    except (OSError, TrainingError) as e:
+    except BaseException as e:  # a Ctrl-C here too leaves nothing behind
         with contextlib.suppress(OSError):
             probe.unlink()
         release_folders(made)
+        if not isinstance(e, (OSError, TrainingError)):
+            raise
         why = e.strerror if isinstance(e, OSError) else str(e)
         raise ConfigError(f"--checkpoint_dir={args.checkpoint_dir}: cannot write checkpoints in {run_dir} ({why})") \
             from None
@@ -2032,6 +2041,9 @@ def save_final_weights(model: GPT, args: Hyperparameters, source: str, run_id: s
             raise write_error(tmp, e) from None
     except TrainingError as e:
         raise TrainingError(f"{e}; {remove_unfinished(tmp)}") from None
+    except BaseException:  # a signal (Ctrl-C) mid-write
+        remove_unfinished(tmp)
+        raise
     return final
 
 
@@ -2240,7 +2252,7 @@ class Logger:
             path.parent.mkdir(parents=True, exist_ok=True)
             try:
                 self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)  # never overwrite another run's log
-            except OSError:
+            except BaseException:  # an OSError, or a Ctrl-C
                 for folder in made:  # innermost first: a run that never started leaves no empty folders
                     with contextlib.suppress(OSError):
                         folder.rmdir()
@@ -2420,8 +2432,9 @@ def train(args: Hyperparameters, env: DistEnv):
             log(line)
         run_training(args, env, log, model, loader, val_tokens, source, run_id, resume)
         log.close()  # a log that cannot reach the disk is a failed run too
-    except Exception as e:  # the log says how the run ended, whatever ended it
-        log.last_line(f"error: {type(e).__name__ + ': ' if not isinstance(e, TrainingError) else ''}{e}")
+    except BaseException as e:  # the log says how the run ended, whatever ended it (Ctrl-C included)
+        STOP.armed = False  # ending now: a later signal (torchrun stopping the other ranks) must not cut this short
+        log.last_line(f"error: {failure_line(e)}")
         raise
     finally:
         with contextlib.suppress(TrainingError):
@@ -2605,10 +2618,63 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, l
         f"world_size:{env.world_size} device:{env.device.type}")
 
 
-def stop_on_sigterm(signum, frame):
-    # torchrun sends SIGTERM to the surviving ranks when one fails: end through the normal error
-    # path so the log says how the run ended.
-    raise TrainingError(f"stopped by {signal.Signals(signum).name} (torchrun stops every rank when one fails)")
+class Stopped(BaseException):
+    """Raised by stop_on_signal. A BaseException, so that no `except Exception` on the way takes it for an
+    error it can handle; torch.save, though, turns it into a RuntimeError, so STOP is what says a signal
+    ended the run."""
+
+
+class StopState:
+    """What stop_on_signal saw: main() arms it; the first signal disarms it and records which signal came
+    and where the run was."""
+
+    def __init__(self):
+        self.armed, self.signal, self.where = False, None, ""
+
+    def message(self) -> str:
+        name = self.signal.name
+        verb = "interrupted" if self.signal == signal.SIGINT else "stopped"
+        if self.signal == signal.SIGTERM and "TORCHELASTIC_RUN_ID" in os.environ:
+            return f"{verb} by {name} {self.where} (torchrun stops every rank when one fails or when it is stopped)"
+        return f"{verb} by {name} {self.where}"
+
+
+STOP = StopState()
+
+
+def training_position(frame) -> str:
+    """Where the main thread was when a signal came, from run_training's locals: its step counter (the
+    steps done), and whether a checkpoint or the final weights were being written."""
+    names = []
+    while frame is not None and frame.f_code is not run_training.__code__:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    if frame is None:
+        return "before training started"
+    local = frame.f_locals
+    if "t0" not in local:  # the clock starts just before the first step
+        return "before step 0 (setting up, or in the untimed warmup)"
+    step = max(local.get("step", 0), local["start_step"])
+    saving = (", while saving its checkpoint" if "save_checkpoint" in names else
+              ", while writing the final weights" if "save_final_weights" in names else "")
+    return f"at step {step}{saving}"
+
+
+def stop_on_signal(signum, frame):
+    # SIGINT (Ctrl-C) or SIGTERM (kill, or torchrun stopping the ranks): end through the normal error path,
+    # so that an unfinished checkpoint is removed and the log says how the run ended. Only the first signal
+    # counts: torchrun forwards a Ctrl-C to its ranks, which then get it twice, and the cleanup must finish.
+    if not STOP.armed:
+        return
+    STOP.armed, STOP.signal, STOP.where = False, signal.Signals(signum), training_position(frame)
+    raise Stopped(STOP.message())
+
+
+def failure_line(error: BaseException) -> str:
+    """The text of the `error:` line that ends a failed run's log."""
+    if STOP.signal is not None:  # whatever surfaced: a signal mid-save surfaces as torch.save's RuntimeError
+        return STOP.message()
+    return f"{type(error).__name__ + ': ' if not isinstance(error, TrainingError) else ''}{error}"
 
 
 def report_error(line: str, exit_code: int, print_it: bool = True) -> int:
@@ -2628,27 +2694,38 @@ def report_error(line: str, exit_code: int, print_it: bool = True) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", 0))
-    signal.signal(signal.SIGTERM, stop_on_sigterm)
+    STOP.signal, STOP.where, env = None, "", None
+    previous = {signum: signal.signal(signum, stop_on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    STOP.armed = True
     try:
-        args = parse_args(argv, torch.cuda.is_available())
-        env = setup_distributed(args)
-    except ConfigError as e:
-        return report_error(f"error: {e}", 2, print_it=rank == 0)
-    if env.device.type == "cpu":
-        keep_freed_cpu_memory()
-    try:
+        try:
+            args = parse_args(argv, torch.cuda.is_available())
+            env = setup_distributed(args)
+        except ConfigError as e:
+            return report_error(f"error: {e}", 2, print_it=rank == 0)
+        rank = env.rank
+        if env.device.type == "cpu":
+            keep_freed_cpu_memory()
         train(args, env)
         return 0
-    except (ConfigError, DataError) as e:  # the same on every rank: rank 0 speaks for all
-        return report_error(f"error: {e}", 2, print_it=env.is_main)
-    except TrainingError as e:
-        return report_error(f"error [rank {env.rank}]: {e}", 1)
-    except dist.DistError as e:  # a peer died or a collective timed out
-        return report_error(f"error [rank {env.rank}]: a collective failed, another rank probably died: "
-                            f"{first_line(e)}", 1)
+    except BaseException as e:
+        STOP.armed = False
+        if STOP.signal is not None:  # one line per rank, and the shell's code for a signal: 128 + its number
+            return report_error(f"error [rank {rank}]: {STOP.message()}", 128 + STOP.signal)
+        if isinstance(e, (ConfigError, DataError)):  # the same on every rank: rank 0 speaks for all
+            return report_error(f"error: {e}", 2, print_it=env is None or env.is_main)
+        if isinstance(e, TrainingError):
+            return report_error(f"error [rank {rank}]: {e}", 1)
+        if isinstance(e, dist.DistError):  # a peer died or a collective timed out
+            return report_error(f"error [rank {rank}]: a collective failed, another rank probably died: "
+                                f"{first_line(e)}", 1)
+        raise
     finally:
+        STOP.armed = False
         if dist.is_initialized():
             dist.destroy_process_group()
+        for signum, handler in previous.items():  # main() may run in a process that goes on (the tests)
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
 if __name__ == "__main__":
