@@ -2076,9 +2076,6 @@ def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters
     return model.eval(), args, info
 
 
-LATEST_PATTERN = re.compile(r"step_\d{6,}")  # what save_checkpoint writes into `latest`
-
-
 def resolve_checkpoint(resume: str, args: Hyperparameters) -> Path:
     """--resume as a folder: 'latest' is the newest `latest` pointer under --checkpoint_dir (that of the run
     that saved last). A damaged newest pointer is refused rather than passed over: an older run's would
@@ -2101,7 +2098,7 @@ def resolve_checkpoint(resume: str, args: Hyperparameters) -> Path:
     except (OSError, UnicodeDecodeError) as e:
         why = e.strerror if isinstance(e, OSError) else "not text"
         raise TrainingError(f"{damaged} ({why}){remedy}") from None
-    if not LATEST_PATTERN.fullmatch(name):
+    if not re.fullmatch(r"step_\d{6,}", name):  # what save_checkpoint writes
         raise TrainingError(f"{damaged} (it should name a checkpoint folder beside it, e.g. step_000100, "
                             f"not {name[:40]!r}){remedy}")
     if not (pointer.parent / name).is_dir():
