@@ -1423,23 +1423,27 @@ class ShardScan:
     num_tokens: int
     starts: np.ndarray  # BOS positions: the loader reuses them when it opens the shard
     steps: int  # steps the loader takes from it (DocumentPieces.count_steps)
-    fingerprint: str = ""  # shard_fingerprint: a checkpoint records it, a resume compares it
 
 
 SCAN_THREADS = 4  # shards scanned at once; numpy releases the GIL while it reads and compares
 FINGERPRINT_BLOCKS, FINGERPRINT_BLOCK_TOKENS = 16, 4096
 
 
-def shard_fingerprint(tokens: np.ndarray, starts: np.ndarray) -> str:
-    """sha256 of what tells shards apart at no extra reading (the scan holds the tokens): the token count,
-    16 evenly spaced blocks of 4,096 tokens (the first and the last included) and every document's start.
-    Another shard, or this text tokenized or shuffled differently, changes it; one token edited between the
-    blocks, inside a document, would not."""
-    h = hashlib.sha256(np.int64(len(tokens)).tobytes())
-    last = max(len(tokens) - FINGERPRINT_BLOCK_TOKENS, 0)
-    for offset in np.linspace(0, last, FINGERPRINT_BLOCKS).astype(np.int64):
-        h.update(tokens[offset:offset + FINGERPRINT_BLOCK_TOKENS].astype("<u2").tobytes())
-    h.update(starts.astype("<i8").tobytes())
+def shard_fingerprint(scan: ShardScan) -> str:
+    """sha256 of what tells a scanned shard from another cheaply: its token count, 16 evenly spaced blocks
+    of 4,096 tokens (the first and the last included; 128 KiB read) and every document's start (found by
+    the scan). Another shard, or this text tokenized or shuffled differently, changes it; one token edited
+    between the blocks, inside a document, would not."""
+    h = hashlib.sha256(np.int64(scan.num_tokens).tobytes())
+    last = max(scan.num_tokens - FINGERPRINT_BLOCK_TOKENS, 0)
+    try:
+        with open(scan.path, "rb") as f:
+            for offset in np.linspace(0, last, FINGERPRINT_BLOCKS).astype(np.int64):
+                f.seek(SHARD_HEADER_INTS * 4 + 2 * int(offset))
+                h.update(f.read(2 * FINGERPRINT_BLOCK_TOKENS))
+    except OSError as e:
+        raise DataError(f"{scan.path}: cannot read shard ({e.strerror})") from None
+    h.update(scan.starts.astype("<i8").tobytes())
     return h.hexdigest()
 
 
@@ -1458,7 +1462,7 @@ def scan_shard(path: Path, args: Hyperparameters) -> ShardScan:
                         f"a document gives its first {args.train_max_seq_len} tokens at most (--train_max_seq_len) "
                         f"and a micro-batch skips the rest of the one it ends in; split long documents "
                         f"(`python data/tokenize_text.py` does, see --max-doc-tokens) or add text")
-    return ShardScan(path, len(tokens), starts, steps, shard_fingerprint(tokens, starts))
+    return ShardScan(path, len(tokens), starts, steps)
 
 
 def scan_training_shards(files: list[Path], args: Hyperparameters) -> list[ShardScan]:
@@ -1495,16 +1499,6 @@ class TrainLoader:
 
     def __init__(self, args: Hyperparameters, env: DistEnv):
         files = find_shards(args.train_files, "training")
-        val_files, val_under_repo = match_shards(args.val_files)
-        validation = {f.resolve() for f in val_files}
-        for f in files:  # resolved: the same file named by two globs, or through a link, is one file
-            if f.resolve() in validation:
-                raise DataError(f"{f}: both a training shard (--train_files={args.train_files}) and a validation "
-                                f"shard (--val_files={args.val_files}); the val loss must come from text the run "
-                                f"does not train on")
-        self.found_under_repo = [f"--{name}={pattern}" for name, pattern, under_repo in (
-            ("train_files", args.train_files, match_shards(args.train_files)[1]),
-            ("val_files", args.val_files, val_under_repo)) if under_repo]
         self.num_micro, self.micro_tokens = args.batch_tokens // args.micro_batch_tokens, args.micro_batch_tokens
         for f in files:
             if read_shard_header(f) < self.num_micro * (self.micro_tokens + 1):
@@ -1512,6 +1506,19 @@ class TrainLoader:
         self.scans = scan_training_shards(files, args)
         self.supplied, self.needed = sum(scan.steps for scan in self.scans), args.num_iterations
         self.unread = len(files) - len(self.scans)
+        val_files, val_under_repo = match_shards(args.val_files)
+        validation = {f.resolve() for f in val_files}
+        for f in files:  # resolved: the same file named by two globs, or through a link, is one file
+            if f.resolve() in validation:
+                raise DataError(f"{f}: both a training shard (--train_files={args.train_files}) and a validation "
+                                f"shard (--val_files={args.val_files}); the val loss must come from text the run "
+                                f"does not train on")
+        self.fingerprints = [shard_fingerprint(scan) for scan in self.scans]  # what a checkpoint records
+        found = [f"--{name}={pattern}" for name, pattern, under_repo in (
+            ("train_files", args.train_files, match_shards(args.train_files)[1]),
+            ("val_files", args.val_files, val_under_repo)) if under_repo]
+        self.located = ([f"data: {' and '.join(found)} matched nothing under the working directory; read "
+                         f"relative to {REPO_DIR}"] if found else [])  # train() logs it, after report()
         if self.supplied < self.needed and not args.repeat_data:
             per_shard = self.supplied / len(self.scans)
             enough = math.ceil(self.needed / per_shard)
@@ -1533,9 +1540,6 @@ class TrainLoader:
         lines = [f"data: {len(self.scans)} training shard(s) supply {self.supplied:,} steps, the run needs "
                  f"{self.needed:,}; the steps use {self.supplied * step_tokens / tokens:.1%} of their "
                  f"{tokens:,} tokens" + (f" ({self.unread} more shard(s) are not needed)" if self.unread else "")]
-        if self.found_under_repo:
-            lines.append(f"data: {' and '.join(self.found_under_repo)} matched nothing under the working directory; "
-                         f"read relative to {REPO_DIR}")
         if self.supplied < self.needed:
             lines.append(f"data: --repeat_data=true: after {self.supplied:,} steps the data starts over from the "
                          f"first shard (logged each time)")
@@ -1554,7 +1558,7 @@ class TrainLoader:
     def shard_record(self) -> list[dict]:
         """The shards the run reads, in order, as a checkpoint records them (see check_resume_shards)."""
         return [{"file": str(scan.path), "bytes": SHARD_HEADER_INTS * 4 + 2 * scan.num_tokens,
-                 "fingerprint": scan.fingerprint} for scan in self.scans]
+                 "fingerprint": fingerprint} for scan, fingerprint in zip(self.scans, self.fingerprints)]
 
     def state_dict(self) -> dict:
         return {"file_index": self.file_index, "piece": self.piece}
@@ -2210,9 +2214,9 @@ def check_resume_shards(resume: Resume, loader, args: Hyperparameters):
                             f"--train_files={args.train_files} gives this run {len(scans)} shard(s)")
     if args.force_resume:
         return
-    for i, (saved, scan) in enumerate(zip(recorded, scans)):
+    for i, (saved, scan, fingerprint) in enumerate(zip(recorded, scans, loader.fingerprints)):
         size = SHARD_HEADER_INTS * 4 + 2 * scan.num_tokens
-        if saved["bytes"] != size or saved["fingerprint"] != scan.fingerprint:
+        if saved["bytes"] != size or saved["fingerprint"] != fingerprint:
             other = ", another fingerprint" if saved["bytes"] == size else ""
             raise TrainingError(f"--resume={resume.path}: training shard {i + 1}, {scan.path} ({size:,} bytes), is "
                                 f"not the one the checkpoint's run read ({saved['file']}, {saved['bytes']:,} bytes"
@@ -2399,33 +2403,37 @@ def train(args: Hyperparameters, env: DistEnv):
                       if args.synthetic else load_val_tokens(args))
         if args.resume:
             resume = check_checkpoint(resolve_checkpoint(args.resume, args), args, env, source)
-            check_resume_shards(resume, loader, args)
+        if env.is_main and log_path.exists():
+            raise ConfigError(f"--run_id={run_id}: {log_path} already exists; choose another run id")
         # A run id names one run, its log and its checkpoint folder, whichever --logs_dir and --checkpoint_dir
         # are given: another run's are never written over. A resumed run is a new run with its own id.
-        for taken, what in ((log_path, "log"), (run_dir, "checkpoint folder")):
-            if env.is_main and os.path.lexists(taken):
-                raise ConfigError(f"--run_id={run_id}: {taken} already exists (another run's {what}); choose another "
-                                  f"run id" + (" (a resumed run takes a new one)" if args.resume else ""))
+        if env.is_main and os.path.lexists(run_dir):
+            raise ConfigError(f"--run_id={run_id}: {run_dir} already exists (another run's checkpoint folder); "
+                              f"choose another run id" + (" (a resumed run takes a new one)" if args.resume else ""))
+        if resume is not None:
+            check_resume_shards(resume, loader, args)
     except (ConfigError, DataError, TrainingError) as e:
         error = e
+    if all_ranks_ok(error is None, env.device) and env.is_main:
+        try:
+            if args.save_every or args.save_final:  # the folder is written before step 0, not after training
+                made = claim_run_folder(run_dir, args)
+            log = Logger(log_path)
+        except ConfigError as e:
+            error = e
+        except OSError as e:
+            release_folders(made)
+            error = ConfigError(f"--logs_dir={args.logs_dir}: cannot write the log ({e.strerror})")
+    if not all_ranks_ok(error is None, env.device):
+        release_folders(made)
+        raise error or TrainingError("another rank failed during setup")
 
     try:
-        if all_ranks_ok(error is None, env.device) and env.is_main:
-            try:
-                if args.save_every or args.save_final:
-                    made = claim_run_folder(run_dir, args)
-                log = Logger(log_path)
-            except ConfigError as e:
-                error = e
-            except OSError as e:
-                release_folders(made)
-                error = ConfigError(f"--logs_dir={args.logs_dir}: cannot write the log ({e.strerror})")
-        if not all_ranks_ok(error is None, env.device):
-            raise error or TrainingError("another rank failed during setup")
-
         model = build_model(args, env)
         log_header(log, source, args, env, run_id, model)
         for line in loader.report():
+            log(line)
+        for line in getattr(loader, "located", []):
             log(line)
         run_training(args, env, log, model, loader, val_tokens, source, run_id, resume)
         log.close()  # a log that cannot reach the disk is a failed run too
