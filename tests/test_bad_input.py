@@ -76,6 +76,12 @@ FLAG_CASES = [
                                                          "1,048,576-token sequence takes at least 9,216 GiB to build"]),
     (["--synthetic=true", "--vocab_size=1000"], ["--vocab_size=1000: --synthetic=true documents start with "
                                                  "<|endoftext|>, token 50256"]),
+    # a training shard that is also a validation shard, named directly, by a glob, or by another spelling
+    (["--val_files=data/shakespeare/shakespeare_train_000001.bin"],
+     ["data/shakespeare/shakespeare_train_000001.bin: both a training shard (--train_files=data/shakespeare/"
+      "shakespeare_train_*.bin) and a validation shard (--val_files=data/shakespeare/shakespeare_train_000001.bin)"]),
+    (["--val_files=data/shakespeare/*.bin"], ["shakespeare_train_000001.bin: both a training shard"]),
+    (["--val_files=data/../data/shakespeare/./shakespeare_train_*.bin"], ["both a training shard"]),
 ]
 
 
@@ -156,31 +162,76 @@ def without_key(key):
     return change
 
 
+def edit_first_shard(key, value):
+    def change(meta):
+        meta["shards"][0][key] = value
+        return meta
+    return change
+
+
 RESUME_CASES = [
-    # (what is wrong, how the checkpoint is changed, fragments of the error line)
-    ("meta.json is {}", edit_meta(lambda meta: {}), ["meta.json has no valid 'step'"]),
-    ("meta.json is a list", edit_meta(lambda meta: [1, 2]), ["meta.json is not a checkpoint's (a JSON list"]),
-    ("step edited", edit_meta(with_key("step", 4)), ["meta.json says step 4, but rank_0.pt was saved at step 2"]),
-    ("step is text", edit_meta(with_key("step", "2")), ["meta.json has no valid 'step'"]),
-    ("loader is a list", edit_meta(with_key("loader", [])), ["meta.json has no valid 'loader'"]),
-    ("no file list (older format)", edit_meta(without_key("files")), ["meta.json has no valid 'files'"]),
-    ("file not listed", edit_meta(with_key("files", {})), ["meta.json does not list model.pt"]),
-    ("model.pt replaced", flip_a_byte("model.pt"), ["model.pt is not the file saved with this meta.json"]),
-    ("rank file truncated", truncate("rank_0.pt"), ["rank_0.pt has 1000 bytes, meta.json recorded"]),
-    ("rank file missing", lambda folder: (folder / "rank_0.pt").unlink(), ["cannot read rank_0.pt"]),
+    # (what is wrong, how the checkpoint is changed, fragments of the error line, flags of the resume)
+    ("meta.json is {}", edit_meta(lambda meta: {}), ["meta.json has no valid 'step'"], []),
+    ("meta.json is a list", edit_meta(lambda meta: [1, 2]), ["meta.json is not a checkpoint's (a JSON list"], []),
+    ("step edited", edit_meta(with_key("step", 4)), ["meta.json says step 4, but rank_0.pt was saved at step 2"], []),
+    ("step is text", edit_meta(with_key("step", "2")), ["meta.json has no valid 'step'"], []),
+    ("loader is a list", edit_meta(with_key("loader", [])), ["meta.json has no valid 'loader'"], []),
+    ("no file list (older format)", edit_meta(without_key("files")), ["meta.json has no valid 'files'"], []),
+    ("file not listed", edit_meta(with_key("files", {})), ["meta.json does not list model.pt"], []),
+    ("model.pt replaced", flip_a_byte("model.pt"), ["model.pt is not the file saved with this meta.json"], []),
+    ("rank file truncated", truncate("rank_0.pt"), ["rank_0.pt has 1000 bytes, meta.json recorded"], []),
+    ("rank file missing", lambda folder: (folder / "rank_0.pt").unlink(), ["cannot read rank_0.pt"], []),
+    # the training shards the checkpoint's run read, recorded in meta.json, are not this run's
+    ("no shard list (older format)", edit_meta(without_key("shards")), ["meta.json has no valid 'shards'"], []),
+    ("shard record not a list of records", edit_meta(with_key("shards", [5])), ["meta.json has no valid 'shards'"], []),
+    ("another shard's fingerprint", edit_meta(edit_first_shard("fingerprint", "0" * 64)),
+     ["training shard 1, data/shakespeare/shakespeare_train_000001.bin (2,846,636 bytes), is not the one the "
+      "checkpoint's run read (data/shakespeare/shakespeare_train_000001.bin, 2,846,636 bytes, another fingerprint); "
+      "use --force_resume=true"], []),
+    ("another shard's size", edit_meta(edit_first_shard("bytes", 1000)), ["shakespeare_train_000001.bin, 1,000 bytes)"],
+     []),
+    # --force_resume from a step with nothing left to train
+    ("forced at the last step", None, ["the checkpoint is at step 2, at or past --num_iterations=2: nothing is left "
+                                       "to train"], ["--force_resume=true"]),
+    ("forced past the end", None, ["at step 2, at or past --num_iterations=1"],
+     ["--force_resume=true", "--num_iterations=1", "--extension_steps=0"]),
 ]
 
 
 @pytest.mark.slow  # the fixture trains two steps
-@pytest.mark.parametrize("what, edit, fragments", RESUME_CASES, ids=[case[0] for case in RESUME_CASES])
-def test_a_checkpoint_that_does_not_match_its_meta_json_is_refused(checkpoint, tmp_path, what, edit, fragments):
+@pytest.mark.parametrize("what, edit, fragments, flags", RESUME_CASES, ids=[case[0] for case in RESUME_CASES])
+def test_a_checkpoint_that_does_not_match_its_meta_json_is_refused(checkpoint, tmp_path, what, edit, fragments,
+                                                                   flags):
     folder = copy_of(checkpoint, tmp_path)
-    edit(folder)
+    if edit is not None:
+        edit(folder)
     proc = run_main(*TINY, f"--resume={folder}", f"--logs_dir={tmp_path}/logs", f"--checkpoint_dir={tmp_path}/ck",
-                    "--run_id=again")
+                    "--run_id=again", *flags)
     one_line(proc, 1, f"error [rank 0]: --resume={folder}: ", *fragments)
     # nothing was created, so the run id is still free for the corrected resume
     assert not (tmp_path / "logs").exists() and not (tmp_path / "ck").exists()
+
+
+def test_a_resume_on_changed_training_shards_is_refused(tmp_path):
+    # A checkpoint of a run on a copy of the bundled shard (saved untrained: what is checked is the data).
+    shard = tmp_path / "data/copy_train_000001.bin"
+    shard.parent.mkdir()
+    shard.write_bytes((REPO / "data/shakespeare/shakespeare_train_000001.bin").read_bytes())
+    flags = [*TINY, f"--train_files={tmp_path}/data/copy_train_*.bin", f"--checkpoint_dir={tmp_path}/ck"]
+    args = T.parse_args(flags, False)
+    env = T.DistEnv(0, 0, 1, torch.device("cpu"))
+    model = T.build_model(args, env)
+    saved = T.save_checkpoint(1, 10.0, model, T.build_optimizers(model, args), T.TrainLoader(args, env), args, env,
+                              TRAIN.read_text(), "before")
+    # The shard is then rewritten: the same size, one token of its first document another.
+    data = bytearray(shard.read_bytes())
+    data[1024 + 2 * 100] ^= 1
+    shard.unlink()
+    shard.write_bytes(bytes(data))
+    proc = run_main(*flags, f"--resume={saved}", f"--logs_dir={tmp_path}/logs", "--run_id=after")
+    one_line(proc, 1, f"--resume={saved}: training shard 1, {shard} (2,846,636 bytes), is not the one the "
+                      f"checkpoint's run read", "another fingerprint")
+    assert not (tmp_path / "logs").exists()
 
 
 @pytest.mark.slow  # the fixture trains two steps
@@ -191,6 +242,97 @@ def test_an_untouched_checkpoint_passes_every_check(checkpoint):
     assert sorted(resume.meta["files"]) == ["model.pt", "rank_0.pt"]
     for name, listed in resume.meta["files"].items():
         assert listed["bytes"] == (checkpoint / name).stat().st_size
+
+
+# -----------------------------------------------------------------------------
+# A run id names one run: its log and its checkpoint folder are never another run's (exit 2, nothing written)
+
+def an_earlier_runs_checkpoints(tmp_path):
+    """checkpoints of an earlier run named `taken`, whose log is elsewhere or deleted"""
+    (tmp_path / "ck/taken/step_000002").mkdir(parents=True)
+    (tmp_path / "ck/taken/latest").write_text("step_000002\n")
+    return ["--run_id=taken"]
+
+
+def a_file(name):
+    def make(tmp_path):
+        (tmp_path / "a_file").write_text("")
+        return [f"--checkpoint_dir={tmp_path}/{name}", "--run_id=r"]
+    return make
+
+
+RUN_CASES = [
+    # (what, what is made beforehand (returns the run's flags), further flags, fragments of the error line)
+    ("the checkpoint folder of an earlier run", an_earlier_runs_checkpoints, [],
+     ["--run_id=taken: ", "ck/taken already exists (another run's checkpoint folder); choose another run id"]),
+    ("--checkpoint_dir a file, --save_final", a_file("a_file"), ["--save_final=true"],
+     ["--checkpoint_dir=", "/a_file: cannot write checkpoints in ", "/a_file/r (Not a directory)"]),
+    ("--checkpoint_dir a file, --save_every", a_file("a_file"), ["--save_every=2"], ["(Not a directory)"]),
+    ("--checkpoint_dir under a file", a_file("a_file/ck"), ["--save_final=true"], ["/a_file/ck/r (Not a directory)"]),
+]
+
+
+def tree(root) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("what, make, flags, fragments", RUN_CASES, ids=[case[0] for case in RUN_CASES])
+def test_a_run_that_could_not_keep_its_checkpoints_is_refused_before_it_starts(tmp_path, what, make, flags,
+                                                                                fragments):
+    run_flags = make(tmp_path)
+    before = tree(tmp_path)
+    proc = run_main(*TINY, f"--logs_dir={tmp_path}/logs", f"--checkpoint_dir={tmp_path}/ck", *run_flags, *flags)
+    one_line_error(proc, *fragments)
+    assert tree(tmp_path) == before  # no log, and nothing of the earlier run's replaced
+
+
+@pytest.mark.slow  # the fixture trains two steps
+def test_a_resume_takes_a_new_run_id(checkpoint, tmp_path):
+    # the run the checkpoint belongs to, resumed under its own id: it would write into that run's folder
+    proc = run_main(*TINY, f"--resume={checkpoint}", f"--checkpoint_dir={checkpoint.parent.parent}", "--run_id=base",
+                    f"--logs_dir={tmp_path}/logs", "--save_every=2")
+    one_line_error(proc, f"--run_id=base: {checkpoint.parent} already exists (another run's checkpoint folder); "
+                         f"choose another run id (a resumed run takes a new one)")
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["latest", "step_000002"]
+    assert not (tmp_path / "logs").exists()
+
+
+def test_final_weights_that_cannot_start_claim_no_removal(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    args, env, model, optimizers, loader = tiny_model(blocker)
+    source = TRAIN.read_text()
+    with pytest.raises(T.TrainingError) as failure:
+        T.save_final_weights(model, args, source, "run", 30, 5.0)
+    assert str(failure.value) == f"cannot write {blocker}/run/.final.partial: Not a directory"  # nothing was made
+    with pytest.raises(T.TrainingError) as failure:
+        T.save_checkpoint(2, 1.0, model, optimizers, loader, args, env, source, "run")
+    assert str(failure.value) == f"cannot write {blocker}/run/.step_000002.partial: Not a directory"
+
+
+# -----------------------------------------------------------------------------
+# --resume=latest: a damaged pointer is one line naming it (exit 1, no log)
+
+LATEST_CASES = [
+    # (what, how `latest` is made, fragments of the error line)
+    ("binary garbage", lambda latest: latest.write_bytes(bytes(range(255, 0, -1))), ["is damaged (not text)"]),
+    ("a folder", lambda latest: latest.mkdir(), ["is damaged (not a file, a folder)"]),
+    ("a link to nowhere", lambda latest: latest.symlink_to("nowhere"), ["is damaged (not a file)"]),
+    ("a folder that does not exist", lambda latest: latest.write_text("step_000099\n"),
+     ["is damaged: it names ", "/ck/run/step_000099, which does not exist"]),
+    ("not a checkpoint's name", lambda latest: latest.write_text("../../elsewhere\n"),
+     ["is damaged (it should name a checkpoint folder beside it, e.g. step_000100, not '../../elsewhere')"]),
+]
+
+
+@pytest.mark.parametrize("what, make, fragments", LATEST_CASES, ids=[case[0] for case in LATEST_CASES])
+def test_a_damaged_latest_pointer_is_one_line(tmp_path, what, make, fragments):
+    latest = tmp_path / "ck/run/latest"
+    latest.parent.mkdir(parents=True)
+    make(latest)
+    proc = run_main(*TINY, "--resume=latest", f"--checkpoint_dir={tmp_path}/ck", f"--logs_dir={tmp_path}/logs")
+    one_line(proc, 1, f"--resume=latest: {latest} ", *fragments, "pass the checkpoint folder itself")
+    assert not (tmp_path / "logs").exists()
 
 
 # -----------------------------------------------------------------------------
@@ -309,7 +451,7 @@ def test_a_real_write_error_during_a_checkpoint_ends_the_run_in_one_line(tmp_pat
     partial = tmp_path / "ck/limited/.step_000002.partial"
     line = one_line(proc, 1, f"cannot write {partial}/rank_0.pt: File too large",
                     f"the unfinished checkpoint {partial} was removed")
-    assert list((tmp_path / "ck/limited").iterdir()) == []
+    assert not (tmp_path / "ck").exists()  # nor the folders made for it, left empty
     log = (tmp_path / "limited.txt").read_text()
     assert log.endswith(line.replace("error [rank 0]: ", "error: ") + "\n")
 
