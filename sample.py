@@ -36,7 +36,7 @@ class SampleError(Exception):
 def load_tokenizer():
     """GPT-2's BPE from data/gpt2.tiktoken: never downloaded."""
     try:
-        return tokenize_text.load_encoding(tokenize_text.BUNDLED_BPE)
+        return tokenize_text.load_encoding(tokenize_text.BUNDLED_BPE, flag=None)  # sample.py has no --bpe-file
     except tokenize_text.TokenizeError as e:
         raise SampleError(str(e)) from None
 
@@ -166,6 +166,8 @@ def parse_args(argv):
             raise SampleError(f"--{name}={getattr(options, name)}: must be zero or positive")
     if not 0 <= options.temperature < math.inf:
         raise SampleError(f"--temperature={options.temperature}: must be zero (greedy) or a finite positive number")
+    if not 0 <= options.seed < 2 ** 64:  # what torch.Generator.manual_seed takes, negatives aside (they alias)
+        raise SampleError(f"--seed={options.seed}: must be in 0..2**64-1")
     if options.batch_size <= 0:
         raise SampleError(f"--batch_size={options.batch_size}: must be positive")
     if options.eval is None and not options.prompt:

@@ -1895,8 +1895,9 @@ class DistAdam(torch.optim.Optimizer):
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
 SHARD_HEADER_INTS = 256
-FETCH_HINT = ("fetch FineWeb with `python data/cached_fineweb10B.py`, or rebuild the bundled corpus with "
-              "`python data/tokenize_text.py --preset shakespeare --overwrite`")
+FETCH_HINT = "fetch FineWeb with `python data/cached_fineweb10B.py`"
+REPO_DIR = Path(__file__).resolve().parent  # where the bundled corpus and the data tools are
+BUNDLED_CORPUS = REPO_DIR / "data" / "shakespeare"
 
 
 def read_shard_header(path) -> int:
@@ -1930,10 +1931,32 @@ def read_shard(path) -> np.ndarray:
     return np.fromfile(path, dtype="<u2", count=num_tokens, offset=SHARD_HEADER_INTS * 4).astype(np.uint16, copy=False)
 
 
-def find_shards(pattern: str, what: str) -> list[Path]:
+def match_shards(pattern: str) -> tuple[list[Path], bool]:
+    """The files a glob matches, sorted, and whether they were found under the repository: a relative glob
+    that matches nothing under the working directory is looked up under train_gpt.py's folder, as sample.py
+    finds its files, so that the smoke preset's data/shakespeare/... runs from any directory."""
     files = sorted(Path(p) for p in glob.glob(pattern))
+    if files or Path(pattern).is_absolute():
+        return files, False
+    files = sorted(Path(p) for p in glob.glob(str(REPO_DIR / pattern)))
+    return files, bool(files)
+
+
+def find_shards(pattern: str, what: str) -> list[Path]:
+    files, _ = match_shards(pattern)
     if not files:
-        raise DataError(f"no {what} shards match {pattern!r}: {FETCH_HINT}")
+        cwd = Path.cwd().resolve()
+        where = "" if Path(pattern).is_absolute() else (
+            f" (looked under the working directory {cwd})" if cwd == REPO_DIR else
+            f" (looked under the working directory {cwd} and under {REPO_DIR})")
+        hint = FETCH_HINT + ("" if cwd == REPO_DIR else f" in {REPO_DIR}")
+        bundled = [sorted(BUNDLED_CORPUS.glob(f"shakespeare_{part}_*.bin")) for part in ("train", "val")]
+        if all(bundled):  # never suggest rebuilding a corpus that is there
+            hint += f"; the smoke preset (--preset=smoke) trains on the bundled corpus in {BUNDLED_CORPUS}"
+        else:
+            hint += (", or rebuild the bundled corpus with `python data/tokenize_text.py --preset shakespeare "
+                     "--overwrite`")
+        raise DataError(f"no {what} shards match {pattern!r}{where}: {hint}")
     return files
 
 
@@ -2039,6 +2062,25 @@ class ShardScan:
 
 
 SCAN_THREADS = 4  # shards scanned at once; numpy releases the GIL while it reads and compares
+FINGERPRINT_BLOCKS, FINGERPRINT_BLOCK_TOKENS = 16, 4096
+
+
+def shard_fingerprint(scan: ShardScan) -> str:
+    """sha256 of what tells a scanned shard from another cheaply: its token count, 16 evenly spaced blocks
+    of 4,096 tokens (the first and the last included; 128 KiB read) and every document's start (found by
+    the scan). Another shard, or this text tokenized or shuffled differently, changes it; one token edited
+    between the blocks, inside a document, would not."""
+    h = hashlib.sha256(np.int64(scan.num_tokens).tobytes())
+    last = max(scan.num_tokens - FINGERPRINT_BLOCK_TOKENS, 0)
+    try:
+        with open(scan.path, "rb") as f:
+            for offset in np.linspace(0, last, FINGERPRINT_BLOCKS).astype(np.int64):
+                f.seek(SHARD_HEADER_INTS * 4 + 2 * int(offset))
+                h.update(f.read(2 * FINGERPRINT_BLOCK_TOKENS))
+    except OSError as e:
+        raise DataError(f"{scan.path}: cannot read shard ({e.strerror})") from None
+    h.update(scan.starts.astype("<i8").tobytes())
+    return h.hexdigest()
 
 
 def scan_shard(path: Path, args: Hyperparameters) -> ShardScan:
@@ -2115,6 +2157,19 @@ class TrainLoader:
         self.scans = scan_training_shards(files, args, self.schedule)
         self.supplied, self.needed = sum(scan.steps for scan in self.scans), args.num_iterations
         self.unread = len(files) - len(self.scans)
+        val_files, val_under_repo = match_shards(args.val_files)
+        validation = {f.resolve() for f in val_files}
+        for f in files:  # resolved: the same file named by two globs, or through a link, is one file
+            if f.resolve() in validation:
+                raise DataError(f"{f}: both a training shard (--train_files={args.train_files}) and a validation "
+                                f"shard (--val_files={args.val_files}); the val loss must come from text the run "
+                                f"does not train on")
+        self.fingerprints = [shard_fingerprint(scan) for scan in self.scans]  # what a checkpoint records
+        found = [f"--{name}={pattern}" for name, pattern, under_repo in (
+            ("train_files", args.train_files, match_shards(args.train_files)[1]),
+            ("val_files", args.val_files, val_under_repo)) if under_repo]
+        self.located = ([f"data: {' and '.join(found)} matched nothing under the working directory; read "
+                         f"relative to {REPO_DIR}"] if found else [])  # train() logs it, after report()
         if self.supplied < self.needed and not args.repeat_data:
             per_shard = self.supplied / len(self.scans)
             enough = math.ceil(self.needed / per_shard)
@@ -2154,6 +2209,11 @@ class TrainLoader:
                          f"in; documents of at most {shorter} tokens (data/tokenize_text.py "
                          f"--max-doc-tokens={shorter}) would use most of them")
         return lines
+
+    def shard_record(self) -> list[dict]:
+        """The shards the run reads, in order, as a checkpoint records them (see check_resume_shards)."""
+        return [{"file": str(scan.path), "bytes": SHARD_HEADER_INTS * 4 + 2 * scan.num_tokens,
+                 "fingerprint": fingerprint} for scan, fingerprint in zip(self.scans, self.fingerprints)]
 
     def state_dict(self) -> dict:
         return {"file_index": self.file_index, "piece": self.piece}
@@ -2513,54 +2573,74 @@ def write_file(path: Path, content) -> dict:
     return {"bytes": writer.size, "sha256": writer.sha256.hexdigest()}
 
 
+def remove_unfinished(tmp: Path, what: str = "") -> str:
+    """Removes a folder a save left unfinished and says so truthfully, for the error line. Tried a few times:
+    under torchrun another rank may still be adding its file while the folder is emptied."""
+    for _ in range(20):
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.lexists(tmp):
+            return f"the unfinished {what}{tmp} was removed"
+        time.sleep(0.05)
+    return f"the unfinished {what}{tmp} could not be removed: delete it"
+
+
 def save_checkpoint(step: int, train_time_ms: float, model: GPT, optimizers, loader, args: Hyperparameters,
                     env: DistEnv, source: str, run_id: str) -> Path:
     """checkpoint_dir/<run_id>/step_NNNNNN/: model.pt (rank 0), rank_R.pt (each rank's optimizer shards
-    and RNG states, and the step), meta.json written last with every file's size and sha256. Everything
-    goes to a temporary folder renamed at the end, so a crash mid-save never leaves a checkpoint that
-    looks complete; a write that fails (a full disk) removes that folder and stops every rank."""
+    and RNG states, and the step), meta.json written last with every file's size and sha256 and the
+    training shards' fingerprints. Everything goes to a temporary folder renamed at the end, so a crash
+    mid-save never leaves a checkpoint that looks complete; a write that fails (a full disk), or a signal
+    (Ctrl-C), removes that folder and stops every rank."""
     run_dir = Path(args.checkpoint_dir) / run_id
     final, tmp = run_dir / f"step_{step:06d}", run_dir / f".step_{step:06d}.partial"
-    error = None
-    if env.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            tmp.mkdir(parents=True)
-        except OSError as e:
-            error = write_error(tmp, e)
-    if not all_ranks_ok(error is None, env.device):
-        raise error or TrainingError(f"rank 0 could not create {tmp}")
-    files = {}
+    latest_tmp = run_dir / ".latest.tmp"
+    error, made = None, False
     try:
-        rank_state = {"step": step, "optimizers": [opt.state_dict() for opt in optimizers],
-                      "cpu_rng": torch.get_rng_state(),
-                      "cuda_rng": torch.cuda.get_rng_state() if env.device.type == "cuda" else torch.empty(0)}
-        files[f"rank_{env.rank}.pt"] = write_file(tmp / f"rank_{env.rank}.pt", rank_state)
         if env.is_main:
-            files["model.pt"] = write_file(tmp / "model.pt", model.state_dict())
-    except TrainingError as e:
-        error = e
-    every_rank = gather_from_ranks(None if error else files)
-    failed = [rank for rank, written in enumerate(every_rank) if written is None]
-    if env.is_main and not failed:
-        meta = {"step": step, "train_time_ms": train_time_ms, "world_size": env.world_size,
-                "loader": loader.state_dict(), "config": config_for_checkpoint(args), "code_sha256": code_hash(source),
-                "files": {name: written[name] for written in every_rank for name in sorted(written)}}
-        latest_tmp = run_dir / ".latest.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                tmp.mkdir(parents=True)
+                made = True
+            except OSError as e:
+                error = write_error(tmp, e)
+        if not all_ranks_ok(error is None, env.device):
+            raise error or TrainingError(f"rank 0 could not create {tmp}")
+        files = {}
         try:
-            write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
-            publish_folder(tmp, final)
-            write_file(latest_tmp, (final.name + "\n").encode())
-            os.replace(latest_tmp, run_dir / "latest")
+            rank_state = {"step": step, "optimizers": [opt.state_dict() for opt in optimizers],
+                          "cpu_rng": torch.get_rng_state(),
+                          "cuda_rng": torch.cuda.get_rng_state() if env.device.type == "cuda" else torch.empty(0)}
+            files[f"rank_{env.rank}.pt"] = write_file(tmp / f"rank_{env.rank}.pt", rank_state)
+            if env.is_main:
+                files["model.pt"] = write_file(tmp / "model.pt", model.state_dict())
         except TrainingError as e:
             error = e
-        except OSError as e:
-            error = write_error(final, e)
-        latest_tmp.unlink(missing_ok=True)
-    if env.is_main and tmp.exists():  # the save failed before the rename: leave nothing half-written
-        shutil.rmtree(tmp, ignore_errors=True)
-        reason = error or f"rank {failed[0]} could not write its part of the checkpoint"
-        error = TrainingError(f"{reason}; the unfinished checkpoint {tmp} was removed")
+        every_rank = gather_from_ranks(None if error else files)
+        failed = [rank for rank, written in enumerate(every_rank) if written is None]
+        if env.is_main and not failed:
+            shard_record = loader.shard_record() if hasattr(loader, "shard_record") else []  # none: synthetic data
+            meta = {"step": step, "train_time_ms": train_time_ms, "world_size": env.world_size,
+                    "loader": loader.state_dict(), "config": config_for_checkpoint(args),
+                    "code_sha256": code_hash(source), "shards": shard_record,
+                    "files": {name: written[name] for written in every_rank for name in sorted(written)}}
+            try:
+                write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
+                publish_folder(tmp, final)
+                write_file(latest_tmp, (final.name + "\n").encode())
+                os.replace(latest_tmp, run_dir / "latest")
+            except TrainingError as e:
+                error = e
+            except OSError as e:
+                error = write_error(final, e)
+            latest_tmp.unlink(missing_ok=True)
+        if env.is_main and os.path.lexists(tmp):  # the save failed before the rename: leave nothing half-written
+            reason = error or f"rank {failed[0]} could not write its part of the checkpoint"
+            error = TrainingError(f"{reason}; {remove_unfinished(tmp, 'checkpoint ')}")
+    except BaseException:  # a signal (Ctrl-C) or a failed collective mid-save: take the unfinished folder back
+        if env.is_main and made:
+            remove_unfinished(tmp)
+            latest_tmp.unlink(missing_ok=True)
+        raise
     if not all_ranks_ok(error is None, env.device):
         raise error or TrainingError(f"checkpoint {final} could not be written (rank 0 says why)")
     return final
@@ -2570,6 +2650,36 @@ def publish_folder(tmp: Path, final: Path):
     """Puts a completely written folder in place with one rename, replacing an older one."""
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
+
+
+def claim_run_folder(run_dir: Path, args: Hyperparameters) -> list[Path]:
+    """Creates checkpoint_dir/<run_id>/ for a run that saves (checkpoints or final weights), and writes a file
+    in it, so that an unwritable --checkpoint_dir stops the run before step 0, not after it has trained.
+    The folder is made exclusively: a run that took this id since it was checked cannot be written over.
+    Returns the folders made, innermost first, for release_folders."""
+    made = [folder for folder in (run_dir, *run_dir.parents) if not os.path.lexists(folder)]
+    probe = run_dir / ".write_test"
+    try:
+        os.makedirs(run_dir)  # exist_ok=False; a file on the way is ENOTDIR
+        write_file(probe, b"probe")
+        probe.unlink()
+    except BaseException as e:  # a Ctrl-C here too leaves nothing behind
+        with contextlib.suppress(OSError):
+            probe.unlink()
+        release_folders(made)
+        if not isinstance(e, (OSError, TrainingError)):
+            raise
+        why = e.strerror if isinstance(e, OSError) else str(e)
+        raise ConfigError(f"--checkpoint_dir={args.checkpoint_dir}: cannot write checkpoints in {run_dir} ({why})") \
+            from None
+    return made
+
+
+def release_folders(made: list[Path]):
+    """Removes the folders a run made that stayed empty (innermost first); one holding a checkpoint stays."""
+    for folder in made:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 FINAL_WEIGHTS_FORMAT = "train_gpt.py final weights, version 1"
@@ -2587,16 +2697,21 @@ def save_final_weights(model: GPT, args: Hyperparameters, source: str, run_id: s
             "code_sha256": code_hash(source)}
     shutil.rmtree(tmp, ignore_errors=True)
     try:
+        tmp.mkdir(parents=True)
+    except OSError as e:  # nothing was made, so nothing is said to be removed
+        raise write_error(tmp, e) from None
+    try:
         try:
-            tmp.mkdir(parents=True)
             write_file(tmp / "model.pt", model.state_dict())
             write_file(tmp / "config.json", json.dumps(info, indent=1).encode())
             publish_folder(tmp, final)
         except OSError as e:
             raise write_error(tmp, e) from None
     except TrainingError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise TrainingError(f"{e}; the unfinished {tmp} was removed") from None
+        raise TrainingError(f"{e}; {remove_unfinished(tmp)}") from None
+    except BaseException:  # a signal (Ctrl-C) mid-write
+        remove_unfinished(tmp)
+        raise
     return final
 
 
@@ -2612,6 +2727,11 @@ def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters
         if info.get("format") != FINAL_WEIGHTS_FORMAT:
             raise ValueError(f"format {info.get('format')!r}")
         names = {f.name for f in dataclasses.fields(Hyperparameters)}
+        # Every field a run's config records (run control aside) must be there: a default would
+        # silently rebuild another model, e.g. the speedrun's.
+        missing = [n for n in names if n not in RUN_CONTROL_FIELDS and n not in info["config"]]
+        if missing:
+            raise ValueError(f"\"config\" lacks {', '.join(sorted(missing))}, needed to rebuild the model")
         args = Hyperparameters(**{k: v for k, v in info["config"].items() if k in names})
         validate_config(args)
         windows = info.get("windows")
@@ -2623,25 +2743,72 @@ def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters
     precision = "bf16" if device.type == "cuda" else "fp32"  # evaluation never uses FP8
     model = cast_for_device(GPT(args, precision, precision).to(device), device)
     try:
-        model.load_state_dict(torch.load(path / "model.pt", map_location=device, weights_only=True))
+        saved = torch.load(path / "model.pt", map_location=device, weights_only=True)
+        mismatch = state_dict_mismatch(saved, model.state_dict())
+        if mismatch:
+            raise ValueError(mismatch)
+        model.load_state_dict(saved)
     except Exception as e:
         raise DataError(f"{path / 'model.pt'}: cannot load these weights into the model of config.json "
                         f"({first_line(e)})") from None
     return model.eval(), args, info
 
 
+def state_dict_mismatch(saved, expected: dict, shown: int = 3) -> str:
+    """What keeps `saved` from loading into a model whose state_dict is `expected`, in one line, the
+    first few keys of each kind named ('' when nothing does): load_state_dict's own message spans lines."""
+    if not isinstance(saved, dict):
+        return f"not a state dict but a {type(saved).__name__}"
+
+    def shape(value) -> str:
+        return str(tuple(value.shape)) if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+
+    def listed(what: str, items: list) -> str:
+        more = f"; and {len(items) - shown} more" if len(items) > shown else ""
+        return f"{len(items)} {what}: {'; '.join(items[:shown])}{more}"
+
+    missing = [k for k in expected if k not in saved]
+    unexpected = [k for k in saved if k not in expected]
+    shapes = [f"{k}: checkpoint {shape(saved[k])}, model {shape(v)}" for k, v in expected.items()
+              if k in saved and shape(saved[k]) != shape(v)]
+    parts = [listed(what, items) for what, items in (("shape mismatch(es)", shapes), ("missing key(s)", missing),
+                                                      ("unexpected key(s)", unexpected)) if items]
+    return "; ".join(parts)
+
+
 def resolve_checkpoint(resume: str, args: Hyperparameters) -> Path:
-    if resume == "latest":
-        pointers = sorted(Path(args.checkpoint_dir).glob("*/latest"), key=lambda p: p.stat().st_mtime)
-        if not pointers:
-            raise TrainingError(f"--resume=latest: no checkpoint under {args.checkpoint_dir}/")
-        return pointers[-1].parent / pointers[-1].read_text().strip()
-    return Path(resume)
+    """--resume as a folder: 'latest' is the newest `latest` pointer under --checkpoint_dir (that of the run
+    that saved last). A damaged newest pointer is refused rather than passed over: an older run's would
+    resume the wrong run."""
+    if resume != "latest":
+        return Path(resume)
+    pointers = []
+    for run in Path(args.checkpoint_dir).glob("*/"):
+        with contextlib.suppress(OSError):  # lstat: a pointer that is a link to nowhere is found, and refused
+            pointers.append((os.lstat(run / "latest").st_mtime, str(run / "latest"), run / "latest"))
+    if not pointers:
+        raise TrainingError(f"--resume=latest: no checkpoint under {args.checkpoint_dir}/")
+    pointer = max(pointers)[2]
+    damaged = f"--resume=latest: {pointer} is damaged"
+    remedy = "; pass the checkpoint folder itself, --resume=DIR/<run_id>/step_NNNNNN"
+    if not pointer.is_file():
+        raise TrainingError(f"{damaged} (not a file{', a folder' if pointer.is_dir() else ''}){remedy}")
+    try:
+        name = pointer.read_bytes()[:100].decode("ascii").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not text"
+        raise TrainingError(f"{damaged} ({why}){remedy}") from None
+    if not re.fullmatch(r"step_\d{6,}", name):  # what save_checkpoint writes
+        raise TrainingError(f"{damaged} (it should name a checkpoint folder beside it, e.g. step_000100, "
+                            f"not {name[:40]!r}){remedy}")
+    if not (pointer.parent / name).is_dir():
+        raise TrainingError(f"{damaged}: it names {pointer.parent / name}, which does not exist{remedy}")
+    return pointer.parent / name
 
 
 # What meta.json must hold, and of which JSON types (a bool is never a number here).
 CHECKPOINT_META = {"step": int, "train_time_ms": (int, float), "world_size": int, "loader": dict, "config": dict,
-                   "code_sha256": str, "files": dict}
+                   "code_sha256": str, "shards": list, "files": dict}
 
 
 @dataclass
@@ -2693,6 +2860,11 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
         if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
             raise TrainingError(f"--resume={path}: meta.json has no valid {key!r} (edited, or written by an older "
                                 f"train_gpt.py?)")
+    for shard in meta["shards"]:
+        if not (isinstance(shard, dict) and isinstance(shard.get("file"), str) and type(shard.get("bytes")) is int
+                and isinstance(shard.get("fingerprint"), str)):
+            raise TrainingError(f"--resume={path}: meta.json has no valid 'shards' (edited, or written by an older "
+                                f"train_gpt.py?)")
     if meta["world_size"] != env.world_size:
         raise TrainingError(f"--resume={path}: written at world size {meta['world_size']}, this run has "
                             f"{env.world_size}; DistAdam and NorMuon state are sharded per rank, so resume with "
@@ -2712,7 +2884,39 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
     if saved_at != meta["step"]:
         raise TrainingError(f"--resume={path}: meta.json says step {meta['step']}, but rank_{env.rank}.pt was "
                             f"saved at step {saved_at}")
+    if meta["step"] > args.num_iterations or (args.force_resume and meta["step"] == args.num_iterations):
+        # (unforced, num_iterations matched: the same run's last checkpoint runs only its final validation)
+        raise TrainingError(f"--resume={path}: the checkpoint is at step {meta['step']}, at or past "
+                            f"--num_iterations={args.num_iterations}: nothing is left to train (a longer run needs a "
+                            f"larger --num_iterations)")
     return Resume(path, meta, model_state, rank_state)
+
+
+def check_resume_shards(resume: Resume, loader, args: Hyperparameters):
+    """The training shards this run reads must be the ones the checkpoint's run read, where both read them
+    (in order, by size and fingerprint; a folder moved elsewhere is the same data): other data would not
+    continue that run. --force_resume=true goes on anyway, from the same shard index and position."""
+    recorded = resume.meta["shards"]
+    scans = getattr(loader, "scans", [])
+    if bool(recorded) != bool(scans):
+        raise TrainingError(f"--resume={resume.path}: the checkpoint was trained on "
+                            f"{'shards' if recorded else 'synthetic tokens'}, this run reads "
+                            f"{'shards' if scans else 'synthetic tokens'}")
+    if not scans:
+        return
+    position = resume.meta["loader"].get("file_index")
+    if type(position) is not int or not 0 <= position < len(scans):
+        raise TrainingError(f"--resume={resume.path}: the checkpoint stopped in training shard {position!r}, but "
+                            f"--train_files={args.train_files} gives this run {len(scans)} shard(s)")
+    if args.force_resume:
+        return
+    for i, (saved, scan, fingerprint) in enumerate(zip(recorded, scans, loader.fingerprints)):
+        size = SHARD_HEADER_INTS * 4 + 2 * scan.num_tokens
+        if saved["bytes"] != size or saved["fingerprint"] != fingerprint:
+            other = ", another fingerprint" if saved["bytes"] == size else ""
+            raise TrainingError(f"--resume={resume.path}: training shard {i + 1}, {scan.path} ({size:,} bytes), is "
+                                f"not the one the checkpoint's run read ({saved['file']}, {saved['bytes']:,} bytes"
+                                f"{other}); use --force_resume=true to go on with these shards anyway")
 
 
 def load_checkpoint(resume: Resume, model: GPT, optimizers, loader, env: DistEnv) -> tuple[int, float]:
@@ -2745,7 +2949,7 @@ class Logger:
             path.parent.mkdir(parents=True, exist_ok=True)
             try:
                 self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)  # never overwrite another run's log
-            except OSError:
+            except BaseException:  # an OSError, or a Ctrl-C
                 for folder in made:  # innermost first: a run that never started leaves no empty folders
                     with contextlib.suppress(OSError):
                         folder.rmdir()
@@ -2928,8 +3132,9 @@ def train(args: Hyperparameters, env: DistEnv):
     # Every input check (data, checkpoint, run id) runs before anything is created, so bad input leaves
     # no log and no folder behind and takes no run id. All ranks agree on the outcome before the log is
     # created and again after, so one rank's error never leaves the others waiting in a collective.
-    log, error, resume = Logger(None), None, None
+    log, error, resume, made = Logger(None), None, None, []
     log_path = Path(args.logs_dir) / f"{run_id}.txt"
+    run_dir = Path(args.checkpoint_dir) / run_id
     try:
         loader = SyntheticLoader(args, env) if args.synthetic else TrainLoader(args, env)
         val_tokens = (torch.randint(0, BOS_ID, (args.val_tokens + 1,), generator=torch.Generator().manual_seed(0))
@@ -2939,14 +3144,27 @@ def train(args: Hyperparameters, env: DistEnv):
         init_state = read_init_weights(args) if args.init_from and not args.resume else None
         if env.is_main and log_path.exists():
             raise ConfigError(f"--run_id={run_id}: {log_path} already exists; choose another run id")
+        # A run id names one run, its log and its checkpoint folder, whichever --logs_dir and --checkpoint_dir
+        # are given: another run's are never written over. A resumed run is a new run with its own id.
+        if env.is_main and os.path.lexists(run_dir):
+            raise ConfigError(f"--run_id={run_id}: {run_dir} already exists (another run's checkpoint folder); "
+                              f"choose another run id" + (" (a resumed run takes a new one)" if args.resume else ""))
+        if resume is not None:
+            check_resume_shards(resume, loader, args)
     except (ConfigError, DataError, TrainingError) as e:
         error = e
     if all_ranks_ok(error is None, env.device) and env.is_main:
         try:
+            if args.save_every or args.save_final:  # the folder is written before step 0, not after training
+                made = claim_run_folder(run_dir, args)
             log = Logger(log_path)
+        except ConfigError as e:
+            error = e
         except OSError as e:
+            release_folders(made)
             error = ConfigError(f"--logs_dir={args.logs_dir}: cannot write the log ({e.strerror})")
     if not all_ranks_ok(error is None, env.device):
+        release_folders(made)
         raise error or TrainingError("another rank failed during setup")
 
     try:
@@ -2954,14 +3172,19 @@ def train(args: Hyperparameters, env: DistEnv):
         log_header(log, source, args, env, run_id, model)
         for line in loader.report():
             log(line)
+        for line in getattr(loader, "located", []):
+            log(line)
         run_training(args, env, log, model, loader, val_tokens, source, run_id, resume)
         log.close()  # a log that cannot reach the disk is a failed run too
-    except Exception as e:  # the log says how the run ended, whatever ended it
-        log.last_line(f"error: {type(e).__name__ + ': ' if not isinstance(e, TrainingError) else ''}{e}")
+    except BaseException as e:  # the log says how the run ended, whatever ended it (Ctrl-C included)
+        STOP.armed = False  # ending now: a later signal (torchrun stopping the other ranks) must not cut this short
+        log.last_line(f"error: {failure_line(e)}")
         raise
     finally:
         with contextlib.suppress(TrainingError):
             log.close()
+        if env.is_main:  # a run that saved nothing leaves no empty folders
+            release_folders(made)
 
 
 class StepTimer:
@@ -3154,10 +3377,63 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, l
         f"world_size:{env.world_size} device:{env.device.type}")
 
 
-def stop_on_sigterm(signum, frame):
-    # torchrun sends SIGTERM to the surviving ranks when one fails: end through the normal error
-    # path so the log says how the run ended.
-    raise TrainingError(f"stopped by {signal.Signals(signum).name} (torchrun stops every rank when one fails)")
+class Stopped(BaseException):
+    """Raised by stop_on_signal. A BaseException, so that no `except Exception` on the way takes it for an
+    error it can handle; torch.save, though, turns it into a RuntimeError, so STOP is what says a signal
+    ended the run."""
+
+
+class StopState:
+    """What stop_on_signal saw: main() arms it; the first signal disarms it and records which signal came
+    and where the run was."""
+
+    def __init__(self):
+        self.armed, self.signal, self.where = False, None, ""
+
+    def message(self) -> str:
+        name = self.signal.name
+        verb = "interrupted" if self.signal == signal.SIGINT else "stopped"
+        if self.signal == signal.SIGTERM and "TORCHELASTIC_RUN_ID" in os.environ:
+            return f"{verb} by {name} {self.where} (torchrun stops every rank when one fails or when it is stopped)"
+        return f"{verb} by {name} {self.where}"
+
+
+STOP = StopState()
+
+
+def training_position(frame) -> str:
+    """Where the main thread was when a signal came, from run_training's locals: its step counter (the
+    steps done), and whether a checkpoint or the final weights were being written."""
+    names = []
+    while frame is not None and frame.f_code is not run_training.__code__:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    if frame is None:
+        return "before training started"
+    local = frame.f_locals
+    if "t0" not in local:  # the clock starts just before the first step
+        return "before step 0 (setting up, or in the untimed warmup)"
+    step = max(local.get("step", 0), local["start_step"])
+    saving = (", while saving its checkpoint" if "save_checkpoint" in names else
+              ", while writing the final weights" if "save_final_weights" in names else "")
+    return f"at step {step}{saving}"
+
+
+def stop_on_signal(signum, frame):
+    # SIGINT (Ctrl-C) or SIGTERM (kill, or torchrun stopping the ranks): end through the normal error path,
+    # so that an unfinished checkpoint is removed and the log says how the run ended. Only the first signal
+    # counts: torchrun forwards a Ctrl-C to its ranks, which then get it twice, and the cleanup must finish.
+    if not STOP.armed:
+        return
+    STOP.armed, STOP.signal, STOP.where = False, signal.Signals(signum), training_position(frame)
+    raise Stopped(STOP.message())
+
+
+def failure_line(error: BaseException) -> str:
+    """The text of the `error:` line that ends a failed run's log."""
+    if STOP.signal is not None:  # whatever surfaced: a signal mid-save surfaces as torch.save's RuntimeError
+        return STOP.message()
+    return f"{type(error).__name__ + ': ' if not isinstance(error, TrainingError) else ''}{error}"
 
 
 def report_error(line: str, exit_code: int, print_it: bool = True) -> int:
@@ -3177,27 +3453,38 @@ def report_error(line: str, exit_code: int, print_it: bool = True) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", 0))
-    signal.signal(signal.SIGTERM, stop_on_sigterm)
+    STOP.signal, STOP.where, env = None, "", None
+    previous = {signum: signal.signal(signum, stop_on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    STOP.armed = True
     try:
-        args = parse_args(argv, torch.cuda.is_available())
-        env = setup_distributed(args)
-    except ConfigError as e:
-        return report_error(f"error: {e}", 2, print_it=rank == 0)
-    if env.device.type == "cpu":
-        keep_freed_cpu_memory()
-    try:
+        try:
+            args = parse_args(argv, torch.cuda.is_available())
+            env = setup_distributed(args)
+        except ConfigError as e:
+            return report_error(f"error: {e}", 2, print_it=rank == 0)
+        rank = env.rank
+        if env.device.type == "cpu":
+            keep_freed_cpu_memory()
         train(args, env)
         return 0
-    except (ConfigError, DataError) as e:  # the same on every rank: rank 0 speaks for all
-        return report_error(f"error: {e}", 2, print_it=env.is_main)
-    except TrainingError as e:
-        return report_error(f"error [rank {env.rank}]: {e}", 1)
-    except dist.DistError as e:  # a peer died or a collective timed out
-        return report_error(f"error [rank {env.rank}]: a collective failed, another rank probably died: "
-                            f"{first_line(e)}", 1)
+    except BaseException as e:
+        STOP.armed = False
+        if STOP.signal is not None:  # one line per rank, and the shell's code for a signal: 128 + its number
+            return report_error(f"error [rank {rank}]: {STOP.message()}", 128 + STOP.signal)
+        if isinstance(e, (ConfigError, DataError)):  # the same on every rank: rank 0 speaks for all
+            return report_error(f"error: {e}", 2, print_it=env is None or env.is_main)
+        if isinstance(e, TrainingError):
+            return report_error(f"error [rank {rank}]: {e}", 1)
+        if isinstance(e, dist.DistError):  # a peer died or a collective timed out
+            return report_error(f"error [rank {rank}]: a collective failed, another rank probably died: "
+                                f"{first_line(e)}", 1)
+        raise
     finally:
+        STOP.armed = False
         if dist.is_initialized():
             dist.destroy_process_group()
+        for signum, handler in previous.items():  # main() may run in a process that goes on (the tests)
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
 if __name__ == "__main__":

@@ -101,13 +101,19 @@ def read_examples(path: Path, limit: int | None = None) -> list[Example]:
 
 def load_examples(path=DEFAULT_PATH, limit: int | None = None) -> list[Example]:
     path = Path(path)
-    if not path.is_file():
+    # Only a folder or a missing path is refused up front: a pipe (/dev/stdin, a FIFO, <(...)) is read
+    # like a file, once, from its start.
+    if path.is_dir():
+        raise HellaSwagError(f"{path}: a directory, not a HellaSwag .jsonl file")
+    if not path.exists():
         hint = " (download it with `python data/hellaswag.py`)" if path == DEFAULT_PATH else ""
         raise HellaSwagError(f"{path}: no such file{hint}")
     try:
         examples = read_examples(path, limit)
     except UnicodeDecodeError:
         raise HellaSwagError(f"{path}: not UTF-8 text") from None
+    except OSError as e:
+        raise HellaSwagError(f"{path}: cannot read ({e.strerror or e})") from None
     if not examples:
         raise HellaSwagError(f"{path}: holds no examples")
     return examples

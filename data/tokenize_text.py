@@ -19,6 +19,7 @@ The output depends only on the inputs and their order, never on --workers.
 import argparse
 import codecs
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -46,10 +47,16 @@ DEFAULT_MAX_DOC_TOKENS = 2048
 SUFFIXES = (".txt", ".jsonl")
 BATCH_CHARS = 8_000_000  # text handed to the worker pool at a time: bounds memory, keeps workers busy
 SHARD_NAME_RE = r"_(?:train|val)_\d{6}\.bin"
+PREFIX_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 
 
 class TokenizeError(Exception):
-    """An expected failure (bad input, bad flag, no network); main() prints it as one line."""
+    """An expected failure (bad input, bad flag, no network); main() prints it as one line and exits
+    with `code`."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
 
 
 # -----------------------------------------------------------------------------
@@ -69,8 +76,9 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def load_encoding(bpe_file=None):
-    """GPT-2's tiktoken Encoding: from a .tiktoken ranks file if given, else tiktoken's own "gpt2"."""
+def load_encoding(bpe_file=None, flag: str | None = "--bpe-file"):
+    """GPT-2's tiktoken Encoding: from a .tiktoken ranks file if given, else tiktoken's own "gpt2".
+    Errors name the file after `flag`, or alone when the caller chose the file (None)."""
     import tiktoken
     import tiktoken.load
 
@@ -84,20 +92,21 @@ def load_encoding(bpe_file=None):
             ) from None
 
     path = Path(bpe_file)
+    where = f"{flag} {path}" if flag else str(path)
     if not path.is_file():
-        raise TokenizeError(f"--bpe-file {path}: no such file")
+        raise TokenizeError(f"{where}: no such file")
     digest = sha256_of(path)
     if path.resolve() == BUNDLED_BPE and digest != BUNDLED_BPE_SHA256:
-        raise TokenizeError(f"--bpe-file {path}: sha256 {digest} is not the bundled GPT-2 file's "
+        raise TokenizeError(f"{where}: sha256 {digest} is not the bundled GPT-2 file's "
                             f"{BUNDLED_BPE_SHA256}; restore it with `git checkout -- data/gpt2.tiktoken`")
     try:
         # tiktoken caches files by path; passing the hash makes it reread a file that has changed.
         ranks = tiktoken.load.load_tiktoken_bpe(str(path), expected_hash=digest)
     except ValueError:
-        raise TokenizeError(f"--bpe-file {path}: not a .tiktoken ranks file "
+        raise TokenizeError(f"{where}: not a .tiktoken ranks file "
                             f"(expected lines of 'base64-token rank')") from None
     if sorted(ranks.values()) != list(range(GPT2_RANKS)):
-        raise TokenizeError(f"--bpe-file {path}: expected GPT-2's {GPT2_RANKS} ranks 0..{GPT2_RANKS - 1}, "
+        raise TokenizeError(f"{where}: expected GPT-2's {GPT2_RANKS} ranks 0..{GPT2_RANKS - 1}, "
                             f"found {len(ranks)} entries")
     return tiktoken.Encoding(name=f"gpt2 ({path.name})", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
                              special_tokens={ENDOFTEXT: shards.BOS_ID}, explicit_n_vocab=GPT2_RANKS + 1)
@@ -275,6 +284,8 @@ class DocumentReader:
                 self.bytes_read += len(raw)
                 line, bad = decode_utf8(raw)
                 self._replaced += bad
+                if lineno == 1:
+                    line = line.removeprefix("\ufeff")  # a UTF-8 byte order mark, as in .txt files
                 if not line.strip():
                     continue
                 try:
@@ -333,6 +344,15 @@ def existing_shards(out_dir: Path, prefix: str) -> list[Path]:
     return sorted(p for p in out_dir.iterdir() if pattern.fullmatch(p.name))
 
 
+def remove_empty(folders):
+    """Removes these folders, deepest first, while they are empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (or not made): the folders above it stay too
+            return
+
+
 def _batches(docs, max_chars=BATCH_CHARS):
     batch, chars = [], 0
     for doc in docs:
@@ -347,7 +367,7 @@ def _batches(docs, max_chars=BATCH_CHARS):
 
 def write_dataset(out_dir, prefix, train_docs, val_docs=None, val_tokens=0, *, bpe_file=None,
                   shard_tokens=DEFAULT_SHARD_TOKENS, max_doc_tokens=DEFAULT_MAX_DOC_TOKENS, workers=1,
-                  overwrite=False, progress=None) -> dict:
+                  overwrite=False, progress=None, bpe_flag: str | None = "--bpe-file") -> dict:
     """Tokenize documents into PREFIX_val_*.bin and PREFIX_train_*.bin shards in out_dir.
 
     The validation set is either val_docs (whole held-out documents), or, with val_tokens > 0, the
@@ -357,7 +377,7 @@ def write_dataset(out_dir, prefix, train_docs, val_docs=None, val_tokens=0, *, b
     succeeded. progress, if given, is called after each batch of documents.
     """
     out_dir = Path(out_dir)
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", prefix):
+    if not re.fullmatch(PREFIX_PATTERN, prefix):
         raise TokenizeError(f"--prefix {prefix!r}: use letters, digits, '.', '_' and '-' only")
     if not 1 <= shard_tokens <= shards.MAX_TOKENS:
         raise TokenizeError(f"--shard-tokens {shard_tokens}: must be between 1 and {shards.MAX_TOKENS}")
@@ -370,18 +390,26 @@ def write_dataset(out_dir, prefix, train_docs, val_docs=None, val_tokens=0, *, b
     if max_doc_tokens < 0 or max_doc_tokens == 1:
         raise TokenizeError(f"--max-doc-tokens {max_doc_tokens}: must be 0 (keep documents whole) or at least 2 "
                             f"(the BOS and one token)")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise TokenizeError(f"--out {out_dir}: exists and is not a folder")
-    old = existing_shards(out_dir, prefix)
+    try:
+        if out_dir.exists() and not out_dir.is_dir():
+            raise TokenizeError(f"--out {out_dir}: exists and is not a folder", code=2)
+        old = existing_shards(out_dir, prefix)
+    except OSError as e:
+        raise TokenizeError(f"--out {out_dir}: cannot read it ({e.strerror or e})", code=2) from None
     if old and not overwrite:
         raise TokenizeError(f"--out {out_dir} already holds {len(old)} {prefix} shard(s) (e.g. {old[0].name}); "
                             f"pass --overwrite to replace them")
 
     global _ENCODING
-    _ENCODING = load_encoding(bpe_file)  # loads here first so that a bad --bpe-file fails before any work
-    created_out = not out_dir.exists()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{prefix}-staging-", dir=out_dir))
+    _ENCODING = load_encoding(bpe_file, bpe_flag)  # loads here first so that a bad --bpe-file fails before any work
+    created = []  # the folders this run makes, deepest first: a failed run removes them again
+    try:
+        created = list(itertools.takewhile(lambda folder: not folder.exists(), [out_dir, *out_dir.parents]))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=f".{prefix}-staging-", dir=out_dir))
+    except OSError as e:
+        remove_empty(created)
+        raise TokenizeError(f"--out {out_dir}: cannot write there ({e.strerror or e})", code=2) from None
     pool, finished = None, False
     try:
         val = ShardSequence(stage, prefix, "val", 0, shard_tokens)
@@ -442,8 +470,8 @@ def write_dataset(out_dir, prefix, train_docs, val_docs=None, val_tokens=0, *, b
             pool.terminate()
             pool.join()
         shutil.rmtree(stage, ignore_errors=True)
-        if created_out and not finished and not any(out_dir.iterdir()):
-            out_dir.rmdir()  # a failed run leaves no trace
+        if not finished:
+            remove_empty(created)  # a failed run leaves no trace
 
     def listing(seq):
         return [(out_dir / p.name, n) for p, n in seq.written]
@@ -545,7 +573,8 @@ def run_preset(args):
     train, val = shakespeare_docs.documents(shakespeare_docs.TEXTS_DIR)
     # Its documents are scenes and runs of poems, cut by shakespeare_docs itself: kept whole.
     return write_dataset(args.out or shakespeare_docs.OUT_DIR, shakespeare_docs.PREFIX, train, val,
-                         bpe_file=BUNDLED_BPE, max_doc_tokens=0, workers=args.workers, overwrite=args.overwrite)
+                         bpe_file=BUNDLED_BPE, max_doc_tokens=0, workers=args.workers, overwrite=args.overwrite,
+                         bpe_flag=None)
 
 
 def run(args):
@@ -556,6 +585,9 @@ def run(args):
     if not args.out:
         raise TokenizeError("--out is required: the folder for the shards")
     prefix = args.prefix or Path(args.out).resolve().name
+    if not args.prefix and not re.fullmatch(PREFIX_PATTERN, prefix):
+        raise TokenizeError(f"--out {args.out}: the shards are named after its folder, {prefix!r}, which is not a "
+                            f"plain name (letters, digits, '.', '_' and '-'); pass --prefix")
     from tqdm import tqdm
 
     def warn(message):  # through tqdm, so that warnings do not garble the progress bar
@@ -592,7 +624,7 @@ def main(argv=None) -> int:
         result = run(args)
     except (TokenizeError, shards.ShardError, shakespeare_docs.CorpusError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return getattr(e, "code", 1)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

@@ -97,6 +97,8 @@ class Log:
     final_val_loss: float | None    # val loss at step N
     train_time_ms: float | None     # of the whole run (or up to the last line if cut short)
     problems: list[str] = field(default_factory=list)   # empty for a complete, unedited log
+    file_id: tuple[int, int] | None = None   # (device, inode): one file under two names is still one run
+    steps_digest: str | None = None          # sha256 of the step lines: a renamed copy keeps them
 
     @property
     def name(self) -> str:
@@ -165,9 +167,11 @@ def parse_header(lines: list[str]) -> dict:
 
 def parse_body(lines: list[str]) -> dict:
     """Step lines and end-of-run lines after the second RULE line."""
-    b: dict = {"steps": [], "malformed": [], "summary": None, "peak": None, "error": None, "resumed": None}
+    b: dict = {"steps": [], "malformed": [], "summary": None, "peak": None, "error": None, "resumed": None,
+               "step_lines": []}
     for line in lines:
         if line.startswith("step:"):
+            b["step_lines"].append(line.rstrip())
             parsed = parse_step_line(line)
             if parsed is None:
                 b["malformed"].append(line)
@@ -188,7 +192,9 @@ def read_log(path: str | Path) -> Log:
     """Parse one log file; raise ToolError when it is not a speedrun log at all."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            data = f.read()
+            st = os.fstat(f.fileno())
     except OSError as e:
         raise ToolError(f"{path}: cannot read ({e.strerror or e})") from None
     if not data.strip():
@@ -260,6 +266,10 @@ def read_log(path: str | Path) -> Log:
               hyperparameters=hparams, total_steps=total, last_step=max((s for s, _, _ in steps), default=0),
               vals=vals, final_val_loss=final, train_time_ms=train_time)
     log.problems = find_problems(log, body, cut, extended, totals)
+    log.file_id = (st.st_dev, st.st_ino)
+    # Only timed steps identify a run: two runs that stopped after step 0 can print the same line.
+    if log.last_step > 0:
+        log.steps_digest = sha256_text("\n".join(body["step_lines"]))
     return log
 
 
@@ -352,6 +362,106 @@ def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[i
         problems.append(f"edited: embedded source hashes to {sha256_text(log.source)[:12]}..., "
                         f"header says code_sha256 {log.declared_hash[:12]}...")
     return problems
+
+
+# =============================================================================
+# Several logs: distinct runs of one experiment
+# =============================================================================
+# n copies of one run are not n runs: they shrink the spread and fake a p-value.
+
+def duplicate_reason(first: Log, later: Log) -> str | None:
+    """Why `later` is the same run as `first`, or None."""
+    if first.file_id is not None and first.file_id == later.file_id:
+        return "the same file"
+    why = []
+    if first.run_id == later.run_id:
+        why.append(f"same run id {first.run_id}")
+    if first.steps_digest is not None and first.steps_digest == later.steps_digest:
+        why.append("identical step lines")
+    return " and ".join(why) or None
+
+
+def duplicates_line(logs: list[Log], labels: list[str] | None = None) -> str | None:
+    """`duplicate runs: B duplicates A (why); ...`, one clause per log that repeats an earlier one; None if none."""
+    labels = labels or [lg.name for lg in logs]
+    clauses = []
+    for j, later in enumerate(logs):
+        for i in range(j):
+            if why := duplicate_reason(logs[i], later):
+                clauses.append(f"{labels[j]} is given twice" if labels[j] == labels[i]
+                               else f"{labels[j]} duplicates {labels[i]} ({why})")
+                break
+    return "duplicate runs: " + "; ".join(clauses) if clauses else None
+
+
+def distinct_runs(logs: list[Log]) -> list[Log]:
+    """The logs less those that repeat an earlier one."""
+    return [lg for j, lg in enumerate(logs) if not any(duplicate_reason(logs[i], lg) for i in range(j))]
+
+
+# Hyperparameters a rerun of one experiment may change: the seed (what repeats vary), where files go,
+# checkpointing and the device flag (the hardware is compared on its own).
+FREE_FIELDS = {"seed", "run_id", "logs_dir", "checkpoint_dir", "resume", "force_resume", "save_every",
+               "save_final", "pg_timeout_s", "device"}
+# Shown first: the fields that most change what a run computes.
+KEY_FIELDS = ["num_iterations", "world_size", "train_files", "val_files", "val_tokens", "val_seq_len",
+              "repeat_data", "batch_tokens", "micro_batch_tokens", "train_max_seq_len"]
+
+
+def experiment_fields(logs: list[Log]) -> dict[str, list[str | None]]:
+    """Field -> its value in each log (None: not logged), for every field that defines the experiment.
+    num_iterations is the N of the step lines. Logs without a hyperparameters section (the public
+    logs) show no batch size, and the code behind them may scale it with the world size: for them
+    the world size is part of the experiment."""
+    fields: dict[str, list[str | None]] = {
+        "num_iterations": [None if lg.total_steps is None else str(lg.total_steps) for lg in logs]}
+    if any(not lg.hyperparameters for lg in logs):
+        fields["world_size"] = [None if lg.world_size is None else str(lg.world_size) for lg in logs]
+    names = set().union(*(lg.hyperparameters for lg in logs)) - FREE_FIELDS - fields.keys()
+    for name in sorted(names, key=lambda n: (KEY_FIELDS.index(n) if n in KEY_FIELDS else len(KEY_FIELDS), n)):
+        fields[name] = [lg.hyperparameters.get(name) for lg in logs]
+    return fields
+
+
+def experiment_differences(logs: list[Log]) -> dict[str, dict[str | None, list[Log]]]:
+    """Field -> {value: logs with it}, for the experiment fields whose value is not the same in every log."""
+    out = {}
+    for name, values in experiment_fields(logs).items():
+        if len(set(values)) > 1:
+            groups: dict[str | None, list[Log]] = {}
+            for value, lg in zip(values, logs):
+                groups.setdefault(value, []).append(lg)
+            out[name] = groups
+    return out
+
+
+def differs_text(name: str, groups: dict[str | None, list[Log]], name_of=lambda lg: lg.name) -> str:
+    """`batch_tokens is 2048 in a.txt, b.txt; 4096 in c.txt`"""
+    def shown(v):
+        return "not logged" if v is None else (repr(v) if v == "" else v)
+    return f"{name} is " + "; ".join(f"{shown(v)} in {', '.join(map(name_of, lgs))}" for v, lgs in groups.items())
+
+
+def parse_allowed(values: list[str] | None, logs: list[Log]) -> set[str]:
+    """The fields of --allow-differences (repeatable, comma-separated); a name no log records is a typo."""
+    allowed = {name.strip() for value in values or [] for name in value.split(",") if name.strip()}
+    known = {"num_iterations", "world_size"}.union(*(lg.hyperparameters for lg in logs))
+    unknown = sorted(allowed - known)
+    if unknown:
+        raise ToolError(f"--allow-differences: no log records a field {unknown[0]!r} (the fields are the "
+                        "hyperparameter names in the logs' headers, num_iterations and world_size)")
+    return allowed
+
+
+def experiment_fails(logs: list[Log], allowed: set[str], limit: int = 5) -> list[str]:
+    """One FAIL line per experiment field that differs and is not allowed to (the rest named in one more)."""
+    shown = [(name, groups) for name, groups in experiment_differences(logs).items() if name not in allowed]
+    fails = [f"FAIL not the same experiment: {differs_text(name, groups)} "
+             f"(--allow-differences={name} if that is intended)" for name, groups in shown[:limit]]
+    if len(shown) > limit:
+        fails.append(f"FAIL not the same experiment: {len(shown) - limit} more fields differ: "
+                     + ", ".join(name for name, _ in shown[limit:]))
+    return fails
 
 
 # =============================================================================
@@ -663,6 +773,7 @@ def write_bytes(path: Path, data: bytes, shown: Path | None = None) -> None:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
+            os.fchmod(fd, 0o644)   # whatever the umask, or mkstemp's private mode: files others read
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
@@ -670,6 +781,22 @@ def write_bytes(path: Path, data: bytes, shown: Path | None = None) -> None:
             os.close(fd)
     except OSError as e:
         raise ToolError(f"{shown or path}: cannot write ({why_not_written(e)})") from None
+
+
+def make_dirs(path: Path) -> None:
+    """mkdir -p, each new folder 0755 whatever the umask."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        if path.parent == path:
+            break
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(exist_ok=True)
+            os.chmod(folder, 0o755)
+        except OSError as e:
+            raise ToolError(f"{folder}: cannot create ({why_not_written(e)})") from None
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -695,6 +822,8 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 def cmd_summarize(args) -> int:
     logs = load_logs(args.logs)
+    if dup := duplicates_line(logs):
+        raise ToolError(dup)
     headers, rows = run_rows(logs)
     print(text_table(headers, rows, right={1, 2, 3, 4, 5}))
     print()
@@ -729,6 +858,10 @@ def cmd_compare(args) -> int:
             raise ToolError(f"{bad[0].name}: incomplete log ({bad[0].problems[0]}); compare needs complete runs")
         if len(logs) < 2:
             raise ToolError(f"{role} has {len(logs)} run: Welch's t-test needs at least 2 runs per group")
+    # A run in both groups, or twice in one, would make the groups look alike or tighter than they are.
+    both = [(f"{role} {lg.name}", lg) for role, logs in groups.items() for lg in logs]
+    if dup := duplicates_line([lg for _, lg in both], [label for label, _ in both]):
+        raise ToolError(dup)
     kinds = {role: sorted({hardware_long(lg) for lg in logs}) for role, logs in groups.items()}
     if kinds["baseline"] != kinds["candidate"] or len(kinds["baseline"]) > 1:
         message = (f"different hardware: baseline {'; '.join(kinds['baseline'])} vs "
@@ -758,10 +891,15 @@ def cmd_compare(args) -> int:
 # verify
 # =============================================================================
 
-def verify_logs(logs: list[Log], target: float, require_source: bool) -> tuple[list[str], list[str], Stats | None]:
-    """(failures as 'FAIL file: reason', warnings, target statistics) for a set of logs."""
+def verify_logs(logs: list[Log], target: float, require_source: bool,
+                allowed: set[str] = frozenset()) -> tuple[list[str], list[str], Stats | None]:
+    """(failures as 'FAIL file: reason', warnings, target statistics) for a set of logs; `allowed`:
+    experiment fields that may differ between them."""
     fails = [f"FAIL {lg.name}: {p}" for lg in logs for p in lg.problems]
     warnings = []
+    if dup := duplicates_line(logs):
+        fails.append(f"FAIL {dup}")
+    fails += experiment_fails(logs, allowed)
 
     stripped = [lg for lg in logs if lg.source is None]
     if stripped and require_source:
@@ -779,10 +917,14 @@ def verify_logs(logs: list[Log], target: float, require_source: bool) -> tuple[l
                 if key(lg) not in (None, ref):
                     mine = key(lg)[:12] if what == "code" else key(lg)
                     fails.append(f"FAIL {lg.name}: ran different {what} ({mine}) than {n_ref} other log(s) ({shown})")
+    bare = [lg for lg in logs if not lg.hyperparameters]
+    if bare:
+        warnings.append(f"{len(bare)} of {len(logs)} logs record no hyperparameters: of their settings only the "
+                        "number of steps and the world size can be compared")
     if len({hardware_key(lg) for lg in logs}) > 1:
         warnings.append("the logs ran on different hardware: " + "; ".join(sorted({hardware_long(lg) for lg in logs})))
 
-    scored = [lg for lg in logs if lg.final_val_loss is not None and lg.train_time_ms is not None]
+    scored = [lg for lg in distinct_runs(logs) if lg.final_val_loss is not None and lg.train_time_ms is not None]
     st = group_stats(scored, target) if scored else None
     if st and not st.met:
         who = scored[0].name if len(scored) == 1 else f"all {len(scored)} logs"
@@ -797,7 +939,8 @@ def cmd_verify(args) -> int:
             logs.append(read_log(path))
         except ToolError as e:
             fails.append(f"FAIL {e}")
-    more, warnings, st = verify_logs(logs, args.target, args.require_source)
+    allowed = parse_allowed(args.allow_differences, logs)
+    more, warnings, st = verify_logs(logs, args.target, args.require_source, allowed)
     for w in warnings:
         warn(w)
     fails += more
@@ -806,7 +949,9 @@ def cmd_verify(args) -> int:
     if fails:
         return 1
     same = "no embedded source to compare" if logs[0].code_hash is None else f"same code {logs[0].code_hash[:12]}"
-    print(f"OK {len(logs)} log(s): complete; {same}; {target_rule(st)}")
+    differ = experiment_differences(logs)
+    allowed_text = f"runs differ in {', '.join(differ)} (allowed); " if differ else ""
+    print(f"OK {len(logs)} log(s): complete; {same}; {allowed_text}{target_rule(st)}")
     return 0
 
 
@@ -890,6 +1035,10 @@ def record_readme(name: str, date: str, track: str, target: float, logs: list[Lo
     lines = [f"# {name} ({date})", "",
              f"Track: **{track}**. Hardware, from the logs: {hardware_long(first)}; "
              f"PyTorch {first.torch or 'unknown'}, Python {first.python or 'unknown'}.", ""]
+    if differ := experiment_differences(logs):
+        lines += [f"**Not one experiment**: filed with `--allow-differences={','.join(differ)}`; the statistics "
+                  "below pool runs whose settings differ:", ""]
+        lines += [f"- {differs_text(k, g, lambda lg: lg.path.name)}" for k, g in differ.items()] + [""]
     if first.note:
         lines += [f"> {first.note}", ""]
     lines += ["## Runs", "", md_table(headers, rows), "",
@@ -968,12 +1117,26 @@ def scan_records(records_dir: Path) -> list[Record]:
         if len({hardware_key(lg) for lg in logs}) > 1:
             warn(f"{folder}: left out of the table (its logs ran on different hardware)")
             continue
+        if dup := duplicates_line(logs):
+            warn(f"{folder}: left out of the table ({dup})")
+            continue
+        declared = meta.get("allowed_differences")
+        declared = {k for k in declared if isinstance(k, str)} if isinstance(declared, list) else set()
+        undeclared = [k for k in experiment_differences(logs) if k not in declared]
+        if undeclared:
+            warn(f"{folder}: left out of the table (its runs differ in {', '.join(undeclared)}, "
+                 "which record.json does not allow)")
+            continue
         track = meta.get("track") or default_track(logs[0])
         if conflict := track_conflict(track, logs[0]):
             warn(f"{folder}: left out of the table ({conflict})")
             continue
-        found.append(Record(folder, meta.get("name", name), meta.get("date", date), track,
-                            float(meta.get("target", DEFAULT_TARGET)), logs))
+        try:
+            target = check_target(meta.get("target", DEFAULT_TARGET))
+        except ValueError as e:
+            warn(f"{folder}/record.json: {e}: left out of the table")
+            continue
+        found.append(Record(folder, meta.get("name", name), meta.get("date", date), track, target, logs))
     return found
 
 
@@ -1036,7 +1199,8 @@ def cmd_new(args) -> int:
         raise ToolError(f"record name {args.name!r}: use letters, digits, '_', '.', '-' only")
     records_dir = Path(args.records_dir)
     logs = load_logs(args.logs)
-    fails, warnings, _ = verify_logs(logs, args.target, args.require_source)
+    allowed = parse_allowed(args.allow_differences, logs)
+    fails, warnings, _ = verify_logs(logs, args.target, args.require_source, allowed)
     for w in warnings:
         warn(w)
     if fails:
@@ -1059,12 +1223,15 @@ def cmd_new(args) -> int:
         raise ToolError(f"{folder}: already exists")
 
     # Build the folder beside its final place and rename it: no half-made record on failure.
-    records_dir.mkdir(parents=True, exist_ok=True)
+    make_dirs(records_dir)
     tmp = Path(tempfile.mkdtemp(dir=records_dir, prefix=".new-"))
     try:
+        os.chmod(tmp, 0o755)   # mkdtemp makes it private; a record is for everyone to read
         for lg in logs:
             write_bytes(tmp / lg.path.name, lg.path.read_bytes(), shown=folder / lg.path.name)
         meta = {"name": args.name, "date": date, "track": track, "target": args.target}
+        if differ := experiment_differences(logs):
+            meta["allowed_differences"] = list(differ)
         write_bytes(tmp / "record.json", (json.dumps(meta, indent=2) + "\n").encode("utf-8"),
                     shown=folder / "record.json")
         rel = folder.resolve().relative_to(records_dir.resolve().parent).as_posix()
@@ -1095,6 +1262,24 @@ def cmd_table(args) -> int:
 # =============================================================================
 # Command line
 # =============================================================================
+
+def check_target(value) -> float:
+    """A val-loss target is a finite number > 0: an infinite one is met by any run, nan or <= 0 by none."""
+    try:
+        target = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"target {value!r} is not a number") from None
+    if not math.isfinite(target) or target <= 0:
+        raise ValueError(f"target {value!r} must be a finite number > 0")
+    return target
+
+
+def valid_target(text: str) -> float:
+    try:
+        return check_target(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
 
 def valid_date(text: str) -> str:
     try:
@@ -1127,8 +1312,13 @@ def build_parser() -> argparse.ArgumentParser:
         return sp
 
     def target(sp):
-        sp.add_argument("--target", type=float, default=DEFAULT_TARGET,
-                        help=f"val-loss target (default {DEFAULT_TARGET})")
+        sp.add_argument("--target", type=valid_target, default=DEFAULT_TARGET,
+                        help=f"val-loss target, a finite number > 0 (default {DEFAULT_TARGET})")
+
+    def allow_differences(sp):
+        sp.add_argument("--allow-differences", action="append", metavar="FIELD[,FIELD]",
+                        help="experiment fields the runs may differ in (hyperparameter names, num_iterations, "
+                             "world_size); without it runs that differ in any but seed and where files go fail")
 
     def records_dir(sp):
         sp.add_argument("--records-dir", default=str(RECORDS_DIR), metavar="DIR",
@@ -1136,14 +1326,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "it gets the table between its records markers")
 
     sp = add("summarize", "one row per run, then val-loss and train-time statistics",
-             "Incomplete logs are shown but left out of the statistics.")
+             "Incomplete logs are shown but left out of the statistics. Refuses a run given twice.")
     sp.add_argument("logs", nargs="+", metavar="LOG")
     target(sp)
     sp.set_defaults(func=cmd_summarize)
 
     sp = add("compare", "train-time difference of a candidate against a baseline, with a confidence interval",
              "Refuses groups that ran on different hardware (GPU, device or world size) "
-             "unless --allow-different-hardware.")
+             "unless --allow-different-hardware, and a run given twice (in one group or both).")
     sp.add_argument("--baseline", nargs="+", required=True, metavar="LOG")
     sp.add_argument("--candidate", nargs="+", required=True, metavar="LOG")
     sp.add_argument("--allow-different-hardware", action="store_true",
@@ -1153,10 +1343,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("verify", "exit 0 only if the logs back a record",
              "Checks: each log is complete (step lines 1..N, val lines every val_loss_every steps, "
              "final val loss at step N, end-of-run line, no error line, last line not cut) and unedited "
-             "(embedded source matches code_sha256); all ran the same code and preset; the target is met. "
+             "(embedded source matches code_sha256); no run is given twice (same file, run id or step lines); "
+             "all ran the same code, preset and experiment (steps, data, validation and batch settings: every "
+             "logged hyperparameter but the seed and where files go); the target is met. "
              "Prints 'FAIL <file>: <reason>' per failure. Logs without embedded source only warn.")
     sp.add_argument("logs", nargs="+", metavar="LOG")
     target(sp)
+    allow_differences(sp)
     sp.add_argument("--require-source", action="store_true",
                     help="fail logs whose embedded source was stripped instead of warning")
     sp.set_defaults(func=cmd_verify)
@@ -1175,13 +1368,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("new", "file a record: records/<date>_<NAME>/ with the logs, record.json and a README, "
              "then regenerate the table",
-             "The logs must pass verify and share one hardware. The date is the first log's "
+             "The logs must pass verify (with the same --allow-differences, which the record's README and "
+             "record.json then list) and share one hardware. The date is the first log's "
              "(else today); the track defaults to the logs' hardware and preset, e.g. '8×H100' or '2×CPU smoke'.")
     sp.add_argument("name", metavar="NAME")
     sp.add_argument("logs", nargs="+", metavar="LOG")
     sp.add_argument("--track", help="track name; refused if it names hardware the logs did not run on")
     sp.add_argument("--date", type=valid_date, help="YYYY-MM-DD instead of the first log's date")
     target(sp)
+    allow_differences(sp)
     sp.add_argument("--require-source", action="store_true", help="as for verify")
     records_dir(sp)
     sp.set_defaults(func=cmd_new)

@@ -76,6 +76,12 @@ FLAG_CASES = [
                                                          "1,048,576-token sequence takes at least 9,216 GiB to build"]),
     (["--synthetic=true", "--vocab_size=1000"], ["--vocab_size=1000: --synthetic=true documents start with "
                                                  "<|endoftext|>, token 50256"]),
+    # a training shard that is also a validation shard, named directly, by a glob, or by another spelling
+    (["--val_files=data/shakespeare/shakespeare_train_000001.bin"],
+     ["data/shakespeare/shakespeare_train_000001.bin: both a training shard (--train_files=data/shakespeare/"
+      "shakespeare_train_*.bin) and a validation shard (--val_files=data/shakespeare/shakespeare_train_000001.bin)"]),
+    (["--val_files=data/shakespeare/*.bin"], ["shakespeare_train_000001.bin: both a training shard"]),
+    (["--val_files=data/../data/shakespeare/./shakespeare_train_*.bin"], ["both a training shard"]),
 ]
 
 
@@ -156,31 +162,76 @@ def without_key(key):
     return change
 
 
+def edit_first_shard(key, value):
+    def change(meta):
+        meta["shards"][0][key] = value
+        return meta
+    return change
+
+
 RESUME_CASES = [
-    # (what is wrong, how the checkpoint is changed, fragments of the error line)
-    ("meta.json is {}", edit_meta(lambda meta: {}), ["meta.json has no valid 'step'"]),
-    ("meta.json is a list", edit_meta(lambda meta: [1, 2]), ["meta.json is not a checkpoint's (a JSON list"]),
-    ("step edited", edit_meta(with_key("step", 4)), ["meta.json says step 4, but rank_0.pt was saved at step 2"]),
-    ("step is text", edit_meta(with_key("step", "2")), ["meta.json has no valid 'step'"]),
-    ("loader is a list", edit_meta(with_key("loader", [])), ["meta.json has no valid 'loader'"]),
-    ("no file list (older format)", edit_meta(without_key("files")), ["meta.json has no valid 'files'"]),
-    ("file not listed", edit_meta(with_key("files", {})), ["meta.json does not list model.pt"]),
-    ("model.pt replaced", flip_a_byte("model.pt"), ["model.pt is not the file saved with this meta.json"]),
-    ("rank file truncated", truncate("rank_0.pt"), ["rank_0.pt has 1000 bytes, meta.json recorded"]),
-    ("rank file missing", lambda folder: (folder / "rank_0.pt").unlink(), ["cannot read rank_0.pt"]),
+    # (what is wrong, how the checkpoint is changed, fragments of the error line, flags of the resume)
+    ("meta.json is {}", edit_meta(lambda meta: {}), ["meta.json has no valid 'step'"], []),
+    ("meta.json is a list", edit_meta(lambda meta: [1, 2]), ["meta.json is not a checkpoint's (a JSON list"], []),
+    ("step edited", edit_meta(with_key("step", 4)), ["meta.json says step 4, but rank_0.pt was saved at step 2"], []),
+    ("step is text", edit_meta(with_key("step", "2")), ["meta.json has no valid 'step'"], []),
+    ("loader is a list", edit_meta(with_key("loader", [])), ["meta.json has no valid 'loader'"], []),
+    ("no file list (older format)", edit_meta(without_key("files")), ["meta.json has no valid 'files'"], []),
+    ("file not listed", edit_meta(with_key("files", {})), ["meta.json does not list model.pt"], []),
+    ("model.pt replaced", flip_a_byte("model.pt"), ["model.pt is not the file saved with this meta.json"], []),
+    ("rank file truncated", truncate("rank_0.pt"), ["rank_0.pt has 1000 bytes, meta.json recorded"], []),
+    ("rank file missing", lambda folder: (folder / "rank_0.pt").unlink(), ["cannot read rank_0.pt"], []),
+    # the training shards the checkpoint's run read, recorded in meta.json, are not this run's
+    ("no shard list (older format)", edit_meta(without_key("shards")), ["meta.json has no valid 'shards'"], []),
+    ("shard record not a list of records", edit_meta(with_key("shards", [5])), ["meta.json has no valid 'shards'"], []),
+    ("another shard's fingerprint", edit_meta(edit_first_shard("fingerprint", "0" * 64)),
+     ["training shard 1, data/shakespeare/shakespeare_train_000001.bin (2,846,636 bytes), is not the one the "
+      "checkpoint's run read (data/shakespeare/shakespeare_train_000001.bin, 2,846,636 bytes, another fingerprint); "
+      "use --force_resume=true"], []),
+    ("another shard's size", edit_meta(edit_first_shard("bytes", 1000)), ["shakespeare_train_000001.bin, 1,000 bytes)"],
+     []),
+    # --force_resume from a step with nothing left to train
+    ("forced at the last step", None, ["the checkpoint is at step 2, at or past --num_iterations=2: nothing is left "
+                                       "to train"], ["--force_resume=true"]),
+    ("forced past the end", None, ["at step 2, at or past --num_iterations=1"],
+     ["--force_resume=true", "--num_iterations=1", "--extension_steps=0"]),
 ]
 
 
 @pytest.mark.slow  # the fixture trains two steps
-@pytest.mark.parametrize("what, edit, fragments", RESUME_CASES, ids=[case[0] for case in RESUME_CASES])
-def test_a_checkpoint_that_does_not_match_its_meta_json_is_refused(checkpoint, tmp_path, what, edit, fragments):
+@pytest.mark.parametrize("what, edit, fragments, flags", RESUME_CASES, ids=[case[0] for case in RESUME_CASES])
+def test_a_checkpoint_that_does_not_match_its_meta_json_is_refused(checkpoint, tmp_path, what, edit, fragments,
+                                                                   flags):
     folder = copy_of(checkpoint, tmp_path)
-    edit(folder)
+    if edit is not None:
+        edit(folder)
     proc = run_main(*TINY, f"--resume={folder}", f"--logs_dir={tmp_path}/logs", f"--checkpoint_dir={tmp_path}/ck",
-                    "--run_id=again")
+                    "--run_id=again", *flags)
     one_line(proc, 1, f"error [rank 0]: --resume={folder}: ", *fragments)
     # nothing was created, so the run id is still free for the corrected resume
     assert not (tmp_path / "logs").exists() and not (tmp_path / "ck").exists()
+
+
+def test_a_resume_on_changed_training_shards_is_refused(tmp_path):
+    # A checkpoint of a run on a copy of the bundled shard (saved untrained: what is checked is the data).
+    shard = tmp_path / "data/copy_train_000001.bin"
+    shard.parent.mkdir()
+    shard.write_bytes((REPO / "data/shakespeare/shakespeare_train_000001.bin").read_bytes())
+    flags = [*TINY, f"--train_files={tmp_path}/data/copy_train_*.bin", f"--checkpoint_dir={tmp_path}/ck"]
+    args = T.parse_args(flags, False)
+    env = T.DistEnv(0, 0, 1, torch.device("cpu"))
+    model = T.build_model(args, env)
+    saved = T.save_checkpoint(1, 10.0, model, T.build_optimizers(model, args), T.TrainLoader(args, env), args, env,
+                              TRAIN.read_text(), "before")
+    # The shard is then rewritten: the same size, one token of its first document another.
+    data = bytearray(shard.read_bytes())
+    data[1024 + 2 * 100] ^= 1
+    shard.unlink()
+    shard.write_bytes(bytes(data))
+    proc = run_main(*flags, f"--resume={saved}", f"--logs_dir={tmp_path}/logs", "--run_id=after")
+    one_line(proc, 1, f"--resume={saved}: training shard 1, {shard} (2,846,636 bytes), is not the one the "
+                      f"checkpoint's run read", "another fingerprint")
+    assert not (tmp_path / "logs").exists()
 
 
 @pytest.mark.slow  # the fixture trains two steps
@@ -191,6 +242,97 @@ def test_an_untouched_checkpoint_passes_every_check(checkpoint):
     assert sorted(resume.meta["files"]) == ["model.pt", "rank_0.pt"]
     for name, listed in resume.meta["files"].items():
         assert listed["bytes"] == (checkpoint / name).stat().st_size
+
+
+# -----------------------------------------------------------------------------
+# A run id names one run: its log and its checkpoint folder are never another run's (exit 2, nothing written)
+
+def an_earlier_runs_checkpoints(tmp_path):
+    """checkpoints of an earlier run named `taken`, whose log is elsewhere or deleted"""
+    (tmp_path / "ck/taken/step_000002").mkdir(parents=True)
+    (tmp_path / "ck/taken/latest").write_text("step_000002\n")
+    return ["--run_id=taken"]
+
+
+def a_file(name):
+    def make(tmp_path):
+        (tmp_path / "a_file").write_text("")
+        return [f"--checkpoint_dir={tmp_path}/{name}", "--run_id=r"]
+    return make
+
+
+RUN_CASES = [
+    # (what, what is made beforehand (returns the run's flags), further flags, fragments of the error line)
+    ("the checkpoint folder of an earlier run", an_earlier_runs_checkpoints, [],
+     ["--run_id=taken: ", "ck/taken already exists (another run's checkpoint folder); choose another run id"]),
+    ("--checkpoint_dir a file, --save_final", a_file("a_file"), ["--save_final=true"],
+     ["--checkpoint_dir=", "/a_file: cannot write checkpoints in ", "/a_file/r (Not a directory)"]),
+    ("--checkpoint_dir a file, --save_every", a_file("a_file"), ["--save_every=2"], ["(Not a directory)"]),
+    ("--checkpoint_dir under a file", a_file("a_file/ck"), ["--save_final=true"], ["/a_file/ck/r (Not a directory)"]),
+]
+
+
+def tree(root) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("what, make, flags, fragments", RUN_CASES, ids=[case[0] for case in RUN_CASES])
+def test_a_run_that_could_not_keep_its_checkpoints_is_refused_before_it_starts(tmp_path, what, make, flags,
+                                                                                fragments):
+    run_flags = make(tmp_path)
+    before = tree(tmp_path)
+    proc = run_main(*TINY, f"--logs_dir={tmp_path}/logs", f"--checkpoint_dir={tmp_path}/ck", *run_flags, *flags)
+    one_line_error(proc, *fragments)
+    assert tree(tmp_path) == before  # no log, and nothing of the earlier run's replaced
+
+
+@pytest.mark.slow  # the fixture trains two steps
+def test_a_resume_takes_a_new_run_id(checkpoint, tmp_path):
+    # the run the checkpoint belongs to, resumed under its own id: it would write into that run's folder
+    proc = run_main(*TINY, f"--resume={checkpoint}", f"--checkpoint_dir={checkpoint.parent.parent}", "--run_id=base",
+                    f"--logs_dir={tmp_path}/logs", "--save_every=2")
+    one_line_error(proc, f"--run_id=base: {checkpoint.parent} already exists (another run's checkpoint folder); "
+                         f"choose another run id (a resumed run takes a new one)")
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["latest", "step_000002"]
+    assert not (tmp_path / "logs").exists()
+
+
+def test_final_weights_that_cannot_start_claim_no_removal(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    args, env, model, optimizers, loader = tiny_model(blocker)
+    source = TRAIN.read_text()
+    with pytest.raises(T.TrainingError) as failure:
+        T.save_final_weights(model, args, source, "run", 30, 5.0)
+    assert str(failure.value) == f"cannot write {blocker}/run/.final.partial: Not a directory"  # nothing was made
+    with pytest.raises(T.TrainingError) as failure:
+        T.save_checkpoint(2, 1.0, model, optimizers, loader, args, env, source, "run")
+    assert str(failure.value) == f"cannot write {blocker}/run/.step_000002.partial: Not a directory"
+
+
+# -----------------------------------------------------------------------------
+# --resume=latest: a damaged pointer is one line naming it (exit 1, no log)
+
+LATEST_CASES = [
+    # (what, how `latest` is made, fragments of the error line)
+    ("binary garbage", lambda latest: latest.write_bytes(bytes(range(255, 0, -1))), ["is damaged (not text)"]),
+    ("a folder", lambda latest: latest.mkdir(), ["is damaged (not a file, a folder)"]),
+    ("a link to nowhere", lambda latest: latest.symlink_to("nowhere"), ["is damaged (not a file)"]),
+    ("a folder that does not exist", lambda latest: latest.write_text("step_000099\n"),
+     ["is damaged: it names ", "/ck/run/step_000099, which does not exist"]),
+    ("not a checkpoint's name", lambda latest: latest.write_text("../../elsewhere\n"),
+     ["is damaged (it should name a checkpoint folder beside it, e.g. step_000100, not '../../elsewhere')"]),
+]
+
+
+@pytest.mark.parametrize("what, make, fragments", LATEST_CASES, ids=[case[0] for case in LATEST_CASES])
+def test_a_damaged_latest_pointer_is_one_line(tmp_path, what, make, fragments):
+    latest = tmp_path / "ck/run/latest"
+    latest.parent.mkdir(parents=True)
+    make(latest)
+    proc = run_main(*TINY, "--resume=latest", f"--checkpoint_dir={tmp_path}/ck", f"--logs_dir={tmp_path}/logs")
+    one_line(proc, 1, f"--resume=latest: {latest} ", *fragments, "pass the checkpoint folder itself")
+    assert not (tmp_path / "logs").exists()
 
 
 # -----------------------------------------------------------------------------
@@ -309,7 +451,7 @@ def test_a_real_write_error_during_a_checkpoint_ends_the_run_in_one_line(tmp_pat
     partial = tmp_path / "ck/limited/.step_000002.partial"
     line = one_line(proc, 1, f"cannot write {partial}/rank_0.pt: File too large",
                     f"the unfinished checkpoint {partial} was removed")
-    assert list((tmp_path / "ck/limited").iterdir()) == []
+    assert not (tmp_path / "ck").exists()  # nor the folders made for it, left empty
     log = (tmp_path / "limited.txt").read_text()
     assert log.endswith(line.replace("error [rank 0]: ", "error: ") + "\n")
 
@@ -417,6 +559,33 @@ def edit_config(change):
     return edit
 
 
+def without_config_fields(*names):
+    def change(info):
+        for name in names:
+            del info["config"][name]
+        return info
+    return change
+
+
+def with_config_field(name, value):
+    def change(info):
+        info["config"][name] = value
+        return info
+    return change
+
+
+def edit_weights(drop=(), add=None):
+    """model.pt without the weights named in `drop`, and with those in `add` (added or replaced)."""
+    def edit(folder):
+        state = torch.load(folder / "model.pt", weights_only=True)
+        for name in drop:
+            del state[name]
+        state.update(add or {})
+        (folder / "model.pt").unlink()
+        torch.save(state, folder / "model.pt")
+    return edit
+
+
 SAMPLE_CASES = [
     # (what, how the final folder is changed, sample.py flags, fragments)
     ("temperature nan", None, ["--prompt=x", "--temperature=nan"], ["--temperature=nan: must be zero (greedy) or a"]),
@@ -427,6 +596,22 @@ SAMPLE_CASES = [
     ("windows not a list", edit_config(with_key("windows", "3,10")), ["--prompt=x"], ['"windows" must be']),
     ("config not an object", edit_config(with_key("config", 5)), ["--prompt=x"], ["config.json: not train_gpt.py's"]),
     ("config.json a list", edit_config(lambda info: [1]), ["--prompt=x"], ["config.json: not train_gpt.py's"]),
+    ("seed negative", None, ["--prompt=x", "--seed=-1"], ["--seed=-1: must be in 0..2**64-1"]),
+    ("seed 2**64", None, ["--prompt=x", f"--seed={2 ** 64}"], [f"--seed={2 ** 64}: must be in 0..2**64-1"]),
+    # both equal the speedrun's defaults here: filled in, the model would load as if nothing were missing
+    ("config lacks model fields", edit_config(without_config_fields("logit_cap", "vocab_size")), ["--prompt=x"],
+     ['config.json: not train_gpt.py\'s final-weights config ("config" lacks logit_cap, vocab_size, needed to '
+      'rebuild the model)']),
+    ("weights of another width", edit_config(with_config_field("model_dim", 32)), ["--prompt=x"],
+     ["model.pt: cannot load these weights into the model of config.json (", "shape mismatch(es): embed.weight: "
+      "checkpoint (50304, 64), model (50304, 32); value_embeds.0.weight: checkpoint (50304, 64), model (50304, 32)"]),
+    ("a weight of another shape", edit_weights(add={"blocks.1.attn.qkvo": torch.zeros(4, 32, 32)}), ["--prompt=x"],
+     ["(1 shape mismatch(es): blocks.1.attn.qkvo: checkpoint (4, 32, 32), model (4, 64, 64))"]),
+    ("a weight missing, one extra",
+     edit_weights(drop=["blocks.1.attn.qkvo"], add={"blocks.9.mlp.fc.weight": torch.zeros(1)}), ["--prompt=x"],
+     ["(1 missing key(s): blocks.1.attn.qkvo; 1 unexpected key(s): blocks.9.mlp.fc.weight)"]),
+    ("hellaswag data a directory", None, ["--eval=hellaswag", f"--data={REPO / 'data'}"],
+     [f"{REPO / 'data'}: a directory, not a HellaSwag .jsonl file"]),
 ]
 
 
@@ -437,6 +622,32 @@ def test_sample_refuses_bad_values_and_configs(final_folder_in_process, tmp_path
         folder = copy_of(final_folder_in_process, tmp_path)
         edit(folder)
     one_line_error(sample_main(folder, *flags), *fragments)
+
+
+def test_final_weights_load_without_the_run_control_fields(final_folder_in_process, tmp_path):
+    # they steer a run, never the model: a config.json may leave them out
+    folder = copy_of(final_folder_in_process, tmp_path)
+    edit_config(without_config_fields(*T.RUN_CONTROL_FIELDS))(folder)
+    model, args, _ = T.load_final_weights(folder, torch.device("cpu"))
+    saved = json.loads((final_folder_in_process / "config.json").read_text())["config"]
+    assert all(getattr(args, name) == value for name, value in saved.items() if name not in T.RUN_CONTROL_FIELDS)
+    reference, _, _ = T.load_final_weights(final_folder_in_process, torch.device("cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+def test_hellaswag_data_from_a_pipe_is_read(final_folder_in_process, tmp_path):
+    data = hellaswag_file(tmp_path / "val.jsonl", examples=3, context_words=14)
+    from_file = sample_main(final_folder_in_process, "--eval=hellaswag", f"--data={data}")
+    assert from_file.returncode == 0, from_file.stderr
+    read, write = os.pipe()  # what `--data=<(...)` or `--data=/dev/stdin` with a pipe gives
+    try:
+        os.write(write, data.read_bytes())  # a few hundred bytes: within the pipe's buffer
+        os.close(write)
+        piped = sample_main(final_folder_in_process, "--eval=hellaswag", f"--data=/dev/fd/{read}")
+    finally:
+        os.close(read)
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == from_file.stdout and piped.stdout.startswith("hellaswag: 3 examples")
 
 
 def test_a_tiny_temperature_samples_greedily():

@@ -172,7 +172,7 @@ def test_find_shards_sorts_and_names_the_fetch_commands(tmp_path):
     message = str(info.value)
     assert missing in message
     assert "python data/cached_fineweb10B.py" in message
-    assert "python data/tokenize_text.py --preset shakespeare" in message
+    assert "tokenize_text.py" not in message  # the bundled corpus is there: never told to rebuild it
 
 
 # -----------------------------------------------------------------------------
@@ -461,6 +461,70 @@ def test_bad_inputs_fail_with_one_clear_line(tmp_path, setup, args, message):
     assert len(errors) == 1 and message in errors[0], done.stderr
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def tokenize_in_process(capsys, *args):
+    """tokenize_text.main in this process: (exit code, stderr's error lines)."""
+    code = tokenize_text.main([*map(str, args), "--bpe-file", str(tokenize_text.BUNDLED_BPE), "--workers", "1"])
+    return code, [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+
+
+def unwritable_folder(tmp_path) -> Path:
+    """An existing folder this process cannot create files in (root may write anywhere chmod allows)."""
+    if os.geteuid() != 0:
+        folder = tmp_path / "read-only"
+        folder.mkdir(mode=0o555)
+        return folder
+    if not Path("/sys").is_dir():
+        pytest.skip("no unwritable folder for root here")
+    return Path("/sys")  # sysfs refuses new folders, even root's
+
+
+@pytest.mark.parametrize("case", ["under a file", "unwritable folder"])
+def test_an_out_that_cannot_be_made_or_written_is_one_line(tmp_path, capsys, case):
+    (tmp_path / "a.txt").write_text("some text")
+    out = tmp_path / "a.txt/out" if case == "under a file" else unwritable_folder(tmp_path)
+    code, errors = tokenize_in_process(capsys, tmp_path / "a.txt", "--out", out)
+    why = "Not a directory" if case == "under a file" else ""
+    assert code == 2 and len(errors) == 1 and errors[0].startswith(f"error: --out {out}: cannot write there ({why}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"] + (["read-only"] if out.parent == tmp_path else [])
+
+
+def test_a_failed_run_removes_every_folder_it_made(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    code, errors = tokenize_in_process(capsys, tmp_path / "empty.txt", "--out", tmp_path / "new/deeper/out")
+    assert code == 1 and errors == ["error: the inputs hold no text (every file is empty or blank)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt"]
+
+
+def test_a_prefix_taken_from_out_is_blamed_on_out(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("some text")
+    out = tmp_path / "my corpus"
+    code, errors = tokenize_in_process(capsys, tmp_path / "a.txt", "--out", out)
+    assert code == 1 and errors == [f"error: --out {out}: the shards are named after its folder, 'my corpus', "
+                                    f"which is not a plain name (letters, digits, '.', '_' and '-'); pass --prefix"]
+    assert not out.exists()
+
+
+def test_the_preset_does_not_blame_a_bpe_file_flag_it_was_not_given(tmp_path, capsys, monkeypatch):
+    damaged = tmp_path / "gpt2.tiktoken"
+    damaged.write_bytes(tokenize_text.BUNDLED_BPE.read_bytes()[:-20])
+    monkeypatch.setattr(tokenize_text, "BUNDLED_BPE", damaged)
+    assert tokenize_text.main(["--preset", "shakespeare", "--out", str(tmp_path / "s")]) == 1
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 1 and errors[0].startswith(f"error: {damaged}: sha256 "), errors
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_jsonl_file_with_a_byte_order_mark_is_read_like_a_txt_file(tmp_path, capsys):
+    lines = b'{"text": "first document"}\n{"text": "second"}\n'
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + lines)
+    (tmp_path / "plain.jsonl").write_bytes(lines)
+    for name in ("bom", "plain"):
+        code, errors = tokenize_in_process(capsys, tmp_path / f"{name}.jsonl", "--out", tmp_path / f"out_{name}")
+        assert code == 0 and errors == []
+    bom, plain = (tmp_path / f"out_{name}/out_{name}_train_000001.bin" for name in ("bom", "plain"))
+    assert bom.read_bytes() == plain.read_bytes()
 
 
 # -----------------------------------------------------------------------------

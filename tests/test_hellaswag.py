@@ -1,7 +1,9 @@
 """data/hellaswag.py: reading, scoring (against a hand-worked fixture), download failures, and
 sample.py --eval=hellaswag on a real model."""
 
+import os
 import sys
+import threading
 
 import pytest
 import torch
@@ -70,6 +72,21 @@ def test_malformed_lines_are_named(tmp_path, line, message):
         hellaswag.load_examples(path)
     with pytest.raises(hellaswag.HellaSwagError, match="no such file"):
         hellaswag.load_examples(tmp_path / "missing.jsonl")
+
+
+def test_a_fifo_is_read_and_a_folder_is_called_one(tmp_path):
+    fifo = tmp_path / "val.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=fifo.write_bytes, args=(FIXTURE.read_bytes(),))
+    writer.start()  # its open waits for a reader
+    try:
+        assert hellaswag.load_examples(fifo) == hellaswag.load_examples(FIXTURE)
+    finally:
+        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # never waits; frees a writer still waiting
+        writer.join()
+        os.close(reader)
+    with pytest.raises(hellaswag.HellaSwagError, match=rf"^{tmp_path}: a directory, not a HellaSwag .jsonl file$"):
+        hellaswag.load_examples(tmp_path)
 
 
 @pytest.mark.slow

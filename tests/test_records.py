@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import math
+import os
 import re
 import statistics
 import subprocess
@@ -617,3 +618,253 @@ def test_help_documents_every_subcommand(capsys):
     top = capsys.readouterr().out
     for sub in ["summarize", "compare", "verify", "extract", "plot", "new", "table", "one-sided one-sample t-test"]:
         assert sub in top
+
+
+# ---------------------------------------------------------------------------------------
+# Records integrity: distinct runs of one experiment, finite targets, readable files
+
+def with_hparams(text: str, **fields) -> str:
+    """The log text with these `  name = value` hyperparameter lines set (replaced, or added to the section)."""
+    for name, value in fields.items():
+        line = f"  {name} = {value}\n"
+        text, n = re.subn(rf"^  {name} = .*\n", line, text, flags=re.M)
+        if not n:
+            at = text.index("hyperparameters:\n") + len("hyperparameters:\n")
+            text = text[:at] + line + text[at:]
+    return text
+
+
+def dup_case(how, tmp_path, monkeypatch):
+    """(paths to pass, the expected 'duplicate runs: ...' text, target) for one way of giving a run twice."""
+    a = tmp_path / "a.txt"
+    if how in ("same path twice", "./x and x", "symlink", "hard link", "renamed copies"):
+        a.write_bytes(PUBLIC[0].read_bytes())
+        if how == "same path twice":
+            return [a, a], f"{a} is given twice", "3.285"
+        if how == "./x and x":
+            monkeypatch.chdir(tmp_path)
+            return ["a.txt", "./a.txt"], "a.txt is given twice", "3.285"
+        b = tmp_path / "b.txt"
+        if how == "symlink":
+            b.symlink_to(a)
+            return [a, b], f"{b} duplicates {a} (the same file)", "3.285"
+        if how == "hard link":
+            b.hardlink_to(a)
+            return [a, b], f"{b} duplicates {a} (the same file)", "3.285"
+        # the review's case: three copies of one public log, each under its own name
+        c = tmp_path / "c.txt"
+        b.write_bytes(a.read_bytes())
+        c.write_bytes(a.read_bytes())
+        return [a, b, c], f"{b} duplicates {a} (identical step lines); {c} duplicates {a} (identical step lines)", \
+            "3.285"
+    if how == "copy with an edited run id":
+        b = edited(tmp_path, SAME_CODE[0], "b.txt", lambda t: t.replace("run_id: handmade-cpu-run1", "run_id: zzz"))
+        return [SAME_CODE[0], SAME_CODE[1], b], f"{b} duplicates {SAME_CODE[0]} (identical step lines)", "7.5"
+    assert how == "same run id"   # other step lines, the run id of another log
+    b = edited(tmp_path, SAME_CODE[1], "b.txt",
+               lambda t: t.replace("run_id: handmade-cpu-run2", "run_id: handmade-cpu-run1"))
+    return [SAME_CODE[0], b, SAME_CODE[2]], f"{b} duplicates {SAME_CODE[0]} (same run id handmade-cpu-run1)", "7.5"
+
+
+DUP_CASES = ["same path twice", "./x and x", "symlink", "hard link", "renamed copies", "copy with an edited run id",
+             "same run id"]
+
+
+@pytest.mark.parametrize("how", DUP_CASES)
+def test_verify_summarize_new_refuse_duplicate_runs(capsys, tmp_path, monkeypatch, repo, how):
+    paths, dup, target = dup_case(how, tmp_path, monkeypatch)
+    code, out, _ = run(capsys, "verify", *paths, "--target", target)
+    assert code == 1 and f"FAIL duplicate runs: {dup}" in out.splitlines()
+    code, out, err = run(capsys, "summarize", *paths, "--target", target)
+    assert (code, out, err) == (1, "", f"error: duplicate runs: {dup}\n")
+    code, out, err = run(capsys, "new", "dup", *paths, "--target", target, "--records-dir", repo)
+    assert code == 1 and f"FAIL duplicate runs: {dup}" in out.splitlines()
+    assert err.endswith("error: no record filed: the logs fail verify (reasons above)\n")
+    assert not repo.exists()
+
+
+def test_compare_refuses_duplicate_runs(capsys, tmp_path):
+    code, out, err = run(capsys, "compare", "--baseline", *PUBLIC, "--candidate", *PUBLIC)   # identical groups
+    assert code == 1 and out == ""
+    assert err.startswith(f"error: duplicate runs: candidate {PUBLIC[0]} duplicates baseline {PUBLIC[0]} (the same "
+                          f"file); candidate {PUBLIC[1]} duplicates") and err.count("\n") == 1
+    code, _, err = run(capsys, "compare", "--baseline", *PUBLIC[:3], "--candidate", PUBLIC[2], *PUBLIC[3:])
+    assert code == 1 and err == f"error: duplicate runs: candidate {PUBLIC[2]} duplicates baseline {PUBLIC[2]} " \
+                                "(the same file)\n"
+    copy = tmp_path / "renamed.txt"
+    copy.write_bytes(PUBLIC[1].read_bytes())
+    code, _, err = run(capsys, "compare", "--baseline", *PUBLIC[:3], "--candidate", copy, *PUBLIC[3:])
+    assert code == 1 and err == f"error: duplicate runs: candidate {copy} duplicates baseline {PUBLIC[1]} " \
+                                "(identical step lines)\n"
+
+
+def test_runs_that_stopped_at_step_0_are_not_duplicates(capsys, tmp_path):
+    # Same seed, same step-0 val line: nothing timed tells them apart, and nothing says they are one run.
+    cut = [edited(tmp_path, SAME_CODE[0], f"cut{i}.txt", lambda t, i=i: t[:t.index("step:1/")].replace(
+        "run_id: handmade-cpu-run1", f"run_id: cut{i}")) for i in (1, 2)]
+    code, out, _ = run(capsys, "summarize", *cut)
+    assert code == 0 and "runs: 2 (0 complete)" in out
+
+
+EXPERIMENT_CASES = [   # (field, its value in two logs, in the third)
+    ("train_files", "data/fineweb10B/fineweb_train_*.bin", "data/other/train_*.bin"),
+    ("val_files", "data/fineweb10B/fineweb_val_*.bin", "data/fineweb10B/fineweb_train_000001.bin"),
+    ("val_tokens", "10485760", "1048576"),
+    ("val_seq_len", "262144", "65536"),
+    ("repeat_data", "False", "True"),
+    ("batch_tokens", "262144", "131072"),
+    ("micro_batch_tokens", "32768", "16384"),
+]
+
+
+def experiment_logs(tmp_path, field, same, other):
+    return [edited(tmp_path, src, src.name, lambda t, v=v: with_hparams(t, **{field: v}))
+            for src, v in zip(SAME_CODE, [same, same, other])]
+
+
+@pytest.mark.parametrize("field,same,other", EXPERIMENT_CASES)
+def test_verify_and_new_refuse_runs_of_different_experiments(capsys, tmp_path, repo, field, same, other):
+    logs = experiment_logs(tmp_path, field, same, other)
+    line = (f"FAIL not the same experiment: {field} is {same} in {logs[0]}, {logs[1]}; {other} in {logs[2]} "
+            f"(--allow-differences={field} if that is intended)")
+    code, out, _ = run(capsys, "verify", *logs, "--target", "7.5")
+    assert (code, out) == (1, line + "\n")
+    code, out, err = run(capsys, "new", "mixed", *logs, "--target", "7.5", "--records-dir", repo)
+    assert (code, out) == (1, line + "\n") and not repo.exists()
+
+    code, out, _ = run(capsys, "verify", *logs, "--target", "7.5", "--allow-differences", f"seed,{field}")
+    assert code == 0 and f"; runs differ in {field} (allowed); target 7.5" in out
+    code, out, _ = run(capsys, "new", "mixed", *logs, "--target", "7.5", "--records-dir", repo,
+                       "--allow-differences", field)
+    assert code == 0, out
+    folder = repo / "2026-11-22_mixed"
+    readme = (folder / "README.md").read_text()
+    assert f"**Not one experiment**: filed with `--allow-differences={field}`" in readme
+    assert f"- {field} is {same} in b-cpu-run1.txt, b-cpu-run2.txt; {other} in b-cpu-run3.txt\n" in readme
+    assert rec.json.loads((folder / "record.json").read_text())["allowed_differences"] == [field]
+    assert "[mixed](" in (repo / "RECORDS.md").read_text()   # the table keeps a record that declares it
+
+    # ... and leaves out one whose record.json does not
+    meta = rec.json.loads((folder / "record.json").read_text())
+    del meta["allowed_differences"]
+    (folder / "record.json").write_text(rec.json.dumps(meta))
+    code, _, err = run(capsys, "table", "--records-dir", repo)
+    assert code == 0 and f"left out of the table (its runs differ in {field}, which record.json does not allow)" in err
+
+
+def test_experiment_differences_steps_missing_fields_and_free_fields(capsys, tmp_path):
+    def shorter(t):   # a complete 4-step run of the same code
+        t = t[:t.index("step:5/")].replace("/6 ", "/4 ").replace("num_iterations = 6", "num_iterations = 4")
+        return t + "summary: final_val_loss:8.1000 train_time:3600ms steps:4 world_size:2 device:cpu\n"
+    short = edited(tmp_path, SAME_CODE[2], "short.txt", shorter)
+    assert rec.read_log(short).complete
+    code, out, _ = run(capsys, "verify", *SAME_CODE[:2], short, "--target", "8.5")
+    assert code == 1 and (f"FAIL not the same experiment: num_iterations is 6 in {SAME_CODE[0]}, {SAME_CODE[1]}; 4 "
+                          f"in {short} (--allow-differences=num_iterations if that is intended)" in out.splitlines())
+
+    logged = [edited(tmp_path, src, src.name, lambda t: with_hparams(t, repeat_data="False")) for src in SAME_CODE[:2]]
+    code, out, _ = run(capsys, "verify", *logged, SAME_CODE[2], "--target", "7.5")
+    assert code == 1 and f"repeat_data is False in {logged[0]}, {logged[1]}; not logged in {SAME_CODE[2]}" in out
+
+    # The seed, where files go and the device flag may differ between repeats of one experiment.
+    free = edited(tmp_path, SAME_CODE[2], "free.txt", lambda t: with_hparams(
+        t, logs_dir="/elsewhere", checkpoint_dir="ck", save_every="2", pg_timeout_s="60", device="cpu"))
+    code, out, _ = run(capsys, "verify", *SAME_CODE[:2], free, "--target", "7.5")
+    assert code == 0 and "runs differ" not in out
+
+    code, _, err = run(capsys, "verify", *SAME_CODE, "--target", "7.5", "--allow-differences", "bach_tokens")
+    assert code == 1 and err == ("error: --allow-differences: no log records a field 'bach_tokens' (the fields are "
+                                 "the hyperparameter names in the logs' headers, num_iterations and world_size)\n")
+
+
+def test_experiment_differences_of_public_logs(capsys, tmp_path):
+    # Public logs record no hyperparameters: the number of steps and the world size are all that can be
+    # compared (their code may scale the global batch with the world size).
+    def four_gpus(t):
+        return re.sub(r"^\|   [4-7]  NVIDIA H100.*\n", "", t, flags=re.M)
+    four = edited(tmp_path, PUBLIC[3], "four.txt", four_gpus)
+    assert rec.read_log(four).world_size == 4
+    code, out, err = run(capsys, "verify", *PUBLIC[:3], four, "--target", "3.285")
+    assert code == 1 and out == (f"FAIL not the same experiment: world_size is 8 in {PUBLIC[0]}, {PUBLIC[1]}, "
+                                 f"{PUBLIC[2]}; 4 in {four} (--allow-differences=world_size if that is intended)\n")
+    assert "4 of 4 logs record no hyperparameters: of their settings only the number of steps and the world " \
+           "size can be compared" in err
+
+    def shorter(t):
+        t = t[:t.index("step:2001/")].replace("/2245 ", "/2000 ")
+        return t + "peak memory allocated: 29244 MiB reserved: 44256 MiB\n"
+    short = edited(tmp_path, PUBLIC[3], "short.txt", shorter)
+    assert rec.read_log(short).complete
+    code, out, _ = run(capsys, "verify", *PUBLIC[:3], short, "--target", "3.285")
+    assert code == 1 and (f"FAIL not the same experiment: num_iterations is 2245 in {PUBLIC[0]}, {PUBLIC[1]}, "
+                          f"{PUBLIC[2]}; 2000 in {short} (--allow-differences=num_iterations if that is intended)"
+                          in out.splitlines())
+
+
+def test_many_differences_are_capped(capsys):
+    # Two trainers' logs differ in most fields: five lines, then one naming the rest.
+    code, out, _ = run(capsys, "verify", *REAL_SAME, *SAME_CODE[:2], "--target", "8")
+    lines = [ln for ln in out.splitlines() if "not the same experiment" in ln]
+    assert code == 1 and len(lines) == 6
+    assert lines[0].startswith("FAIL not the same experiment: num_iterations is 3 in")
+    assert lines[1].startswith("FAIL not the same experiment: train_files is data/shakespeare/shakespeare_train_*.bin"
+                               f" in {REAL_SAME[0]}, {REAL_SAME[1]}; not logged in {SAME_CODE[0]}, {SAME_CODE[1]}")
+    assert re.fullmatch(r"FAIL not the same experiment: \d+ more fields differ: [\w, ]+", lines[5])
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "0", "-3.28"])
+@pytest.mark.parametrize("command", ["verify", "summarize", "new"])
+def test_targets_must_be_finite_and_positive(capsys, repo, command, value):
+    args = [command] + (["x"] if command == "new" else []) + [*PUBLIC, f"--target={value}"]
+    args += ["--records-dir", repo] if command == "new" else []
+    with pytest.raises(SystemExit) as exit_:
+        rec.main([str(a) for a in args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.splitlines()[-1] == (f"records.py {command}: error: argument --target: target '{value}' must be a "
+                                    "finite number > 0")
+    assert not repo.exists()
+
+
+def test_table_leaves_out_a_record_holding_a_run_twice(capsys, repo):
+    code, _, _ = run(capsys, "new", "smoke", *SAME_CODE, "--target", "7.5", "--records-dir", repo)
+    folder = repo / "2026-11-22_smoke"
+    (folder / "b-cpu-run4.txt").write_bytes(SAME_CODE[2].read_bytes())   # a fourth "run"
+    code, _, err = run(capsys, "table", "--records-dir", repo)
+    assert code == 0 and (f"left out of the table (duplicate runs: {folder / 'b-cpu-run4.txt'} duplicates "
+                          f"{folder / 'b-cpu-run3.txt'} (same run id handmade-cpu-run3 and identical step lines))") in err
+    assert "[smoke](" not in (repo / "RECORDS.md").read_text()
+
+
+def test_table_leaves_out_a_record_with_an_unusable_target(capsys, repo):
+    code, _, _ = run(capsys, "new", "smoke", *SAME_CODE, "--target", "7.5", "--records-dir", repo)
+    folder = repo / "2026-11-22_smoke"
+    meta = rec.json.loads((folder / "record.json").read_text())
+    (folder / "record.json").write_text(rec.json.dumps({**meta, "target": math.inf}))   # `Infinity`: met by anything
+    code, _, err = run(capsys, "table", "--records-dir", repo)
+    assert code == 0 and f"{folder}/record.json: target inf must be a finite number > 0: left out" in err
+    assert "[smoke](" not in (repo / "RECORDS.md").read_text()
+    (folder / "record.json").write_text(rec.json.dumps({**meta, "target": "low"}))
+    code, _, err = run(capsys, "table", "--records-dir", repo)
+    assert code == 0 and f"{folder}/record.json: target 'low' is not a number: left out" in err
+
+
+@pytest.fixture
+def private_umask():
+    old = os.umask(0o077)
+    yield
+    os.umask(old)
+
+
+def test_written_files_are_readable_whatever_the_umask(capsys, repo, tmp_path, private_umask):
+    code, out, _ = run(capsys, "new", "smoke", *SAME_CODE, "--target", "7.5", "--records-dir", repo)
+    assert code == 0, out
+    folder = repo / "2026-11-22_smoke"
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "b-cpu-run1.txt", "b-cpu-run2.txt",
+                                                       "b-cpu-run3.txt", "record.json"]
+    for path in [repo, folder]:
+        assert oct(path.stat().st_mode & 0o777) == "0o755", path
+    for path in [*folder.iterdir(), repo / "RECORDS.md", repo.parent / "README.md"]:
+        assert oct(path.stat().st_mode & 0o777) == "0o644", path
+    code, _, _ = run(capsys, "extract", SAME_CODE[0], "-o", tmp_path / "train.py")
+    assert code == 0 and oct((tmp_path / "train.py").stat().st_mode & 0o777) == "0o644"

@@ -205,3 +205,80 @@ def test_a_killed_run_keeps_every_completed_step_in_its_log(tmp_path):
             proc.kill()
     steps = [int(s) for s in re.findall(r"^step:(\d+)/100 (?:train_loss:\S+ )?train_time", log.read_text(), re.M)]
     assert steps[:4] == [1, 2, 3, 4] and steps == list(range(1, len(steps) + 1))
+
+
+# -----------------------------------------------------------------------------
+# Ctrl-C and SIGTERM: one line, exit 128 + the signal, no unfinished checkpoint, the last good one kept
+
+def test_ctrl_c_during_a_save_keeps_the_last_checkpoint_and_ends_in_one_line(tmp_path, monkeypatch):
+    real_write = T._RecordingWriter.write
+
+    def write(self, data):  # Ctrl-C once model.pt of the step-4 checkpoint is half-way out
+        if self.size and os.readlink(f"/proc/self/fd/{self.fd}").endswith(".step_000004.partial/model.pt"):
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_write(self, data)
+
+    monkeypatch.setattr(T._RecordingWriter, "write", write)
+    proc = in_process(T.main, *SHORT, "--num_iterations=4", "--save_every=2", f"--logs_dir={tmp_path}",
+                      f"--checkpoint_dir={tmp_path}/ck", "--run_id=ctrlc")
+    line = "interrupted by SIGINT at step 4, while saving its checkpoint"
+    assert (proc.returncode, proc.stderr) == (130, f"error [rank 0]: {line}\n")
+    assert (tmp_path / "ctrlc.txt").read_text().endswith(f"\nerror: {line}\n")
+    run_dir = tmp_path / "ck/ctrlc"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["latest", "step_000002"]
+    assert (run_dir / "latest").read_text() == "step_000002\n"
+    args = T.parse_args([*SHORT, "--num_iterations=4"], False)
+    T.check_checkpoint(run_dir / "step_000002", args, T.DistEnv(0, 0, 1, torch.device("cpu")), TRAIN.read_text())
+
+
+def test_sigterm_outside_torchrun_says_so_and_leaves_no_empty_folders(tmp_path, monkeypatch):
+    real_step = T.train_step
+
+    def train_step(*args, **kwargs):
+        if args[4] == 1:  # the step counter: SIGTERM once step 1 is done
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(T, "train_step", train_step)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    proc = in_process(T.main, *SHORT, "--save_every=2", "--save_final=true", f"--logs_dir={tmp_path}/logs",
+                      f"--checkpoint_dir={tmp_path}/ck/deeper", "--run_id=term")
+    assert (proc.returncode, proc.stderr) == (143, "error [rank 0]: stopped by SIGTERM at step 1\n")
+    assert (tmp_path / "logs/term.txt").read_text().endswith("\nerror: stopped by SIGTERM at step 1\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]  # the checkpoint folders it made, empty, are gone
+
+
+@pytest.mark.slow  # two ranks under torchrun
+def test_ctrl_c_under_torchrun_ends_every_rank_in_one_line(tmp_path):
+    # Ctrl-C in a terminal signals the whole foreground process group: torchrun and both ranks (and torchrun
+    # then sends SIGINT to the ranks again). It comes as soon as a checkpoint after the first has started to be
+    # written, so during that save or in the step after it.
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(TRAIN), *LONG_SHORT, "--save_every=2", f"--logs_dir={tmp_path}",
+                             f"--checkpoint_dir={tmp_path}/ck", "--run_id=ctrlc"],
+                            cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    run_dir = tmp_path / "ck/ctrlc"
+    try:
+        deadline = time.time() + 300
+        while not ((run_dir / "latest").exists() and list(run_dir.glob(".step_*.partial/*"))):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.005)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    errors = [line for line in stderr.splitlines() if line.startswith("error")]
+    pattern = r"error \[rank ([01])\]: (interrupted by SIGINT at step \d+(?:, while saving its checkpoint)?)"
+    matches = [re.fullmatch(pattern, line) for line in errors]
+    assert all(matches) and sorted(m[1] for m in matches) == ["0", "1"], stderr[-3000:]
+    rank_0 = next(m[2] for m in matches if m[1] == "0")
+    assert (tmp_path / "ctrlc.txt").read_text().endswith(f"\nerror: {rank_0}\n")
+    names = sorted(p.name for p in run_dir.iterdir())
+    assert not [name for name in names if name.startswith(".")], names  # nothing unfinished
+    latest = run_dir / (run_dir / "latest").read_text().strip()
+    assert names == ["latest", *sorted(p.name for p in run_dir.glob("step_*"))] and latest.name == names[-1]
+    args = T.parse_args([*LONG_SHORT, "--save_every=2"], False)
+    T.check_checkpoint(latest, args, T.DistEnv(0, 0, 2, torch.device("cpu")), TRAIN.read_text())

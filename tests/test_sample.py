@@ -2,10 +2,12 @@
 
 import json
 
+import pytest
 import torch
 from torch.testing import assert_close
 
 import sample
+import tokenize_text
 import train_gpt as T
 from conftest import in_process, one_line_error, random_model
 
@@ -83,3 +85,11 @@ def test_bad_input_is_a_one_line_error(final_folder, tmp_path):
     one_line_error(run_sample(final_folder, "--prompt="), "--prompt: give a non-empty prompt")
     one_line_error(run_sample(final_folder, "--prompt=" + "word " * 600), "exceed the model's context of 128")
     one_line_error(run_sample(final_folder, "--prompt=x", "--temperature=-1"), "--temperature=-1.0")
+
+
+def test_a_damaged_bundled_tokenizer_is_named_without_a_flag_sample_py_lacks(tmp_path, monkeypatch):
+    damaged = tmp_path / "gpt2.tiktoken"
+    damaged.write_bytes(tokenize_text.BUNDLED_BPE.read_bytes()[:-20])
+    monkeypatch.setattr(tokenize_text, "BUNDLED_BPE", damaged)
+    with pytest.raises(sample.SampleError, match=rf"^{damaged}: sha256 [0-9a-f]+ is not the bundled GPT-2 file's"):
+        sample.load_tokenizer()

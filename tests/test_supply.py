@@ -126,6 +126,28 @@ def test_the_log_notes_a_shard_of_which_the_steps_use_less_than_half(tmp_path):
     assert len(T.TrainLoader(args_for(tmp_path, "--num_iterations=3"), CPU).report()) == 1
 
 
+def test_the_fingerprint_tells_a_changed_shard_from_the_same_one_moved(tmp_path):
+    tokens = documents([1000] * 100)
+    args = args_for(tmp_path)
+
+    def fingerprint_of(path):
+        return T.shard_fingerprint(T.scan_shard(path, args))
+
+    fingerprint = fingerprint_of(write_shard(tmp_path / "t_train_000001.bin", tokens))
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    assert fingerprint_of(write_shard(moved / "t_train_000001.bin", tokens)) == fingerprint
+    changes = {"a token in a sampled block": lambda t: t.__setitem__(7, t[7] ^ 1),
+               "the last token": lambda t: t.__setitem__(-1, t[-1] ^ 1),
+               "a document split in two": lambda t: t.__setitem__(50_500, T.BOS_ID),
+               "documents in another order": lambda t: t.__setitem__(slice(None), np.roll(t, 1000))}
+    for what, change in changes.items():
+        changed = tokens.copy()
+        change(changed)
+        assert not np.array_equal(changed, tokens), what
+        assert fingerprint_of(write_shard(tmp_path / "t_train_000001.bin", changed)) != fingerprint, what
+
+
 # -----------------------------------------------------------------------------
 # Refusals, before anything is written
 

@@ -1,13 +1,15 @@
 """End-to-end runs of train_gpt.py on CPU: the smoke preset, world-size invariance, bad input."""
 
+import contextlib
 import errno
+import io
 import os
 import re
 
 import pytest
 
 import train_gpt as T
-from conftest import TRAIN, one_line_error, python, run_main, val_losses
+from conftest import REPO, TRAIN, one_line_error, python, run_main, val_losses
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,35 @@ def test_smoke_run_learns_and_writes_a_complete_log(smoke_run):
 def test_missing_shards(tmp_path):
     proc = run_main( "--train_files=nowhere/fineweb_train_*.bin", f"--logs_dir={tmp_path}")
     one_line_error(proc, "nowhere/fineweb_train_*.bin", "python data/cached_fineweb10B.py")
+    assert "tokenize_text.py" not in proc.stderr  # the bundled corpus is there: never told to rebuild it
     assert not list(tmp_path.iterdir()), "bad input must not leave a log behind"
+
+
+def main_in(folder, *argv):
+    """train_gpt.main(argv) in this process, with `folder` as the working directory."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(folder), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = T.main([str(a) for a in argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_the_smoke_preset_finds_its_bundled_corpus_from_another_directory(tmp_path):
+    code, _, err = main_in(tmp_path, "--preset=smoke", "--num_iterations=2", "--extension_steps=1",
+                           "--val_loss_every=0", "--batch_tokens=256", "--micro_batch_tokens=256", "--val_tokens=1024",
+                           "--warmup_steps=0", "--logs_dir=logs", "--run_id=elsewhere")
+    assert code == 0, err
+    log = (tmp_path / "logs/elsewhere.txt").read_text()
+    assert (f"data: --train_files=data/shakespeare/shakespeare_train_*.bin and --val_files=data/shakespeare/"
+            f"shakespeare_val_*.bin matched nothing under the working directory; read relative to {REPO}\n") in log
+
+
+def test_missing_shards_from_another_directory_say_where_they_were_looked_for(tmp_path):
+    code, _, err = main_in(tmp_path, "--train_files=data/fineweb10B/fineweb_train_*.bin", "--logs_dir=logs")
+    assert code == 2 and err.count("\n") == 1, err
+    assert (f"no training shards match 'data/fineweb10B/fineweb_train_*.bin' (looked under the working directory "
+            f"{tmp_path.resolve()} and under {REPO}): fetch FineWeb with `python data/cached_fineweb10B.py` in {REPO}; "
+            f"the smoke preset (--preset=smoke) trains on the bundled corpus in {REPO}/data/shakespeare") in err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_corrupt_shard(tmp_path):
