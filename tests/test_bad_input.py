@@ -30,8 +30,8 @@ from conftest import REPO, one_line_error, random_model, run_main, torchrun
 TRAIN = REPO / "train_gpt.py"
 # The smoke model, one micro-batch of 256 tokens a step and one 1,024-token validation sequence: the
 # smallest run that still trains, validates and checkpoints through the real code.
-TINY = ["--preset=smoke", "--num_iterations=2", "--extension_steps=1", "--val_loss_every=0", "--batch_tokens=256",
-        "--micro_batch_tokens=256", "--val_tokens=1024", "--warmup_steps=0"]
+TINY = ["--preset=smoke", "--num_iterations=2", "--extension_steps=1", "--val_loss_every=0",
+        "--stage_batch_tokens=256,256,256", "--micro_batches=1", "--val_tokens=1024", "--warmup_steps=0"]
 
 
 def one_line(proc, code: int, *fragments) -> str:
@@ -49,13 +49,13 @@ def one_line(proc, code: int, *fragments) -> str:
 
 FLAG_CASES = [
     # (flags, fragments of the error line)
-    (["--embed_lr=-0.1"], ["--embed_lr=-0.1: must be a finite number >= 0"]),
+    (["--adam_lr=-0.1"], ["--adam_lr=-0.1: must be a finite number >= 0"]),
     (["--muon_lr=nan"], ["--muon_lr=nan"]),
-    (["--head_lr=inf"], ["--head_lr=inf"]),
+    (["--adam_weight_decay=inf"], ["--adam_weight_decay=inf"]),
     (["--muon_weight_decay=-1"], ["--muon_weight_decay=-1.0"]),
     (["--final_lr_frac=-0.5"], ["--final_lr_frac=-0.5"]),
-    (["--adam_beta1=1"], ["--adam_beta1=1.0: must be in [0, 1)"]),
-    (["--adam_beta2=1.5"], ["--adam_beta2=1.5"]),
+    (["--muon_momentum_start=1"], ["--muon_momentum_start=1.0: must be in [0, 1)"]),
+    (["--stage_lr=1,nan,2"], ["--stage_lr=1,nan,2: expected finite numbers >= 0"]),
     (["--muon_beta2=-0.1"], ["--muon_beta2=-0.1"]),
     (["--muon_momentum_end=1"], ["--muon_momentum_end=1.0"]),
     (["--adam_eps=0"], ["--adam_eps=0.0: must be a finite number > 0"]),
@@ -70,10 +70,12 @@ FLAG_CASES = [
     (["--run_id=.."], ["--run_id=..: must be a plain name"]),
     (["--run_id=" + "x" * 201], ["must be a plain name of at most 200"]),
     (["--num_iterations=0"], ["--num_iterations=0: must be positive"]),
-    (["--batch_tokens=1000"], ["--batch_tokens=1000 must be a multiple of --micro_batch_tokens=256"]),
+    (["--stage_batch_tokens=1000,2048,3072"], ["--stage_batch_tokens=1000,2048,3072: each batch must split into "
+                                               "--micro_batches=1 micro-batches of a multiple of --window_block=64"]),
     (["--preset=nope"], ["--preset=nope: unknown preset"]),
     (["--val_seq_len=1048576", "--val_tokens=1048576"], ["--attention=sdpa: the dense attention mask of a "
-                                                         "1,048,576-token sequence takes at least 9,216 GiB to build"]),
+                                                         "2,097,152-position sequence takes at least 36,864 GiB to "
+                                                         "build"]),
     (["--synthetic=true", "--vocab_size=1000"], ["--vocab_size=1000: --synthetic=true documents start with "
                                                  "<|endoftext|>, token 50256"]),
     # a training shard that is also a validation shard, named directly, by a glob, or by another spelling
@@ -105,10 +107,10 @@ def checkpoint(tmp_path_factory):
     model = T.build_model(args, env)
     optimizers = T.build_optimizers(model, args)
     loader = T.TrainLoader(args, env)
+    schedule = T.Schedule(args)
     for step in range(2):
-        T.set_schedules(step, optimizers, args)
-        windows = T.layer_windows(args, T.attention_windows(step, args))
-        T.train_step(model, optimizers, loader.next_batch(), windows, step, args, use_flex=False)
+        T.set_schedules(step, optimizers, schedule, args)
+        T.train_step(model, optimizers, loader.next_batch(step), step, schedule, args, use_flex=False)
     return T.save_checkpoint(2, 1234.0, model, optimizers, loader, args, env, TRAIN.read_text(), "base")
 
 
@@ -459,15 +461,12 @@ def test_a_real_write_error_during_a_checkpoint_ends_the_run_in_one_line(tmp_pat
 # -----------------------------------------------------------------------------
 # Start-up cost does not grow with num_iterations
 
-def test_window_spans_count_the_steps_of_each_window():
-    for flags in (["--num_iterations=30", "--extension_steps=2"], ["--num_iterations=7", "--extension_steps=0"],
-                  ["--num_iterations=2245", "--extension_steps=40", "--window_schedule=3,3,7,11,13"],
-                  ["--num_iterations=3", "--extension_steps=1", "--window_schedule=3,7,11"]):
-        args = T.parse_args(["--preset=smoke", *flags], False)
-        stages = [T.window_stage(step, args) for step in range(args.num_iterations)]
-        expected = [(stages.index(s), stages.count(s)) if s in stages else (None, 0)
-                    for s in range(len(T.int_list(args, "window_schedule")) + 1)]
-        assert [(first if count else None, count) for first, count in T.window_spans(args)] == expected
+def test_the_schedule_is_derived_without_visiting_every_step(monkeypatch):
+    budget = CallBudget(T.Schedule.stage, 10_000)
+    monkeypatch.setattr(T.Schedule, "stage", lambda self, step: budget(self, step))
+    schedule = T.Schedule(T.parse_args(["--preset=speedrun", "--num_iterations=1000000000000"], True))
+    assert [stage.start for stage in schedule.stages] == [0, 333333333328, 666666666657, 999999999985]
+    assert schedule.untie_step == 666666666657
 
 
 class CallBudget:
@@ -485,14 +484,14 @@ class CallBudget:
 def test_the_flops_average_does_not_visit_every_step(monkeypatch):
     args = T.parse_args(["--preset=smoke", "--num_iterations=1000000000000", "--vocab_size=512"], False)
     model = T.GPT(args)
-    tokens = torch.randint(0, 512, (args.micro_batch_tokens,))
-    monkeypatch.setattr(T, "attention_windows", CallBudget(T.attention_windows, 10_000))
-    if hasattr(T, "window_stage"):
-        monkeypatch.setattr(T, "window_stage", CallBudget(T.window_stage, 10_000))
+    tokens = torch.randint(0, 512, (256,))
+    budget = CallBudget(T.Schedule.stage, 10_000)
+    monkeypatch.setattr(T.Schedule, "stage", lambda self, step: budget(self, step))
     flops = T.schedule_flops_per_token(args, model, tokens)
-    # the extension's windows for 40 of 10^12 steps do not move the average: it is the schedule's
-    per_stage = [T.model_flops_per_token(args, model, tokens, T.layer_windows(args, (w // 2, w))) for w in (2, 4, 6)]
-    assert flops == pytest.approx(sum(per_stage) / 3, rel=1e-9)
+    # the extension's 3 of 10^12 steps do not move the average: it is the three stages', weighted by their
+    # tokens (equal lengths; batches of 1, 2 and 3 thousand tokens)
+    per_stage = [T.model_flops_per_token(args, model, tokens, w) for w in ((1, 2), (2, 4), (3, 6))]
+    assert flops == pytest.approx((1 * per_stage[0] + 2 * per_stage[1] + 3 * per_stage[2]) / 6, rel=1e-9)
 
 
 def test_a_run_of_10_to_the_8_steps_starts_at_once(tmp_path, monkeypatch):
@@ -500,7 +499,8 @@ def test_a_run_of_10_to_the_8_steps_starts_at_once(tmp_path, monkeypatch):
         raise T.TrainingError("stopped by the test at the first step")
 
     monkeypatch.setattr(T, "train_step", stop)
-    monkeypatch.setattr(T, "attention_windows", CallBudget(T.attention_windows, 10_000))
+    budget = CallBudget(T.Schedule.stage, 10_000)
+    monkeypatch.setattr(T.Schedule, "stage", lambda self, step: budget(self, step))
     # (--repeat_data: the bundled shard supplies 680 of these steps; the run would start over from it)
     proc = run_main(*TINY, "--num_iterations=100000000", "--repeat_data=true", f"--logs_dir={tmp_path}",
                     "--run_id=long")
@@ -516,8 +516,8 @@ def test_a_config_error_under_torchrun(tmp_path):
     proc = torchrun(TRAIN, 3, f"--logs_dir={tmp_path}", check=False, timeout=300)
     message = "error: world size 3 cannot split the batch"
     assert [line for line in proc.stderr.splitlines() if line.startswith("error")] == [
-        message + ": --batch_tokens=2048 is 4 micro-batches of --micro_batch_tokens=512, not a multiple of 3 "
-                  "(a smaller --micro_batch_tokens makes more)"], proc.stderr[-3000:]
+        message + ": a step is --micro_batches=4 micro-batches, not a multiple of 3 (a larger --micro_batches "
+                  "makes more, each smaller)"], proc.stderr[-3000:]
     # torchrun itself always exits 1 when a rank fails, and stops the others (SIGTERM, exit code -15)
     # as soon as the first has exited: its summary has each rank's own exit code, and the first
     # failure's error file, our line
@@ -603,13 +603,13 @@ SAMPLE_CASES = [
      ['config.json: not train_gpt.py\'s final-weights config ("config" lacks logit_cap, vocab_size, needed to '
       'rebuild the model)']),
     ("weights of another width", edit_config(with_config_field("model_dim", 32)), ["--prompt=x"],
-     ["model.pt: cannot load these weights into the model of config.json (", "shape mismatch(es): embed.weight: "
-      "checkpoint (50304, 64), model (50304, 32); value_embeds.0.weight: checkpoint (50304, 64), model (50304, 32)"]),
-    ("a weight of another shape", edit_weights(add={"blocks.1.attn.qkvo": torch.zeros(4, 32, 32)}), ["--prompt=x"],
-     ["(1 shape mismatch(es): blocks.1.attn.qkvo: checkpoint (4, 32, 32), model (4, 64, 64))"]),
+     ["model.pt: cannot load these weights into the model of config.json (", "shape mismatch(es): lm_head: "
+      "checkpoint (64, 50304), model (32, 50304); value_embeds: checkpoint (201216, 64), model (201216, 32)"]),
+    ("a weight of another shape", edit_weights(add={"blocks.1.attn.qk": torch.zeros(4, 32, 32)}), ["--prompt=x"],
+     ["(1 shape mismatch(es): blocks.1.attn.qk: checkpoint (4, 32, 32), model (4, 32, 64))"]),
     ("a weight missing, one extra",
-     edit_weights(drop=["blocks.1.attn.qkvo"], add={"blocks.9.mlp.fc.weight": torch.zeros(1)}), ["--prompt=x"],
-     ["(1 missing key(s): blocks.1.attn.qkvo; 1 unexpected key(s): blocks.9.mlp.fc.weight)"]),
+     edit_weights(drop=["blocks.1.attn.qk"], add={"blocks.9.mlp.fc": torch.zeros(1)}), ["--prompt=x"],
+     ["(1 missing key(s): blocks.1.attn.qk; 1 unexpected key(s): blocks.9.mlp.fc)"]),
     ("hellaswag data a directory", None, ["--eval=hellaswag", f"--data={REPO / 'data'}"],
      [f"{REPO / 'data'}: a directory, not a HellaSwag .jsonl file"]),
 ]
@@ -660,16 +660,16 @@ def test_a_tiny_temperature_samples_greedily():
 
 def positions_model(train_max_seq_len: int, positions: int):
     """A random smoke model whose rotary tables hold `positions` (its micro-batch and validation length)."""
-    args = T.parse_args(["--preset=smoke", "--window_block=16", "--window_schedule=1,2", "--window_extension=3",
-                         "--window_final_val=4", f"--micro_batch_tokens={positions}", f"--batch_tokens={4 * positions}",
-                         f"--val_seq_len={positions}", f"--val_tokens={4 * positions}",
-                         f"--train_max_seq_len={train_max_seq_len}"], False)
+    batch, cap = ",".join([str(4 * positions)] * 3), ",".join([str(train_max_seq_len)] * 3)
+    args = T.parse_args(["--preset=smoke", "--window_block=16", "--stage_windows=1:1,1:2,1:2", "--extension_windows=1:3",
+                         "--final_val_window=4", f"--stage_batch_tokens={batch}", f"--val_seq_len={positions}",
+                         f"--val_tokens={4 * positions}", f"--stage_max_seq_len={cap}", "--dc_window=16"], False)
     torch.manual_seed(0)
     model = T.GPT(args)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
-        model.head.lm_head.weight[T.BOS_ID] = 0  # a middling logit: generation never ends on <|endoftext|>
+        model.lm_head[:, T.BOS_ID] = 0  # a middling logit: generation never ends on <|endoftext|>
     model.rotary.set_window(3)
     return model.eval(), args, {"windows": [1, 4]}
 
