@@ -2007,12 +2007,12 @@ class DocumentPieces:
             micro_batches.append(chunk)
         return micro_batches, first
 
-    def count_steps(self, first_step: int, schedule: Schedule, limit: int) -> int:
+    def count_steps(self, first_step: int, schedule: Schedule) -> int:
         """How many steps take_step gives from the first piece, the first being step first_step of the
-        schedule (each step's micro-batch size and max_seq_len are its stage's), at most `limit`: the same
-        walk over the pieces, without copying tokens."""
+        schedule (each step's micro-batch size and max_seq_len are its stage's; steps past the end of the
+        run, the extension's): the same walk over the pieces, without copying tokens."""
         steps, first = 0, 0
-        while steps < limit:
+        while True:
             step = first_step + steps
             for _ in range(schedule.micro_batches):
                 last = self._last_piece(first, schedule.micro_tokens(step) + 1, schedule.stage(step).max_seq_len)
@@ -2020,7 +2020,6 @@ class DocumentPieces:
                     return steps
                 first = last + 1
             steps += 1
-        return steps
 
 
 def rank_micro_batches(micro_batches: list[np.ndarray], env: DistEnv) -> list[tuple[Tensor, Tensor]]:
@@ -2093,8 +2092,7 @@ def scan_shard(path: Path, args: Hyperparameters) -> ShardScan:
 
 def count_shard_steps(scan: ShardScan, first_step: int, args: Hyperparameters, schedule: Schedule) -> ShardScan:
     scan.first_step = first_step
-    scan.steps = DocumentPieces(read_shard(scan.path), scan.starts).count_steps(
-        first_step, schedule, max(args.num_iterations - first_step, 1))
+    scan.steps = DocumentPieces(read_shard(scan.path), scan.starts).count_steps(first_step, schedule)
     if not scan.steps:
         stage = schedule.stage(first_step)
         raise DataError(f"{scan.path}: its documents cannot fill one step of {schedule.micro_batches} x "
@@ -2184,7 +2182,7 @@ class TrainLoader:
     def report(self) -> list[str]:
         """The log's account of the data: one line, and notes where the run repeats or skips much."""
         tokens = sum(scan.num_tokens for scan in self.scans)
-        used = sum(step_tokens(step, self.schedule) for step in range(min(self.supplied, self.needed)))
+        used = sum(step_tokens(step, self.schedule) for step in range(self.supplied))
         lines = [f"data: {len(self.scans)} training shard(s) supply {self.supplied:,} steps, the run needs "
                  f"{self.needed:,}; the steps use {used / tokens:.1%} of their {tokens:,} tokens"
                  + (f" ({self.unread} more shard(s) are not needed)" if self.unread else "")]
@@ -2194,7 +2192,7 @@ class TrainLoader:
         def share(scan):
             return sum(step_tokens(s, self.schedule) for s in range(scan.first_step, scan.first_step + scan.steps)) \
                 / scan.num_tokens
-        sparse = [scan for scan in self.scans if share(scan) < 0.5 and scan.first_step + scan.steps < self.needed]
+        sparse = [scan for scan in self.scans if share(scan) < 0.5]
         if sparse:
             worst = min(sparse, key=share)
             stage = self.schedule.stage(worst.first_step)

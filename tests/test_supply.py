@@ -40,8 +40,16 @@ def write_shard(path, tokens):
 def args_for(tmp_path, *flags):
     """Sequences like the speedrun's (documents cut at 2,048 tokens), in steps of 2 x 4,096 tokens so
     that shards of some 100k tokens supply a dozen steps each."""
-    return T.parse_args(["--preset=smoke", f"--train_files={tmp_path}/t_train_*.bin", "--train_max_seq_len=2048",
-                         "--micro_batch_tokens=4096", "--batch_tokens=8192", *flags], False)
+    return T.parse_args(["--preset=smoke", f"--train_files={tmp_path}/t_train_*.bin", *SAME_STAGES, *flags], False)
+
+
+# every stage the same: steps of 2 micro-batches of 4,096 tokens, documents cut at 2,048
+SAME_STAGES = ["--stage_max_seq_len=2048,2048,2048", "--stage_batch_tokens=8192,8192,8192", "--micro_batches=2"]
+
+
+def counted_steps(path, args) -> int:
+    """The steps the start-up scan counts in one shard reached at step 0."""
+    return T.count_shard_steps(T.scan_shard(path, args), 0, args, T.Schedule(args)).steps
 
 
 # -----------------------------------------------------------------------------
@@ -57,7 +65,7 @@ def args_for(tmp_path, *flags):
 def test_the_count_of_steps_agrees_with_a_count_by_hand(tmp_path, length, expected_steps):
     write_shard(tmp_path / "t_train_000001.bin", documents([length] * 40))
     scan = T.scan_shard(tmp_path / "t_train_000001.bin", args_for(tmp_path))
-    assert scan.steps == expected_steps
+    assert counted_steps(tmp_path / "t_train_000001.bin", args_for(tmp_path)) == expected_steps
     assert scan.num_tokens == 40 * length and np.array_equal(scan.starts, np.arange(40) * length)
 
 
@@ -72,15 +80,15 @@ def test_the_supply_count_is_the_number_of_steps_the_loader_delivers(tmp_path):
     counted = [scan.steps for scan in loader.scans]
     assert len(counted) == 3 and min(counted) > 5, counted  # every shard scanned, each supplies several steps
 
-    first_batch = loader.next_batch()
+    first_batch = loader.next_batch(0)
     delivered = [0, 0, 0]
     delivered[loader.file_index] += 1
-    for _ in range(sum(counted) - 1):
-        loader.next_batch()
+    for step in range(1, sum(counted)):
+        loader.next_batch(step)
         assert not loader.started_over
         delivered[loader.file_index] += 1
     assert delivered == counted
-    again = loader.next_batch()
+    again = loader.next_batch(sum(counted))
     assert loader.started_over and loader.file_index == 0
     assert all(torch.equal(a[0], b[0]) for a, b in zip(again, first_batch))
 
@@ -102,28 +110,28 @@ def test_the_scan_reads_only_the_shards_the_run_needs(tmp_path):
 
 
 def test_a_shard_whose_documents_cannot_fill_a_step_names_the_remedy(tmp_path):
-    # Three books as three documents: the smoke preset's micro-batch of 513 tokens takes one piece and a
-    # token of the next, so they fill one micro-batch, not the four of a step.
+    # Three books as three documents: the smoke preset's first micro-batches of 257 tokens take one piece (a
+    # document's first 256 tokens) and a token of the next, so they fill one micro-batch, not the four of a step.
     write_shard(tmp_path / "t_train_000001.bin", documents([5000] * 3))
     args = T.parse_args(["--preset=smoke", f"--train_files={tmp_path}/t_train_*.bin"], False)
     with pytest.raises(T.DataError) as error:
         T.TrainLoader(args, CPU)
     message = str(error.value)
-    assert message.startswith(f"{tmp_path}/t_train_000001.bin: its documents cannot fill one step of 4 x 513 tokens")
-    assert "--train_max_seq_len" in message and "data/tokenize_text.py" in message and "--max-doc-tokens" in message
+    assert message.startswith(f"{tmp_path}/t_train_000001.bin: its documents cannot fill one step of 4 x 257 tokens")
+    assert "--stage_max_seq_len" in message and "data/tokenize_text.py" in message and "--max-doc-tokens" in message
 
 
 def test_the_log_notes_a_shard_of_which_the_steps_use_less_than_half(tmp_path):
     # 5,000-token documents: a micro-batch of 4,097 takes 2,048 + 2,048 + 1 tokens of three of them, so
     # 60 documents give 10 steps of 8,194 tokens: 27% of 300,000
     write_shard(tmp_path / "t_train_000001.bin", documents([5000] * 60))
-    report = T.TrainLoader(args_for(tmp_path, "--num_iterations=3"), CPU).report()
+    report = T.TrainLoader(args_for(tmp_path, "--num_iterations=3", "--extension_steps=1"), CPU).report()
     assert len(report) == 2 and report[1].startswith(
         f"note: the steps use less than half of the tokens of 1 shard(s) ({tmp_path}/t_train_000001.bin: 27%)")
     assert report[1].endswith("documents of at most 1024 tokens (data/tokenize_text.py --max-doc-tokens=1024) "
                               "would use most of them")
     write_shard(tmp_path / "t_train_000001.bin", documents([1000] * 300))
-    assert len(T.TrainLoader(args_for(tmp_path, "--num_iterations=3"), CPU).report()) == 1
+    assert len(T.TrainLoader(args_for(tmp_path, "--num_iterations=3", "--extension_steps=1"), CPU).report()) == 1
 
 
 def test_the_fingerprint_tells_a_changed_shard_from_the_same_one_moved(tmp_path):
@@ -159,8 +167,8 @@ def test_a_run_the_shards_cannot_supply_is_refused_with_the_fix(tmp_path):
     for i in (1, 2):
         write_shard(tmp_path / f"t_train_{i:06d}.bin", documents([1000] * 100, seed=i))
     logs = tmp_path / "logs"
-    proc = run_main(f"--train_files={tmp_path}/t_train_*.bin", "--train_max_seq_len=2048",
-                    "--micro_batch_tokens=4096", "--batch_tokens=8192", "--num_iterations=100", f"--logs_dir={logs}")
+    proc = run_main(f"--train_files={tmp_path}/t_train_*.bin", *SAME_STAGES, "--num_iterations=100",
+                    f"--logs_dir={logs}")
     line = one_line_error(proc, f"--train_files={tmp_path}/t_train_*.bin: its 2 shard(s) supply 20 steps "
                                 "(10 per shard) but the run needs 100: about 10 shards like these would")
     assert "`python data/cached_fineweb10B.py 11`" in line and "--repeat_data=true" in line
@@ -174,7 +182,8 @@ def test_repeat_data_logs_every_time_the_data_starts_over(tmp_path):
     # that show a wrap repeats, and the smallest model run that has them).
     write_shard(tmp_path / "t_train_000001.bin", documents([100] * 7))
     logs = tmp_path / "logs"
-    proc = run_main(f"--train_files={tmp_path}/t_train_*.bin", "--batch_tokens=512", "--num_iterations=3",
+    proc = run_main(f"--train_files={tmp_path}/t_train_*.bin", "--stage_batch_tokens=512,512,512", "--micro_batches=1",
+                    "--num_iterations=3", "--extension_steps=1",
                     "--warmup_steps=0", "--val_loss_every=0", "--val_tokens=1024", "--repeat_data=true",
                     f"--logs_dir={logs}", "--run_id=r")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -260,18 +269,20 @@ def few_books(tmp_path_factory):
 
 
 def share_used(folder, *flags) -> float:
-    """The share of the training tokens the steps use, as the trainer's start-up scan counts it."""
-    args = T.parse_args([*flags, f"--train_files={folder}/*_train_*.bin", "--num_iterations=1",
-                         "--extension_steps=0"], False)
+    """The share of the training tokens the steps use, as the trainer's start-up scan counts it: every step
+    the shards supply under the flags' schedule."""
+    args = T.parse_args([*flags, f"--train_files={folder}/*_train_*.bin", "--num_iterations=100000",
+                         "--repeat_data=true"], False)
     loader = T.TrainLoader(args, CPU)
-    step_tokens = args.batch_tokens // args.micro_batch_tokens * (args.micro_batch_tokens + 1)
-    return loader.supplied * step_tokens / sum(scan.num_tokens for scan in loader.scans)
+    used = sum(T.step_tokens(step, loader.schedule) for step in range(loader.supplied))
+    return used / sum(scan.num_tokens for scan in loader.scans)
 
 
 def test_a_few_books_use_nearly_all_their_tokens_at_the_speedrun_sequence_lengths(few_books):
-    # The speedrun's sequences: micro-batches of 32,768 tokens, documents cut at 2,048. One micro-batch
-    # per step (--batch_tokens=32768) so that 590k tokens make 17 steps rather than two.
-    speedrun = ["--preset=speedrun", "--batch_tokens=32768"]
+    # The speedrun's second-stage sequences: micro-batches of 32,768 tokens, documents cut at 2,048. One
+    # micro-batch per step so that 590k tokens make 17 steps rather than two.
+    speedrun = ["--preset=speedrun", "--stage_batch_tokens=32768,32768,32768", "--micro_batches=1",
+                "--stage_max_seq_len=2048,2048,2048"]
     assert share_used(few_books / "split", *speedrun) >= 0.90
     # Whole books: each gives its first 2,048 tokens, and they cannot fill a micro-batch of 32,769
     with pytest.raises(T.DataError, match="cannot fill one step"):
@@ -292,7 +303,7 @@ def test_a_few_books_train_with_the_default_commands(few_books, tmp_path):
     folder = few_books / "split"
     proc = run_main(f"--train_files={folder}/split_train_*.bin", f"--val_files={folder}/split_val_*.bin",
                     "--num_iterations=4", "--val_loss_every=4", "--warmup_steps=0", "--val_tokens=2048",
-                    "--batch_tokens=1024",
+                    "--stage_batch_tokens=1024,1024,1024",
                     f"--logs_dir={tmp_path}", "--run_id=books")
     assert proc.returncode == 0, proc.stderr[-2000:]
     log = (tmp_path / "books.txt").read_text()
