@@ -570,7 +570,7 @@ def test_shakespeare_documents_are_scenes_and_poem_pieces():
 # cached_fineweb10B.py
 
 def test_default_shard_count_covers_the_speedrun():
-    # record #44's 9 and a spare; train_gpt.py counts what they supply (tests/test_supply.py)
+    # the public repository's 9 and a spare; train_gpt.py counts what they supply (tests/test_supply.py)
     assert cached_fineweb10B.DEFAULT_TRAIN_SHARDS == 10
     assert cached_fineweb10B.SPEEDRUN_STEPS == train_gpt.Hyperparameters().num_iterations
     assert cached_fineweb10B.shard_names(2) == [

@@ -31,8 +31,8 @@ def test_mismatched_checkpoints_are_refused(short_run, tmp_path):
     checkpoint = short_run(1).checkpoint(2)
     common = [*SHORT, f"--logs_dir={tmp_path}/logs"]
     # another config
-    refused(train_at(1, *common, "--embed_lr=0.5", f"--resume={checkpoint}", check=False),
-            "config differs in embed_lr", "--force_resume")
+    refused(train_at(1, *common, "--adam_lr=0.5", f"--resume={checkpoint}", check=False),
+            "config differs in adam_lr", "--force_resume")
     # not a checkpoint at all
     refused(train_at(1, *common, f"--resume={tmp_path}", check=False), "not a complete checkpoint")
 
@@ -235,7 +235,7 @@ def test_sigterm_outside_torchrun_says_so_and_leaves_no_empty_folders(tmp_path, 
     real_step = T.train_step
 
     def train_step(*args, **kwargs):
-        if args[4] == 1:  # the step counter: SIGTERM once step 1 is done
+        if args[3] == 1:  # the step counter: SIGTERM once step 1 is done
             os.kill(os.getpid(), signal.SIGTERM)
         return real_step(*args, **kwargs)
 

@@ -59,7 +59,7 @@ def main_in(folder, *argv):
 
 def test_the_smoke_preset_finds_its_bundled_corpus_from_another_directory(tmp_path):
     code, _, err = main_in(tmp_path, "--preset=smoke", "--num_iterations=2", "--extension_steps=1",
-                           "--val_loss_every=0", "--batch_tokens=256", "--micro_batch_tokens=256", "--val_tokens=1024",
+                           "--val_loss_every=0", "--stage_batch_tokens=256,256,256", "--micro_batches=1", "--val_tokens=1024",
                            "--warmup_steps=0", "--logs_dir=logs", "--run_id=elsewhere")
     assert code == 0, err
     log = (tmp_path / "logs/elsewhere.txt").read_text()
