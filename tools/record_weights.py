@@ -3,6 +3,9 @@
     python tools/record_weights.py to-ours state_step001290.pt ck/record85/final   # sample.py / --init_from
     python tools/record_weights.py to-record ck/run/final record_state.pt           # load into the record's GPT
 
+to-ours builds the speedrun preset's model; train_gpt.py flags after `--` change that (the same architecture
+at another size, e.g. in the tests).
+
 In Python, record_to_ours(state) and ours_to_record(state) convert state dicts (tensors are shared, not
 copied). The record keeps its attention and MLP matrices in banks padded for 8 ranks (qk_bank: 6 head-pair
 blocks per attention layer, 60 used of 64; vo_bank: value and output per attention layer, 20 of 24;
@@ -191,10 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     to_record = sub.add_parser("to-record", help="a final-weights folder -> the record's state dict (.pt)")
     to_record.add_argument("folder")
     to_record.add_argument("out")
-    options = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    flags = argv[argv.index("--") + 1:] if "--" in argv else []
+    options = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     try:
         if options.command == "to-ours":
-            args = speedrun_args()
+            args = T.parse_args(["--preset=speedrun", *flags], cuda_available=True)
             state = record_to_ours(load_state(Path(options.state), options.trust), args, options.step)
             step = args.num_iterations if options.step is None else options.step
             write_final_folder(state, args, Path(options.out), step, str(options.state))
