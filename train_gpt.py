@@ -189,12 +189,13 @@ PRESETS: dict[str, dict] = {
         num_iterations=30, extension_steps=3,
         stage_batch_tokens="1024,2048,3072", micro_batches=4, stage_max_seq_len="256,512,512",
         stage_windows="1:2,2:4,3:6", extension_windows="3:7", final_val_window=10, window_block=64,
-        num_layers=6, model_dim=64, head_dim=16, bigram_vocab_size=20_000, bigram_sign_rows=1024,
+        stage_mtp_weights="1,0.5>1,0/1>1/1>1", cooldown_frac=0.3, adam_lr=0.04, muon_lr=0.04,
+        num_layers=6, model_dim=64, head_dim=16, bigram_vocab_size=50_000, bigram_sign_rows=1024,
         no_attention_layers="3", paired_layers="0,4", long_window_layers="1,5", xsa_layers="1,2",
         attn_gate_layers="1,5", dc_layers="5", dc_window=56, value_embed_layers="1,2,4,5", skip_layers="1:3",
         shared_input_layer=2, mudd_gate_layer=2,
         muon_momentum_warmup=10, muon_momentum_cooldown=4,
-        compile=False, val_loss_every=10, train_loss_every=10,
+        compile=False, warmup_steps=0, val_loss_every=10, train_loss_every=10,  # on CPU nothing compiles
     ),
 }
 
@@ -1107,9 +1108,27 @@ class MLP(nn.Module):
         return F.relu(F.linear(x, self.fc.type_as(x))).square() @ self.proj.type_as(x)
 
 
+@dataclass
+class LayerInputs:
+    """What every layer reads besides the stream: the embedding's normed state x0, the bigram injection,
+    the value-embedding rows of each table (tables, T, dim), the per-token gates by name (GateLayout), the
+    states MUDD and the skip read (0: the stream's start; the skip source; the shared-input layer; "last":
+    the MUDD layer's input), the rotary module and the masks."""
+    x0: Tensor
+    x0_bigram: Tensor
+    ve: Tensor
+    gates: dict
+    saved: dict
+    masks: Masks
+    windows: tuple
+
+
 class Block(nn.Module):
     """One layer: attention (or, at the skip target, the gated skip) then the MLP, each added to the
-    stream with the layer's residual and post lambdas; the MUDD layer's mixing is GPT.mudd_layer's."""
+    stream with the layer's residual and post lambdas, with the x0 and bigram injections; the MUDD layer
+    (mu: its MUDD net's 14 coefficients) mixes earlier states around both. On CUDA each block is compiled
+    on its own: one graph per kind of layer and sequence length, and the gradient hooks of its parameters
+    fire as soon as its backward is done."""
 
     def __init__(self, plan: LayerPlan, args: Hyperparameters, mlp_precision: str):
         super().__init__()
@@ -1117,6 +1136,41 @@ class Block(nn.Module):
         self.attn = (CausalSelfAttention(plan, args.model_dim, args.head_dim, args.dc_window, args.window_block)
                      if plan.attention else None)
         self.mlp = MLP(args.model_dim, args.mlp_ratio, mlp_precision)
+
+    def forward(self, x: Tensor, inputs: LayerInputs, rotary: Rotary, lambdas: Tensor, resid: Tensor, post: Tensor,
+                ve_gate: Tensor | None, skip: Tensor | None, mu: tuple | None, skip_from: int, shared_layer: int,
+                cache: AttentionCache | None = None) -> Tensor:
+        plan, i, saved, gates = self.plan, self.plan.index, inputs.saved, inputs.gates
+        B, T, dim = x.shape
+        if plan.skip_target:
+            x = x + torch.sigmoid(skip) * gates[("skip",)] * saved[skip_from]
+        else:
+            attn_in = norm(saved[shared_layer] if plan.shared_input else x)
+            H = self.attn.num_heads
+            table = inputs.ve[plan.value_embed].view(1, T, H, -1) if plan.value_embed is not None else None
+            if mu is not None:  # the MUDD layer
+                shared = saved[shared_layer]
+                v_mudd = (mu[0] * saved[0] + mu[1] * shared + mu[2] * x).view(1, T, H, -1)
+                x = (1 + mu[5]) * x + mu[3] * saved[0] + mu[4] * shared
+                gate = torch.cat([mu[6], mu[7]], dim=-1).repeat_interleave(H // 2, dim=-1).unsqueeze(-1)
+                aux_v = (gate * table + v_mudd).view(1, T, -1)
+            elif table is not None:
+                gate_in = torch.cat([attn_in[..., :VE_GATE_CHANNELS], table.view(1, T, -1)[..., :VE_GATE_CHANNELS]],
+                                    dim=-1)
+                aux_v = (2 * torch.sigmoid(F.linear(gate_in, ve_gate)).view(1, T, H, 1) * table).view(1, T, -1)
+            else:
+                aux_v = None
+            dc_w = (gates[("dc_w1", i)], gates[("dc_w2", i)]) if plan.dc else None
+            attn_out = self.attn(attn_in, lambdas, aux_v, inputs.masks, rotary, inputs.windows,
+                                 gates.get(("xsa", i)), gates.get(("attn", i)), dc_w, cache)
+            if mu is not None:
+                x = mu[8] * x + mu[9] * attn_out + saved[0] * mu[10] + inputs.x0_bigram * mu[11]
+            else:
+                x = resid[0] * x + post[0] * attn_out + inputs.x0 * gates[("x0", i)]
+                if i != 0:  # layer 0's bigram injection came before the first layer
+                    x = x + inputs.x0_bigram * gates[("bigram", i)]
+        mlp_out = self.mlp(norm(x))
+        return mu[12] * x + mu[13] * mlp_out if mu is not None else resid[1] * x + post[1] * mlp_out
 
 
 class SoftcappedMTPLoss(torch.autograd.Function):
@@ -1134,7 +1188,8 @@ class SoftcappedMTPLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, targets: Tensor, mtp_weights: Tensor, loss_scale: float,
-                fp8: bool, cap: tuple, chunk: int) -> Tensor:
+                fp8: bool, cap: tuple, chunk: int, chunk_fn=None) -> Tensor:
+        chunk_fn = chunk_fn or mtp_chunk
         A, shift, width = cap
         T, n_predict = x.size(0), mtp_weights.numel()
         grad_x = torch.empty_like(x)
@@ -1153,17 +1208,8 @@ class SoftcappedMTPLoss(torch.autograd.Function):
                 u = scaled_mm(x8, w8.T.contiguous().T, HEAD_X_SCALE, HEAD_W_SCALE, torch.bfloat16, fast_accum=True)
             else:
                 u = xc @ weight.type_as(xc)
-            s = torch.sigmoid((u.float() + shift) / width)
-            if u.dtype != torch.float32:
-                s = s.to(u.dtype).float()  # the kernel keeps the squashed logits in bf16
-            z = A * s
-            lse = torch.logsumexp(z, dim=-1)
-            valid = tc >= 0
-            z_target = torch.gather(z, 1, tc.clamp(min=0))
-            total += (weights32 * valid * (lse[:, None] - z_target)).sum()
-            g = torch.softmax(z, dim=-1) * weights32.sum()
-            g.scatter_add_(1, tc.clamp(min=0), -(weights32 * valid).expand_as(z_target))
-            g_u = g.mul_(s * (1 - s)).mul_(A / width * loss_scale)
+            chunk_loss, g_u = chunk_fn(u, tc, weights32, A, shift, width, loss_scale)
+            total += chunk_loss
             if fp8:
                 g8 = (g_u / grad_s).to(torch.float8_e5m2)
                 grad_x[lo:lo + chunk] = scaled_mm(g8, w8.T, grad_s, HEAD_W_SCALE, x.dtype)
@@ -1178,7 +1224,29 @@ class SoftcappedMTPLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         grad_x, grad_w = ctx.saved_tensors
-        return grad_x * grad.to(grad_x.dtype), (grad_w * grad).to(ctx.weight_dtype), None, None, None, None, None, None
+        return grad_x * grad.to(grad_x.dtype), (grad_w * grad).to(ctx.weight_dtype), None, None, None, None, None, None, None
+
+
+def mtp_chunk(u: Tensor, targets: Tensor, weights: Tensor, A: float, shift: float, width: float,
+              loss_scale: float) -> tuple[Tensor, Tensor]:
+    """One chunk of SoftcappedMTPLoss: its summed loss and the gradient of its logits u (rows, vocab), given
+    each row's targets for the k offsets (-1: none). The element-wise passes over rows x vocab are what
+    costs here: compile_model fuses them on CUDA; eager, they work in place where they can."""
+    s = u.float() if u.dtype != torch.float32 else u.clone()
+    s.mul_(1 / width).add_(shift / width).sigmoid_()  # the kernel's u / C + B / C
+    if u.dtype != torch.float32:
+        s = s.to(u.dtype).float()  # the kernel keeps the squashed logits in bf16
+    valid = targets >= 0
+    s_target = torch.gather(s, 1, targets.clamp(min=0))
+    e = s.mul(A).exp_()  # z = A * s is below 23: exp(z) cannot overflow, no max to subtract
+    sum_exp = e.sum(dim=-1, keepdim=True)
+    loss = (weights * valid * (sum_exp.log() - A * s_target)).sum()
+    # dL/du = (S_w softmax(z) - the weights of the k whose target is this column) * dz/du,
+    # dz/du = A / width * s (1 - s): S_w keeps every weight, also where a row has fewer targets (the kernel's)
+    scale = A / width * loss_scale
+    g_u = e.mul_((weights.sum() * scale) / sum_exp)
+    g_u.scatter_add_(1, targets.clamp(min=0), -(weights * valid * scale).expand_as(s_target))
+    return loss, g_u.mul_(s.addcmul_(s, s, value=-1))
 
 
 def padded_vocab(vocab_size: int) -> int:
@@ -1292,6 +1360,7 @@ class GPT(nn.Module):
                 nn.init.kaiming_uniform_(w.data[j], a=math.sqrt(5))
         self.blocks = nn.ModuleList(Block(plan, args, mlp_precision) for plan in self.plans)
         self.rotary = Rotary(args.head_dim, max_positions(args), args.window_block, Schedule(args).stages[0].windows[1])
+        self.mtp_chunk = mtp_chunk  # compile_model puts a compiled one here
 
     def _mudd_bias(self) -> Tensor:
         """The last layer's coefficients start where the per-layer values would (the value-embedding gates at
@@ -1334,16 +1403,43 @@ class GPT(nn.Module):
         if separate_documents:
             masks = Masks(masks.by_kind, masks.docs, position == 0, position)
         last_id = caches.last_id if caches is not None and start else None
+        last_embedding = caches.last_embedding if caches is not None and start else None
+        if caches is not None:
+            caches.last_embedding, caches.last_id = self.embed(input_ids[-1:]), input_ids[-1:]
+        x0, x0_bigram, ve, gates = self.stem(input_ids, position, last_id, last_embedding)
+        sa_lambdas = self.scalars[:2 * len(self.plans)].view(-1, 2)
+        resid, post = self.resid_lambdas.bfloat16(), self.post_lambdas.bfloat16()  # as the record, rounded to bf16
+        x = x0 + x0_bigram * gates[("bigram", 0)]
+        saved = {0: x}  # states MUDD mixes in: the stream's start, the skip source, the shared input
+        inputs = LayerInputs(x0, x0_bigram, ve, gates, saved, masks, windows)
+        for plan, block in zip(self.plans, self.blocks):
+            i = plan.index
+            if i == self.mudd_gate_layer:
+                gates.update(self.gates(x, 1))
+            mu = None
+            if plan.mudd:
+                saved["last"] = x
+                mu = self.mudd(x, 0, MUDD_LAYER_COEFS)
+            x = block(x, inputs, self.rotary, sa_lambdas[i], resid[i], post[i],
+                      self.ve_gates[plan.ve_gate] if plan.ve_gate is not None else None,
+                      self.scalars[-1] if plan.skip_target else None, mu, self.skip_from, self.shared_input_layer,
+                      caches.layers[i] if caches is not None else None)
+            if i in (self.skip_from, self.shared_input_layer):
+                saved[i] = x
+        if caches is not None:
+            caches.length += T
+        return self.head_mix(x, saved, ve[0])
+
+    def stem(self, input_ids: Tensor, position: Tensor, last_id: Tensor | None, last_embedding: Tensor | None):
+        """Embedding, smear and x0; the bigram injection; the value-embedding rows; the first gate network's
+        gates. last_id, last_embedding: the token before input_ids[0] and its embedding, when cached."""
         previous = torch.cat([input_ids[:1] if last_id is None else last_id, input_ids[:-1]])
         has_previous = position > 0
         x = self.embed(input_ids)
         # smear: each token's embedding takes a gated share of the previous token's
-        last_embedding = caches.last_embedding if caches is not None and start else None
         previous_x = torch.cat([x[:1] if last_embedding is None else last_embedding, x[:-1]])
         smear = self.scalars[-2] * torch.sigmoid(self.smear_gate(x[:, :GATE_CHANNELS]))
         x = torch.where(has_previous[:, None], x + smear * previous_x, x)
-        if caches is not None:
-            caches.last_embedding, caches.last_id = self.embed(input_ids[-1:]), input_ids[-1:]
         x0 = norm(x)[None]
         # bigram hash embedding, each row's sign flipped by a random table indexed by the bigram
         signs = self.bigram_signs[torch.where(has_previous, torch.remainder(torch.bitwise_xor(previous, input_ids),
@@ -1351,55 +1447,13 @@ class GPT(nn.Module):
         hashed = bigram_hash(input_ids, previous, position, self.bigram_embed.num_embeddings)
         x0_bigram = (self.bigram_embed(hashed) * signs.type_as(x))[None]
         ve = self.value_embeds.view(-1, self.vocab, self.value_embeds.size(-1))[:, input_ids]
-        sa_lambdas = self.scalars[:2 * len(self.plans)].view(-1, 2)
-        resid, post = self.resid_lambdas.bfloat16(), self.post_lambdas.bfloat16()  # as the record, rounded to bf16
-        gates = self.gates(x0, 0)
-        x = x0 + x0_bigram * gates[("bigram", 0)]
-        saved = {0: x}  # states MUDD mixes in: the stream's start, the skip source, the shared input
-        for plan, block in zip(self.plans, self.blocks):
-            i = plan.index
-            if i == self.mudd_gate_layer:
-                gates.update(self.gates(x, 1))
-            mu = None
-            if plan.skip_target:
-                x = x + torch.sigmoid(self.scalars[-1]) * gates[("skip",)] * saved[self.skip_from]
-            else:
-                attn_in = norm(saved[self.shared_input_layer] if plan.shared_input else x)
-                table = ve[plan.value_embed].view(1, T, H, D) if plan.value_embed is not None else None
-                if plan.mudd:
-                    saved["last"] = x
-                    mu = self.mudd(x, 0, MUDD_LAYER_COEFS)
-                    shared = saved[self.shared_input_layer]
-                    v_mudd = (mu[0] * saved[0] + mu[1] * shared + mu[2] * x).view(1, T, H, D)
-                    x = (1 + mu[5]) * x + mu[3] * saved[0] + mu[4] * shared
-                    ve_gate = torch.cat([mu[6], mu[7]], dim=-1).repeat_interleave(H // 2, dim=-1).unsqueeze(-1)
-                    aux_v = (ve_gate * table + v_mudd).view(1, T, -1)
-                elif table is not None:
-                    gate_in = torch.cat([attn_in[..., :VE_GATE_CHANNELS], table.view(1, T, -1)[..., :VE_GATE_CHANNELS]],
-                                        dim=-1)
-                    ve_gate = 2 * torch.sigmoid(F.linear(gate_in, self.ve_gates[plan.ve_gate])).view(1, T, H, 1)
-                    aux_v = (ve_gate * table).view(1, T, -1)
-                else:
-                    aux_v = None
-                dc_w = (gates[("dc_w1", i)], gates[("dc_w2", i)]) if plan.dc else None
-                attn_out = block.attn(attn_in, sa_lambdas[i], aux_v, masks, self.rotary, windows,
-                                      gates.get(("xsa", i)), gates.get(("attn", i)), dc_w,
-                                      caches.layers[i] if caches is not None else None)
-                if plan.mudd:
-                    x = mu[8] * x + mu[9] * attn_out + saved[0] * mu[10] + x0_bigram * mu[11]
-                else:
-                    x = resid[i, 0] * x + post[i, 0] * attn_out + x0 * gates[("x0", i)]
-                    if i != 0:  # layer 0's bigram injection came before the loop
-                        x = x + x0_bigram * gates[("bigram", i)]
-            mlp_out = block.mlp(norm(x))
-            x = mu[12] * x + mu[13] * mlp_out if mu is not None else resid[i, 1] * x + post[i, 1] * mlp_out
-            if i in (self.skip_from, self.shared_input_layer):
-                saved[i] = x
+        return x0, x0_bigram, ve, self.gates(x0, 0)
+
+    def head_mix(self, x: Tensor, saved: dict, ve0: Tensor) -> Tensor:
+        """Before the head: the second MUDD net's weights of five earlier states, then the final norm."""
         mu = self.mudd(x, 1, MUDD_HEAD_COEFS)
         x = (x + mu[0] * saved[0] + mu[1] * saved[self.shared_input_layer] + mu[2] * saved["last"]
-             + mu[3] * ve[0][None].type_as(x) + mu[4] * saved[self.skip_from])
-        if caches is not None:
-            caches.length += T
+             + mu[3] * ve0[None].type_as(x) + mu[4] * saved[self.skip_from])
         return norm(x)
 
     def logits(self, x: Tensor) -> Tensor:
@@ -1417,7 +1471,7 @@ class GPT(nn.Module):
         x = self.hidden(input_ids, masks, windows, separate_documents=separate_documents)[0]
         if self.training:
             return SoftcappedMTPLoss.apply(x, self.lm_head, target_ids, mtp_weights, loss_scale,
-                                           self.head_precision == "fp8", self.cap, LOSS_CHUNK)
+                                           self.head_precision == "fp8", self.cap, LOSS_CHUNK, self.mtp_chunk)
         # Validation sequences are long (262,144 tokens): one chunk's logits at a time fit in memory.
         parts = [F.cross_entropy(self.logits(xs).float(), ts, reduction=reduction)
                  for xs, ts in zip(x.split(LOSS_CHUNK), target_ids.split(LOSS_CHUNK))]
@@ -1441,20 +1495,31 @@ class KVCache:
         self.last_embedding = self.last_id = None
 
 def compile_model(model: GPT, backend="inductor", attention_only: bool = False):
-    """Compile each layer's attention and MLP on their own, not the whole model: backward then runs graph
-    by graph, so the gradient hooks fire as soon as each part is done and DistAdam's reduce-scatters
-    overlap the rest of backward. attention_only (--compile=false with FlexAttention) compiles the
-    attention call alone: FlexAttention run uncompiled materialises the whole score matrix."""
+    """Compile each layer (Block.forward), the stem, the final mixing and the loss's element-wise chunk
+    on their own, not the whole model: backward then runs graph by graph, so the gradient hooks of each
+    layer's parameters fire as soon as its backward is done and DistAdam's reduce-scatters overlap the
+    rest of backward; a whole-model graph would hold every gradient back until the very end.
+
+    Windows, documents, rotary tables and the attention scale reach the graphs as tensors, so each kind of
+    layer compiles once per sequence length and mode (the stages' three micro-batch sizes, validation):
+    record #85's 11 kinds of layer make 44 graphs, so dynamo's recompile limit per code object is raised
+    to 64, the record's own (the preflight counts them, and fails if the limit were hit).
+
+    attention_only (--compile=false with FlexAttention) compiles the attention call alone: FlexAttention
+    run uncompiled materialises the whole score matrix."""
     if attention_only:
         compiled = torch.compile(attention, backend=backend, dynamic=False, fullgraph=True)
         for block in model.blocks:
             if block.attn is not None:
                 block.attn.attend = compiled
         return
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    options = dict(backend=backend, dynamic=False, fullgraph=True)
     for block in model.blocks:
-        for module in (block.attn, block.mlp):
-            if module is not None:
-                module.forward = torch.compile(module.forward, backend=backend, dynamic=False, fullgraph=True)
+        block.forward = torch.compile(block.forward, **options)
+    model.stem = torch.compile(model.stem, **options)
+    model.head_mix = torch.compile(model.head_mix, **options)
+    model.mtp_chunk = torch.compile(mtp_chunk, **options)
 
 
 # -----------------------------------------------------------------------------
@@ -1694,6 +1759,15 @@ class _Bucket:
             offset += p.numel()
 
 
+@dataclass
+class _SparseWork:
+    """A sparse exchange in flight: the two all-to-alls, what they receive, and what they send (kept alive)."""
+    works: tuple
+    rows: Tensor
+    values: Tensor
+    sent: tuple
+
+
 class DistAdam(torch.optim.Optimizer):
     """Adam with state sharded over ranks (ZeRO-1 style) and communication overlapped with backward.
 
@@ -1715,12 +1789,19 @@ class DistAdam(torch.optim.Optimizer):
     reduce-scatter (launched when both are ready), the source is not updated on its own, and after each
     step it is the target's transpose again. untie() gives the source the target's Adam state.
 
+    sparse: an embedding table whose gradient touches few rows a step (the bigram table). Its rows are
+    exchanged sparsely, as the record does: the caller names the rows each micro-batch touches
+    (touch_rows, from the host's copy of the tokens), start_sparse_exchange() sends the per-rank counts
+    over a CPU group before the backward that completes an Adam step, and the table's hook sends each
+    touched row not its own to the rank that owns it (two all-to-alls: row indices, row gradients); the
+    owner adds them to its own rows. The sum is the dense reduce-scatter's, for a fraction of the bytes.
+
     A bucket whose gradient never completed during backward (a parameter without a gradient) is
     reduced from step() instead, and counted in `late_reductions`: that costs the overlap.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, small_numel: int = 4096):
+                 weight_decay: float = 0.0, small_numel: int = 4096, sparse: Tensor | None = None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.world_size = dist.get_world_size() if distributed() else 1
         self.rank = dist.get_rank() if distributed() else 0
@@ -1740,6 +1821,15 @@ class DistAdam(torch.optim.Optimizer):
         for bucket in self.buckets:
             for p in bucket.params:
                 self._bucket_of[p] = bucket
+        self.sparse_bucket, self._touched, self._exchange = None, None, None
+        if sparse is not None and self.world_size > 1:
+            bucket = self._bucket_of[sparse]
+            rows, width = sparse.shape
+            if bucket._in_place() and rows % self.world_size == 0:  # each rank owns whole rows
+                self.sparse_bucket, self.rows_per_rank = bucket, rows // self.world_size
+                self._touched, self._rows_known = np.zeros(rows, dtype=bool), True
+                # the counts travel between host memories: a CPU group beside NCCL (a CPU run's group is one)
+                self._host_group = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
         self._hooks = []
         if self.world_size > 1:
             for bucket in self.buckets:
@@ -1805,7 +1895,62 @@ class DistAdam(torch.optim.Optimizer):
                 else:
                     target.grad.add_(source.grad.T)
 
+    def touch_rows(self, rows: np.ndarray | None):
+        """Rows of the sparse table a micro-batch's forward reads (host indices): their gradients may be
+        nonzero, every other row's is zero on every rank. None: not known; this Adam step reduces densely."""
+        if self._touched is None:
+            return
+        if rows is None:
+            self._rows_known = False
+        else:
+            self._touched[rows] = True
+
+    def start_sparse_exchange(self):
+        """Before the backward that completes an Adam step: which touched rows go to which rank, and the
+        count exchange (host to host, so nothing waits on the device)."""
+        if self._touched is None:
+            return
+        rows, known = np.flatnonzero(self._touched), self._rows_known
+        self._touched[:], self._rows_known = False, True
+        if not known:
+            return
+        owners = rows // self.rows_per_rank
+        rows = rows[owners != self.rank]  # this rank's own rows are already in its gradient
+        counts = np.bincount(owners[owners != self.rank], minlength=self.world_size)
+        received = torch.empty(self.world_size, dtype=torch.int64)
+        work = dist.all_to_all_single(received, torch.from_numpy(counts), group=self._host_group, async_op=True)
+        self._exchange = {"rows": rows, "counts": counts.tolist(), "received": received, "work": work}
+
+    def _launch_sparse(self, bucket: _Bucket):
+        exchange, self._exchange = self._exchange, None
+        exchange["work"].wait()
+        received = exchange["received"].tolist()
+        grad = bucket.params[0].grad
+        width = grad.size(1)
+        rows = torch.from_numpy(exchange["rows"])
+        rows = (rows.pin_memory().to(grad.device, non_blocking=True) if grad.is_cuda else rows)
+        values = grad.index_select(0, rows)
+        in_rows = torch.empty(sum(received), dtype=torch.int64, device=grad.device)
+        in_values = torch.empty(sum(received) * width, dtype=grad.dtype, device=grad.device)
+        works = (dist.all_to_all_single(in_rows, rows, received, exchange["counts"], async_op=True),
+                 dist.all_to_all_single(in_values, values.view(-1), [n * width for n in received],
+                                        [n * width for n in exchange["counts"]], async_op=True))
+        bucket.work = _SparseWork(works, in_rows, in_values.view(-1, width), (rows, values))
+
+    def _merge_sparse(self, bucket: _Bucket) -> Tensor:
+        """The mean gradient of this rank's rows: its own plus the rows the others sent."""
+        work = bucket.work
+        for w in work.works:
+            w.wait()
+        grad = bucket.params[0].grad
+        lo = self.rank * self.rows_per_rank
+        mine = grad[lo:lo + self.rows_per_rank]
+        mine.index_add_(0, work.rows - lo, work.values)
+        return mine.reshape(-1).div_(self.world_size)
+
     def _launch_reduce_scatter(self, bucket: _Bucket):
+        if bucket is self.sparse_bucket and self._exchange is not None:
+            return self._launch_sparse(bucket)
         self._add_tied_gradient(bucket)
         flat = bucket.flat_grad()
         bucket.grad_shard = torch.empty(bucket.shard_numel, dtype=flat.dtype, device=flat.device)
@@ -1849,8 +1994,11 @@ class DistAdam(torch.optim.Optimizer):
                 if bucket.work is None:  # some gradient never arrived during backward: reduce what there is
                     self.late_reductions += 1
                     self._launch_reduce_scatter(bucket)
-                bucket.work.wait()  # gloo has no futures for reduce-scatter: wait on the handle
-                grad_shard = bucket.grad_shard.div_(self.world_size)
+                if isinstance(bucket.work, _SparseWork):
+                    grad_shard = self._merge_sparse(bucket)
+                else:
+                    bucket.work.wait()  # gloo has no futures for reduce-scatter: wait on the handle
+                    grad_shard = bucket.grad_shard.div_(self.world_size)
             self._adam(bucket, param_shard, grad_shard)
             if self.world_size > 1:
                 gathers.append((bucket, flat_param, all_gather_async(flat_param, param_shard)))
@@ -1872,6 +2020,8 @@ class DistAdam(torch.optim.Optimizer):
                 "param_groups": group_settings(self)}
 
     def load_state_dict(self, state_dict: dict):
+        if self._touched is not None:  # rows touched since the last Adam step (the warmup's) are forgotten
+            self._touched[:], self._rows_known, self._exchange = False, True, None
         if state_dict["world_size"] != self.world_size or len(state_dict["buckets"]) != len(self.buckets):
             raise ValueError(f"DistAdam state was saved at world size {state_dict['world_size']} with "
                              f"{len(state_dict['buckets'])} buckets; this one has {self.world_size} and {len(self.buckets)}")
@@ -2022,13 +2172,29 @@ class DocumentPieces:
             steps += 1
 
 
-def rank_micro_batches(micro_batches: list[np.ndarray], env: DistEnv) -> list[tuple[Tensor, Tensor]]:
+class Batch(list):
+    """This rank's micro-batches of a step, (inputs, targets) each, and the bigram rows each one reads,
+    found on the host (for DistAdam's sparse exchange of the bigram table's gradient)."""
+
+    def __init__(self, micro_batches, bigram_rows):
+        super().__init__(micro_batches)
+        self.bigram_rows = bigram_rows
+
+
+def host_bigram_rows(chunk: np.ndarray, buckets: int) -> np.ndarray:
+    """The bigram rows a micro-batch's inputs (chunk[:-1]) read, as GPT.stem hashes them."""
+    ids = torch.from_numpy(chunk[:-1].astype(np.int64))
+    return np.unique(bigram_hash(ids, torch.cat([ids[:1], ids[:-1]]), torch.arange(len(ids)), buckets).numpy())
+
+
+def rank_micro_batches(micro_batches: list[np.ndarray], env: DistEnv, bigram_buckets: int) -> Batch:
     """This rank's (inputs, targets): micro-batch m goes to rank m % world_size (the record's dealing)."""
-    batch = []
+    batch, rows = [], []
     for chunk in micro_batches[env.rank::env.world_size]:
         buf = to_device(torch.from_numpy(chunk), env.device)
         batch.append((buf[:-1], buf[1:]))
-    return batch
+        rows.append(host_bigram_rows(chunk, bigram_buckets) if env.world_size > 1 else None)
+    return Batch(batch, rows)
 
 
 def to_device(tokens: Tensor, device: torch.device) -> Tensor:
@@ -2172,7 +2338,7 @@ class TrainLoader:
                             f"steps ({per_shard:,.0f} per shard) but the run needs {self.needed:,}: about {enough} "
                             f"shards like these would (FineWeb: `python data/cached_fineweb10B.py {enough + 1}`, one "
                             f"spare), or --repeat_data=true starts over from the first shard")
-        self.env = env
+        self.env, self.bigram_buckets = env, args.bigram_vocab_size
         self.file_index, self.piece = 0, 0
         self.pieces: DocumentPieces | None = None
         self.started_over = False  # whether the last batch was the first of another pass over the shards
@@ -2246,7 +2412,7 @@ class TrainLoader:
             self.file_index, self.piece, self.pieces = (self.file_index + 1) % len(self.scans), 0, None
             self.started_over = self.file_index == 0
         micro_batches, self.piece = taken
-        return rank_micro_batches(micro_batches, self.env)
+        return rank_micro_batches(micro_batches, self.env, self.bigram_buckets)
 
 
 class SyntheticLoader:
@@ -2257,6 +2423,7 @@ class SyntheticLoader:
 
     def __init__(self, args: Hyperparameters, env: DistEnv):
         self.schedule, self.env, self.seed = Schedule(args), env, args.seed
+        self.bigram_buckets = args.bigram_vocab_size
         self.step = 0
 
     def report(self) -> list[str]:
@@ -2280,7 +2447,7 @@ class SyntheticLoader:
         tokens = rng.integers(0, BOS_ID, int(lengths.sum()), dtype=np.uint16)
         tokens[np.cumsum(lengths) - lengths] = BOS_ID
         micro_batches, _ = DocumentPieces(tokens).take_step(0, self.schedule.micro_batches, micro, max_len)
-        return rank_micro_batches(micro_batches, self.env)
+        return rank_micro_batches(micro_batches, self.env, self.bigram_buckets)
 
 
 def load_val_tokens(args: Hyperparameters) -> Tensor:
@@ -2358,7 +2525,7 @@ def build_optimizers(model: GPT, args: Hyperparameters) -> tuple[NorMuon, DistAd
                         weight_decay=args.adam_weight_decay * wd_mul)
                    for name, (betas, lr_mul, wd_mul) in ADAM_TABLE.items()]
     # Bucket order follows the forward; step() walks it backwards, the order backward completes it.
-    adam = DistAdam(adam_groups, eps=args.adam_eps)
+    adam = DistAdam(adam_groups, eps=args.adam_eps, sparse=model.bigram_embed.weight)
     if torch.equal(model.embed.weight, model.lm_head.T):  # tied until the untie step (weights of --init_from may not be)
         adam.tie(model.embed.weight, model.lm_head)
     # CPUs have no bf16 matrix units for this; there fp32 also keeps runs at different world sizes in
@@ -2403,6 +2570,9 @@ def train_step(model: GPT, optimizers, batch, step: int, schedule: Schedule, arg
     loss_sum = torch.zeros((), device=device)
     for i, (inputs, targets) in enumerate(batch):
         reduce_now = adam_now and i == len(batch) - 1
+        adam.touch_rows(rows[i] if (rows := getattr(batch, "bigram_rows", None)) else None)
+        if reduce_now:
+            adam.start_sparse_exchange()
         with contextlib.nullcontext() if reduce_now else adam.no_sync():
             # Summed over tokens, averaged over micro-batches and ranks (the record's gradient scale).
             masks = build_masks(inputs, model.plans, windows, args.window_block, use_flex)

@@ -337,17 +337,18 @@ def test_fp8_mlp_matches_its_quantised_definition_and_backward_is_bf16():
     grad = torch.randn_like(out)
     out.backward(grad)
     grad_pre = 2 * F.relu(pre) * (grad @ mlp.proj.T)
-    assert_close(mlp.fc.grad.float(), (grad_pre.T @ x.detach()).float(), rtol=2 ** -6, atol=1e-3)
-    assert_close(x.grad.float(), (grad_pre @ mlp.fc).float(), rtol=2 ** -6, atol=1e-3)
+    # bf16 sums in another order: the differences are bf16 roundings of the largest terms, whatever an entry's size
+    for ours, ref in ((mlp.fc.grad, grad_pre.T @ x.detach()), (x.grad, grad_pre @ mlp.fc)):
+        assert_close(ours.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6 * ref.float().abs().max().item())
     assert mlp.fc.grad.dtype == torch.bfloat16
 
 
 class StubAttention(torch.nn.Module):
     """Stands in for a layer's attention: returns a fixed tensor and records what it was given."""
 
-    def __init__(self, out):
+    def __init__(self, out, heads):
         super().__init__()
-        self.out, self.calls = out, []
+        self.out, self.calls, self.num_heads = out, [], heads
 
     def forward(self, x, lambdas, aux_v, *rest):
         self.calls.append((x, aux_v, rest[3:6]))
@@ -375,7 +376,7 @@ def test_the_stream_skip_and_mudd_mixing_follow_the_record():
     outs = [(torch.randn(1, T_, dim, generator=g), torch.randn(1, T_, dim, generator=g)) for _ in model.plans]
     for block, (a, m) in zip(model.blocks, outs):
         if block.attn is not None:
-            block.attn = StubAttention(a)
+            block.attn = StubAttention(a, H)
         block.mlp = StubMLP(m)
     masks = T.build_masks(tokens, model.plans, (1, 2), args.window_block, use_flex=False)
     with torch.no_grad():

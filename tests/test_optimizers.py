@@ -78,6 +78,14 @@ def test_dist_adam_state_dict_round_trip_keeps_fp32_state():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sparse_row_exchange_equals_the_dense_reduce_scatter(gloo_runs, world_size):
+    # The worker's table: rows each rank touches, rows only others touch, rows nobody touches; three Adam
+    # steps with the sparse exchange against the same with a dense reduce-scatter, and the all-to-alls counted.
+    assert gloo_runs[world_size][0].count("the sparse row exchange matched") == world_size
+
+
+@pytest.mark.slow
 def test_every_dist_adam_bucket_is_reduced_from_its_hook_during_backward(gloo_runs):
     # The smoke model at world size 2: no bucket may be reduced late, from step(); the worker also shows,
     # with a parameter that gets no gradient, that such a late reduction is detected.

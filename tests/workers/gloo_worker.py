@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dist_adam_worker import check_dist_adam  # noqa: E402
+from dist_adam_worker import check_dist_adam, check_sparse_rows  # noqa: E402
 from hook_worker import check_hooks  # noqa: E402
 from muon_worker import run_normuon  # noqa: E402
 
@@ -32,6 +32,7 @@ def main(out_path: str):
     rank, world = dist.get_rank(), dist.get_world_size()
     flat = run_normuon(rank, world)
     check_dist_adam(rank, world)
+    check_sparse_rows(rank, world)
     if SMOKE_MICRO_BATCHES % world == 0:
         check_hooks(rank, world)
     dist.destroy_process_group()

@@ -60,7 +60,9 @@ def run_steps(args, env, model, muon, adam, loader, launches, where):
         if T.adam_steps_at(step, args):
             late = [size for w, size in launches if w == "step"]
             assert late == [], f"step {step}: buckets of {late} elements were reduced from step(), not their hooks"
-            assert len(launches) == len(adam.buckets) - tied, (step, launches, len(adam.buckets))
+            # the bigram table's rows travel in all-to-alls (DistAdam's sparse exchange), not a reduce-scatter
+            assert len(launches) == len(adam.buckets) - tied - 1, (step, launches, len(adam.buckets))
+            assert adam.sparse_bucket is not None and adam.sparse_bucket.work is None
             assert torch.equal(model.embed.weight, model.lm_head.T) == tied
         else:
             assert launches == [], f"step {step}: no Adam step, but reduce-scatters {launches}"
