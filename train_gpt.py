@@ -189,7 +189,7 @@ PRESETS: dict[str, dict] = {
         num_iterations=30, extension_steps=3,
         stage_batch_tokens="1024,2048,3072", micro_batches=4, stage_max_seq_len="256,512,512",
         stage_windows="1:2,2:4,3:6", extension_windows="3:7", final_val_window=10, window_block=64,
-        stage_mtp_weights="1,0.5>1,0/1>1/1>1", cooldown_frac=0.3, adam_lr=0.04, muon_lr=0.04,
+        stage_mtp_weights="1,0.5>1,0/1>1/1>1", cooldown_frac=0.3, adam_lr=0.04, muon_lr=0.06,
         num_layers=6, model_dim=64, head_dim=16, bigram_vocab_size=50_000, bigram_sign_rows=1024,
         no_attention_layers="3", paired_layers="0,4", long_window_layers="1,5", xsa_layers="1,2",
         attn_gate_layers="1,5", dc_layers="5", dc_window=56, value_embed_layers="1,2,4,5", skip_layers="1:3",
@@ -619,13 +619,32 @@ class DistEnv:
         return self.rank == 0
 
 
+def launch_ranks() -> tuple[int, int, int]:
+    """RANK, LOCAL_RANK and WORLD_SIZE as torchrun sets them (0, 0 and 1 without it), checked: a bad
+    value set by hand would otherwise divide by zero, train as rank 1 of 1 in silence, or hang."""
+    values = []
+    for name, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        text = os.environ.get(name, default)
+        try:
+            values.append(int(text))
+        except ValueError:
+            raise ConfigError(f"{name}={text!r} in the environment is not an integer (torchrun sets it; "
+                              f"unset it for one process)") from None
+    rank, local_rank, world_size = values
+    if world_size < 1:
+        raise ConfigError(f"WORLD_SIZE={world_size} in the environment: a world size is at least 1")
+    for name, value in (("RANK", rank), ("LOCAL_RANK", local_rank)):
+        if not 0 <= value < world_size:
+            raise ConfigError(f"{name}={value} in the environment is outside 0..{world_size - 1} "
+                              f"(WORLD_SIZE={world_size})")
+    return rank, local_rank, world_size
+
+
 def setup_distributed(args: Hyperparameters) -> DistEnv:
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise ConfigError("--device=cuda but no CUDA device is available")
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    rank, local_rank, world_size = launch_ranks()
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
@@ -2526,7 +2545,9 @@ def build_optimizers(model: GPT, args: Hyperparameters) -> tuple[NorMuon, DistAd
                    for name, (betas, lr_mul, wd_mul) in ADAM_TABLE.items()]
     # Bucket order follows the forward; step() walks it backwards, the order backward completes it.
     adam = DistAdam(adam_groups, eps=args.adam_eps, sparse=model.bigram_embed.weight)
-    if torch.equal(model.embed.weight, model.lm_head.T):  # tied until the untie step (weights of --init_from may not be)
+    # Tied until the untie step; the weights of --init_from may come untied (data is only read for those:
+    # tools/preflight.py builds the model with no data).
+    if not args.init_from or torch.equal(model.embed.weight, model.lm_head.T):
         adam.tie(model.embed.weight, model.lm_head)
     # CPUs have no bf16 matrix units for this; there fp32 also keeps runs at different world sizes in
     # step (bf16 rounding would amplify the last-bit differences of reduction order).
@@ -3617,12 +3638,13 @@ def report_error(line: str, exit_code: int, print_it: bool = True) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    rank = int(os.environ.get("RANK", 0))
+    rank = 0  # until the environment is read: a process with a bad RANK reports it itself
     STOP.signal, STOP.where, env = None, "", None
     previous = {signum: signal.signal(signum, stop_on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     STOP.armed = True
     try:
         try:
+            rank = launch_ranks()[0]
             args = parse_args(argv, torch.cuda.is_available())
             env = setup_distributed(args)
         except ConfigError as e:

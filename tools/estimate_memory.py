@@ -1,31 +1,37 @@
-"""Peak GPU memory per rank of a speedrun step, computed with fake tensors: no GPU, and no memory
+"""Peak GPU memory per rank of the speedrun's phases, computed with fake tensors: no GPU, and no memory
 beyond the bookkeeping (FakeTensorMode allocates nothing).
 
     python tools/estimate_memory.py                      # the speedrun preset at world sizes 1 and 8
-    python tools/estimate_memory.py --world_sizes 1 2 4 8 -- --micro_batch_tokens=16384
+    python tools/estimate_memory.py --world_sizes 1 2 4 8 -- --micro_batches=16
 
-Arguments after `--` are train_gpt.py flags. Per rank it counts:
-  - weights and their gradients, in record #44's GPU dtypes (bf16 embeddings, lm_head and gates);
-  - NorMuon's fp32 momentum and second moment for the matrices this rank owns (round robin);
+Arguments after `--` are train_gpt.py flags. For each stage's micro-batch (record #85: 16,384, 32,768 and
+49,152 tokens) and for the validation, per rank it counts:
+  - weights, buffers (rotary tables, the bigram signs, the FP8 copies of the MLP up-projections) and the
+    weights' gradients, in the GPU dtypes (bf16 but for the scalars and lambdas);
+  - NorMuon's fp32 momentum and per-neuron second moment, and the bf16 weights' mantissas, for the matrices
+    this rank owns (round robin, in chunks of the world size);
   - DistAdam's fp32 exp_avg and exp_avg_sq for this rank's 1/world_size shard of every bucket;
-  - the tensors one micro-batch's forward keeps for backward, recorded by saved_tensors_hooks while
-    the eager model runs on fake tensors. FlexAttention has no backward on CPU, so attention is
-    stood in for by a function that keeps what FlexAttention's backward keeps (q, k, v, the output
-    and the fp32 log-sum-exp); torch.compile may keep less (it can recompute cheap element-wise
-    results), so this is an upper bound for the compiled step;
-  - the largest transient of backward: the bf16 logits and their gradient (tokens x vocab each);
-  - the two block masks of a micro-batch;
-  - the step's communication buffers (NorMuon's stacked fp32 gradients and gathered parameters for
-    every chunk in flight at once, DistAdam's flat copies of coalesced buckets), at world size > 1.
-Peak = max(end of the last micro-batch's forward + the backward transient, optimizer step), over
-the state that persists (weights, gradients, optimizer state). Allocator fragmentation, CUDA/NCCL
-context and compiled-kernel workspaces are not counted. tools/preflight.py makes the same count
-(breakdown below) with the saved activations measured on the compiled step on a fake H100.
+  - the tensors one micro-batch's forward keeps for backward, recorded by saved_tensors_hooks while the
+    eager model runs on fake tensors. FlexAttention has no backward on CPU, so attention is stood in for
+    by a function that keeps what FlexAttention's backward keeps (q, k, v, the output and the fp32
+    log-sum-exp); torch.compile may keep less, so this is an upper bound for the compiled step;
+  - the loss's transient: one chunk of LOSS_CHUNK rows of logits (bf16) and its fp32 squashed logits,
+    exponentials and FP8 gradient (the full logits are never held);
+  - the block masks of a micro-batch;
+  - the step's communication buffers at world size > 1 (NorMuon's stacked gradients and gathered matrices
+    of every chunk in flight at once, DistAdam's flat copies, the bigram rows of the sparse exchange);
+  - the validation's largest moment: the model and optimizer state, and the most live tensors of a
+    forward pass over one validation sequence (no gradients), followed op by op.
+A training stage's peak = persistent state + max(its forward's saved tensors + masks + loss transient,
+optimizer-step buffers). Allocator fragmentation, CUDA/NCCL context and compiled-kernel workspaces are not
+counted. tools/preflight.py follows the live tensors of the compiled steps on a fake H100 and prints its
+measure beside this one.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import sys
 import warnings
@@ -34,6 +40,7 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import train_gpt as T  # noqa: E402
@@ -58,87 +65,189 @@ class FlexStandIn(torch.autograd.Function):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
 
-def gpu_dtypes(model: T.GPT):
-    """cast_for_device's bf16 modules, without Module.bfloat16 (which cannot swap fake parameters)."""
-    gates = [block.attn.gate for block in model.blocks if block.attn is not None]
-    for module in [model.embed, *model.value_embeds, model.head.lm_head, model.smear_gate, *gates]:
-        module.weight = torch.nn.Parameter(module.weight.detach().bfloat16())
+class LiveMemory(TorchDispatchMode):
+    """The bytes of the live storages its ops make, and their peak: what torch.cuda.max_memory_allocated
+    would say, less the allocator's rounding, cache and fragmentation. A storage is counted once, however
+    many tensors view it, until it is freed. `start()` begins a new peak from what is live now."""
+
+    def __init__(self, device_type: str = "cuda"):
+        super().__init__()
+        self.device_type = device_type
+        self.storages: dict = {}
+        self.live = self.peak = 0
+
+    def sweep(self):
+        for key, (ref, nbytes) in list(self.storages.items()):
+            if ref.expired():
+                del self.storages[key]
+                self.live -= nbytes
+
+    def start(self):
+        gc.collect()  # torch.compile leaves its inputs in reference cycles: count what is reachable
+        self.sweep()
+        self.peak = self.live
+
+    def track(self, tensors):
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
+                continue
+            storage = t.untyped_storage()
+            ref = StorageWeakRef(storage)
+            known = self.storages.get(ref)
+            if known is not None and not known[0].expired():
+                continue
+            if known is not None:  # a freed storage's address, taken by a new one
+                self.live -= known[1]
+            self.storages[ref] = (ref, storage.nbytes())
+            self.live += storage.nbytes()
+            if self.live > self.peak:
+                self.sweep()  # only when a new peak is possible: sweeping at every op would be slow
+                self.peak = max(self.peak, self.live)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.track(out if isinstance(out, (tuple, list)) else [out])
+        return out
 
 
-def normuon_bytes(model: T.GPT, world_size: int, rank: int) -> tuple[int, int]:
+def h100_precisions(args: T.Hyperparameters) -> tuple[str, str]:
+    """The lm_head and MLP precisions `auto` resolves to on an H100 (compute capability 9.0)."""
+    pick = lambda flag: ("fp8" if T.fp8_fits(args) else "bf16") if getattr(args, flag) == "auto" else getattr(args, flag)
+    return pick("lm_head_precision"), pick("mlp_precision")
+
+
+def gpu_model(args: T.Hyperparameters) -> T.GPT:
+    """The model in its GPU dtypes, built under the caller's FakeTensorMode."""
+    return T.cast_for_device(T.GPT(args, *h100_precisions(args)), torch.device("cuda"))
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def normuon_bytes(muon: T.NorMuon, world_size: int, rank: int = 0) -> tuple[int, int]:
     """(state bytes this rank keeps, communication buffer bytes of one step) for NorMuon."""
-    muon, _ = T.build_optimizers(model, T.Hyperparameters())
     state = buffers = 0
-    for _, params in muon._chunks(world_size):
-        ref = params[0]
-        if rank < len(params):
-            moment = ref.numel() // ref.size(T.neuron_dim(ref.shape))
-            state += 4 * (ref.numel() + moment)  # fp32 momentum + per-neuron second moment
-        if world_size > 1:  # stacked fp32 gradients, the owned fp32 mean, gathered parameters
-            buffers += 4 * world_size * ref.numel() + 4 * ref.numel() + ref.element_size() * world_size * ref.numel()
+    for chunk in muon.chunks(world_size):
+        p, j, _ = muon.matrices[chunk[0]]
+        matrix = p if j is None else p[j]
+        n, size = matrix.numel(), matrix.element_size()
+        if rank < len(chunk):
+            state += 4 * (n + max(matrix.shape))  # fp32 momentum + per-neuron second moment
+            state += 2 * n if matrix.dtype == torch.bfloat16 else 0  # the mantissas of the fp32 master
+        if world_size > 1:  # stacked gradients, the owned mean (and its fp32 copy), gathered matrices
+            buffers += 2 * size * world_size * n + (size + 4) * n
     return state, buffers
 
 
-def dist_adam_bytes(model: T.GPT, world_size: int) -> tuple[int, int]:
-    """(state bytes per rank, communication buffer bytes of one step) for DistAdam."""
-    _, adam = T.build_optimizers(model, T.Hyperparameters())
+def dist_adam_bytes(adam: T.DistAdam, world_size: int, sparse_table: torch.Tensor,
+                    touched_rows: int) -> tuple[int, int]:
+    """(state bytes per rank, communication buffer bytes of one step) for DistAdam at world_size, whatever
+    the world size it was built with (its buckets are the same). The bigram table's rows go by a sparse
+    exchange, at most `touched_rows` of them each way, when its rows split evenly over the ranks."""
     state = buffers = 0
+    sparse = adam._bucket_of[sparse_table] if sparse_table.size(0) % world_size == 0 else None
     for bucket in adam.buckets:
-        size = bucket.params[0].element_size()
+        p = bucket.params[0]
         shard = math.ceil(bucket.numel / world_size)
-        state += 2 * 4 * shard  # fp32 exp_avg, exp_avg_sq
+        state += 2 * 4 * shard  # fp32 exp_avg, exp_avg_sq (the tied embedding's too, from the untie on)
         if world_size > 1:
             in_place = len(bucket.params) == 1 and bucket.numel == shard * world_size
-            buffers += (0 if in_place else 2 * size * shard * world_size) + size * shard  # flat grad/param, shard
+            buffers += (0 if in_place else 2 * p.element_size() * shard * world_size) + p.element_size() * shard
+            if bucket is sparse:
+                buffers += 2 * touched_rows * (p.size(1) * p.element_size() + 8)  # rows out and in, indices
     return state, buffers
 
 
-def mask_bytes(masks: list) -> int:
-    """Bytes of the distinct block masks of one micro-batch (layers with the same window share one)."""
-    return sum(t.nbytes for m in {id(m): m for m in masks if m is not None}.values()
-               for t in m.as_tuple()[2:] if isinstance(t, torch.Tensor))
+def mask_bytes(masks: T.Masks) -> int:
+    """Bytes of the distinct attention masks of one micro-batch (layers of one kind share one)."""
+    total = 0
+    for m in masks.by_kind.values():
+        tensors = [m] if isinstance(m, torch.Tensor) else [t for t in m.as_tuple()[2:] if isinstance(t, torch.Tensor)]
+        total += nbytes(tensors)
+    return total
 
 
-def breakdown(model: T.GPT, args: T.Hyperparameters, world_size: int, saved_activations: int,
-              block_masks: int) -> dict[str, float]:
-    """The peak of a training step on rank 0 of world_size, in bytes, from the model in its GPU dtypes,
-    the bytes one micro-batch's forward keeps for backward and those of its block masks. Shared with
-    tools/preflight.py, which measures the saved activations on the compiled step."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    muon_state, muon_buffers = normuon_bytes(model, world_size, rank=0)
-    adam_state, adam_buffers = dist_adam_bytes(model, world_size)
-    logits = args.micro_batch_tokens * T.padded_vocab(args.vocab_size) * 2  # bf16
-    persistent = 2 * weights + muon_state + adam_state  # weights + gradients + optimizer state
-    backward = persistent + saved_activations + 2 * logits + block_masks
-    step = persistent + muon_buffers + adam_buffers
-    return {"weights": weights, "gradients": weights, "NorMuon state": muon_state, "DistAdam state": adam_state,
-            "saved activations": saved_activations, "logits + their gradient": 2 * logits,
-            "block masks": block_masks, "optimizer-step buffers": muon_buffers + adam_buffers,
-            "peak": max(backward, step)}
+def loss_chunk_bytes(args: T.Hyperparameters, tokens: int) -> int:
+    """The loss's transient: one chunk of logits (bf16), its fp32 squashed logits and exponentials, and its
+    FP8 gradient."""
+    rows = min(T.LOSS_CHUNK, tokens)
+    return rows * T.padded_vocab(args.vocab_size) * (2 + 4 + 4 + 1)
 
 
-def estimate(argv: list[str], world_size: int) -> dict[str, float]:
+def phases(args: T.Hyperparameters) -> list[tuple[str, int, tuple[int, int]]]:
+    """(name, tokens of one sequence, windows) of each phase whose memory differs: each stage's micro-batch
+    (the extension's is the last stage's) and the validation at the final windows."""
+    schedule = T.Schedule(args)
+    out, seen = [], set()
+    for i, stage in enumerate(schedule.stages):
+        micro = stage.batch_tokens // args.micro_batches
+        if (micro, stage.windows) in seen or stage.end <= stage.start:
+            continue
+        seen.add((micro, stage.windows))
+        name = f"stage {i + 1}" if i < len(schedule.stages) - 1 else "extension"
+        out.append((name, micro, stage.windows))
+    out.append(("validation", args.val_seq_len, schedule.final_val_windows))
+    return out
+
+
+def synthetic_tokens(length: int) -> torch.Tensor:
+    tokens = torch.randint(0, T.BOS_ID, (length,))
+    tokens[::1000] = T.BOS_ID  # documents of a thousand tokens: the masks' blocks are the data's
+    return tokens
+
+
+def estimate(argv: list[str], world_size: int) -> dict[str, dict[str, float]]:
+    """{phase: {row: bytes}} on rank 0 of world_size."""
     args = T.parse_args(["--preset=speedrun", *argv], True)
     T.check_world_size(args, world_size)
-    saved: dict = {}
-
-    def keep(t):
-        saved[StorageWeakRef(t.untyped_storage())] = t.untyped_storage().nbytes()
-        return t
-
     real_attention = T.attention
-    T.attention = lambda q, k, v, mask: FlexStandIn.apply(q, k, v)
+    T.attention = lambda q, k, v, mask, scale: FlexStandIn.apply(q, k, v)
     try:
         with FakeTensorMode(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = T.GPT(args, "fp8")
-            gpu_dtypes(model)
-            tokens = torch.randint(0, T.BOS_ID, (args.micro_batch_tokens + 1,))
-            tokens[::1000] = T.BOS_ID
-            masks = T.build_masks(tokens[:-1], T.layer_windows(args, (6, 13)), True, args.window_block)
-            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-                model(tokens[:-1], tokens[1:], masks)
-            return breakdown(model, args, world_size, sum(saved.values()), mask_bytes(masks))
+            model = gpu_model(args)
+            muon, adam = T.build_optimizers(model, args)
+            weights = nbytes(model.parameters())
+            buffers = nbytes(model.buffers())
+            muon_state, muon_buffers = normuon_bytes(muon, world_size)
+            rows = {}
+            for name, tokens, windows in phases(args):
+                x = synthetic_tokens(tokens + 1)
+                masks = T.build_masks(x[:-1], model.plans, windows, args.window_block, use_flex=True)
+                touched = min(model.bigram_embed.num_embeddings,
+                              args.adam_every * tokens * (args.micro_batches // world_size))
+                adam_state, adam_buffers = dist_adam_bytes(adam, world_size, model.bigram_embed.weight, touched)
+                persistent = weights + buffers + muon_state + adam_state
+                if name == "validation":
+                    model.eval()
+                    live = LiveMemory(device_type="cpu")  # fake tensors on the host; cast, not moved
+                    with torch.no_grad(), live:
+                        live.start()
+                        base = live.live
+                        model(x[:-1], x[1:], masks, windows)
+                    model.train()
+                    rows[name] = {"weights": weights, "buffers": buffers, "gradients": 0,
+                                  "NorMuon state": muon_state, "DistAdam state": adam_state,
+                                  "forward's largest live tensors": live.peak - base, "block masks": mask_bytes(masks),
+                                  "peak": persistent + live.peak - base + mask_bytes(masks)}
+                    continue
+                saved: dict = {}
+
+                def keep(t):
+                    saved[StorageWeakRef(t.untyped_storage())] = t.untyped_storage().nbytes()
+                    return t
+
+                mtp = torch.ones(len(T.Schedule(args).mtp_weights(0)))
+                with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                    model(x[:-1], x[1:], masks, windows, mtp, loss_scale=1.0)
+                activations, chunk, mask = sum(saved.values()), loss_chunk_bytes(args, tokens), mask_bytes(masks)
+                rows[name] = {"weights": weights, "buffers": buffers, "gradients": weights,
+                              "NorMuon state": muon_state, "DistAdam state": adam_state,
+                              "saved activations": activations, "loss chunk": chunk, "block masks": mask,
+                              "optimizer-step buffers": muon_buffers + adam_buffers,
+                              "peak": persistent + weights + max(activations + chunk + mask, muon_buffers + adam_buffers)}
+            return rows
     finally:
         T.attention = real_attention
 
@@ -148,19 +257,28 @@ def main(argv=None) -> int:
     ours, flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world_sizes", type=int, nargs="+", default=[1, 8])
+    parser.error = lambda message: (print(f"error: {message}", file=sys.stderr), sys.exit(2))
     options = parser.parse_args(ours)
+    bad = [w for w in options.world_sizes if w < 1]
+    if bad:
+        print(f"error: --world_sizes: {bad[0]} is not a world size (at least 1)", file=sys.stderr)
+        return 2
     try:
-        rows = {w: estimate(flags, w) for w in options.world_sizes}
+        tables = {w: estimate(flags, w) for w in options.world_sizes}
     except (T.ConfigError, T.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print("| per rank (GiB) | " + " | ".join(f"world size {w}" for w in rows) + " |")
-    print("| --- |" + " --- |" * len(rows))
-    for key in next(iter(rows.values())):
-        print(f"| {key} | " + " | ".join(f"{r[key] / GIB:.2f}" for r in rows.values()) + " |")
-    print("| room left on an H100 (81,559 MiB) | " +
-          " | ".join(f"{(H100_BYTES - r['peak']) / GIB:.2f}" for r in rows.values()) + " |")
-    print(f"block masks: {next(iter(rows.values()))['block masks'] / 2 ** 20:.2f} MiB per micro-batch")
+    for world_size, table in tables.items():
+        print(f"\nworld size {world_size}, per rank (GiB)")
+        names = list(table)
+        print("| | " + " | ".join(names) + " |")
+        print("| --- |" + " --- |" * len(names))
+        keys = [k for k in dict.fromkeys(k for row in table.values() for k in row) if k != "peak"] + ["peak"]
+        for key in keys:
+            print(f"| {key} | " + " | ".join(f"{table[n][key] / GIB:.2f}" if key in table[n] else "" for n in names)
+                  + " |")
+        print("| room left on an H100 (81,559 MiB) | " +
+              " | ".join(f"{(H100_BYTES - table[n]['peak']) / GIB:.2f}" for n in names) + " |")
     return 0
 
 
