@@ -867,14 +867,16 @@ def flex_block_mask(docs: Tensor, window: int, block_size: int):
 
 @dataclass
 class Masks:
-    """The attention masks of one packed sequence, by (window in tokens, paired), and its document ids."""
+    """The attention masks of one packed sequence, by (long window, paired), and its document ids. Keyed by
+    the kind of layer, not by the window's length: the windows live in the masks as tensors, so a compiled
+    layer's graph does not depend on them (a key per length would recompile every layer at each new window)."""
     by_kind: dict
     docs: Tensor
     fresh: Tensor | None = None  # (T,) booleans: positions that start a sequence of their own (separate_documents)
     positions: Tensor | None = None  # (T,) each token's rotary position, counted from its own sequence's start
 
-    def get(self, window: int, paired: bool):
-        return self.by_kind[(window, paired)]
+    def get(self, long_window: bool, paired: bool):
+        return self.by_kind[(long_window, paired)]
 
 
 def build_masks(tokens: Tensor, plans: list[LayerPlan], windows: tuple[int, int], window_block: int,
@@ -885,9 +887,9 @@ def build_masks(tokens: Tensor, plans: list[LayerPlan], windows: tuple[int, int]
     for plan in plans:
         if not plan.attention:
             continue
-        window = window_block * windows[1 if plan.long_window else 0]
-        kind = (window, plan.paired)
+        kind = (plan.long_window, plan.paired)
         if kind not in by_kind:
+            window = window_block * windows[1 if plan.long_window else 0]
             layer_docs = docs.repeat_interleave(2) if plan.paired else docs
             by_kind[kind] = (flex_block_mask(layer_docs, window, window_block) if use_flex
                              else dense_attention_mask(layer_docs, window))
@@ -1000,14 +1002,14 @@ class CausalSelfAttention(nn.Module):
             if aux_v is not None:
                 v = v + aux_v.view_as(v)
         scale = rotary.attn_scale
-        window = self.window_block * windows[1 if plan.long_window else 0]
         if cache is None:
             y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                            masks.get(window, plan.paired), scale).transpose(1, 2)
+                            masks.get(plan.long_window, plan.paired), scale).transpose(1, 2)
             keys, values, docs = k, v, masks.docs
         else:
             keys, values = cache.extend(k, v)
             docs = masks.docs.repeat_interleave(2) if plan.paired else masks.docs
+            window = self.window_block * windows[1 if plan.long_window else 0]
             mask = dense_attention_mask(docs, window, num_queries=q.size(1))
             y = attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask, scale).transpose(1, 2)
         if dc_w is not None:
