@@ -1528,13 +1528,13 @@ def compile_model(model: GPT, backend="inductor", attention_only: bool = False):
 
     attention_only (--compile=false with FlexAttention) compiles the attention call alone: FlexAttention
     run uncompiled materialises the whole score matrix."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     if attention_only:
         compiled = torch.compile(attention, backend=backend, dynamic=False, fullgraph=True)
         for block in model.blocks:
             if block.attn is not None:
                 block.attn.attend = compiled
         return
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     options = dict(backend=backend, dynamic=False, fullgraph=True)
     for block in model.blocks:
         block.forward = torch.compile(block.forward, **options)
@@ -2589,7 +2589,7 @@ def train_step(model: GPT, optimizers, batch, step: int, schedule: Schedule, arg
     adam_now = adam_steps_at(step, args)
     windows = schedule.windows(step)
     device = batch[0][0].device
-    mtp = torch.tensor(schedule.mtp_weights(step), device=device)
+    mtp = torch.tensor(schedule.mtp_weights(step)).to(device)  # built on the host, then copied (the preflight fakes copies)
     loss_sum = torch.zeros((), device=device)
     for i, (inputs, targets) in enumerate(batch):
         reduce_now = adam_now and i == len(batch) - 1

@@ -94,6 +94,26 @@ def test_values_that_cannot_be_meant_are_refused(tmp_path, flags, fragments):
     assert list(tmp_path.iterdir()) == []  # no log, no folder
 
 
+ENV_CASES = [
+    # (what torchrun would set, set by hand instead; fragments of the error line)
+    ({"WORLD_SIZE": "0"}, ["WORLD_SIZE=0 in the environment: a world size is at least 1"]),
+    ({"WORLD_SIZE": "-8"}, ["WORLD_SIZE=-8 in the environment: a world size is at least 1"]),
+    ({"WORLD_SIZE": "x"}, ["WORLD_SIZE='x' in the environment is not an integer"]),
+    ({"WORLD_SIZE": "2", "RANK": "2"}, ["RANK=2 in the environment is outside 0..1 (WORLD_SIZE=2)"]),
+    ({"RANK": "-1"}, ["RANK=-1 in the environment is outside 0..0 (WORLD_SIZE=1)"]),
+    ({"LOCAL_RANK": "1"}, ["LOCAL_RANK=1 in the environment is outside 0..0"]),
+]
+
+
+@pytest.mark.parametrize("env, fragments", ENV_CASES, ids=[" ".join(f"{k}={v}" for k, v in e.items()) for e, _ in ENV_CASES])
+def test_launch_variables_that_cannot_be_meant_are_refused(tmp_path, monkeypatch, env, fragments):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    proc = run_main(*TINY, f"--logs_dir={tmp_path}/logs", f"--checkpoint_dir={tmp_path}/ck")
+    one_line_error(proc, *fragments)
+    assert list(tmp_path.iterdir()) == []
+
+
 # -----------------------------------------------------------------------------
 # Resuming: meta.json is checked against what it describes (exit 1, no log, the run id stays free)
 

@@ -255,7 +255,7 @@ def few_books(tmp_path_factory):
     """Five books of about 118k tokens each and a sixth held out for validation, tokenized with
     data/tokenize_text.py's defaults (--workers 1 only to spare the CPU: the output does not depend on
     it); once more keeping whole books, as the tokenizer did before it split long documents; and once
-    in documents of at most 128 tokens, what the trainer's note suggests for the smoke preset."""
+    in documents of at most 64 tokens, what the trainer's note suggests for the smoke preset."""
     root = tmp_path_factory.mktemp("books")
     (root / "books").mkdir()
     for i in range(6):
@@ -264,7 +264,7 @@ def few_books(tmp_path_factory):
               str(tokenize_text.BUNDLED_BPE), "--workers", "1"]
     assert tokenize_text.main([*common, "--out", str(root / "split")]) == 0
     assert tokenize_text.main([*common, "--out", str(root / "whole"), "--max-doc-tokens", "0"]) == 0
-    assert tokenize_text.main([*common, "--out", str(root / "short"), "--max-doc-tokens", "128"]) == 0
+    assert tokenize_text.main([*common, "--out", str(root / "short"), "--max-doc-tokens", "64"]) == 0
     return root
 
 
@@ -290,8 +290,8 @@ def test_a_few_books_use_nearly_all_their_tokens_at_the_speedrun_sequence_length
 
 
 def test_the_smoke_preset_uses_little_of_long_documents_and_what_the_note_suggests_helps(few_books):
-    # Its micro-batches of 513 tokens take the first 513 of a 2,048-token piece: 13% (the log notes it,
-    # suggesting documents of at most 128 tokens, a quarter micro-batch), 91% with them (measured).
+    # Its first stage's micro-batches of 257 tokens take the first 257 of a 2,048-token piece (the log notes it,
+    # suggesting documents of at most 64 tokens, a quarter micro-batch): under half, and at least 85% with them.
     assert share_used(few_books / "split", "--preset=smoke") < 0.5
     assert share_used(few_books / "short", "--preset=smoke") >= 0.85
 
@@ -312,4 +312,4 @@ def test_a_few_books_train_with_the_default_commands(few_books, tmp_path):
     whole = few_books / "whole"
     refused = run_main(f"--train_files={whole}/whole_train_*.bin", f"--val_files={whole}/whole_val_*.bin",
                        f"--logs_dir={tmp_path}")
-    one_line_error(refused, "its documents cannot fill one step of 4 x 513 tokens")
+    one_line_error(refused, "its documents cannot fill one step of 4 x 257 tokens")

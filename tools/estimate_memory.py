@@ -198,8 +198,11 @@ def synthetic_tokens(length: int) -> torch.Tensor:
 
 
 def estimate(argv: list[str], world_size: int) -> dict[str, dict[str, float]]:
-    """{phase: {row: bytes}} on rank 0 of world_size."""
-    args = T.parse_args(["--preset=speedrun", *argv], True)
+    """{phase: {row: bytes}} on rank 0 of world_size, for train_gpt.py's flags argv."""
+    return estimate_args(T.parse_args(["--preset=speedrun", *argv], True), world_size)
+
+
+def estimate_args(args: T.Hyperparameters, world_size: int) -> dict[str, dict[str, float]]:
     T.check_world_size(args, world_size)
     real_attention = T.attention
     T.attention = lambda q, k, v, mask, scale: FlexStandIn.apply(q, k, v)

@@ -88,7 +88,7 @@ import torch.distributed as dist  # noqa: E402
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,  # noqa: E402
                                            FakeTensor, FakeTensorMode)
 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 
 import estimate_memory  # noqa: E402
 import train_gpt as T  # noqa: E402
@@ -102,12 +102,20 @@ SYNCING_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "a
                "aten::masked_select", "aten::unique_dim", "aten::_unique2", "aten::unique_consecutive",
                "aten::repeat_interleave"}
 COLLECTIVES = {"reduce_scatter": "reduce-scatter", "allgather": "all-gather", "all_gather": "all-gather",
-               "allreduce": "all-reduce", "all_reduce": "all-reduce", "broadcast": "broadcast"}
-WARMUP_STEPS = (0, 1)  # the trainer's warmup: the second steps Adam (at the default --adam_every=2)
+               "allreduce": "all-reduce", "all_reduce": "all-reduce", "broadcast": "broadcast",
+               "alltoall": "all-to-all"}
 
 
 class PreflightFailure(RuntimeError):
     """What would have failed on the GPUs; the message names the phase, the cause and where."""
+
+
+def check_fits(phase: str, peak: int):
+    """More memory than the device has is an out-of-memory on the GPUs, however well the rest went."""
+    total = fake_cuda.H100.total_memory
+    if peak > total:
+        raise PreflightFailure(f"{phase}: does not fit an H100: peak {peak / GIB:.2f} GiB per rank (live tensors) "
+                               f"> {total / GIB:.2f} GiB")
 
 
 # -----------------------------------------------------------------------------
@@ -175,7 +183,13 @@ class FakeGPU(TorchDispatchMode):
     """Sits above FakeTensorMode and sees every op the trainer dispatches. A host tensor copied to CUDA
     becomes a fake CUDA tensor (pinning is skipped); collectives are counted, in bytes per kind and
     phase; a host sync raises during a training step and is counted elsewhere (a validation ends
-    with one, its loss, which reads back as NaN here).
+    with one, its loss, which reads back as NaN here); the live fake-CUDA storages are followed, with
+    their peak per phase (estimate_memory.LiveMemory).
+
+    The sparse exchange of the bigram table's rows starts with a count exchange between the hosts: the
+    counts this rank sends are real; what it receives is answered as if the traffic were symmetric (each
+    rank receives as many rows from the others as it sends them), since the fake process group carries
+    no data.
 
     torch.compile compiles as if the mode were absent, and the mode watches the compiled code run
     (ignore_compile_internals), so the ops of the compiled graphs are seen too."""
@@ -192,13 +206,19 @@ class FakeGPU(TorchDispatchMode):
         self.phase, self.in_training_step = "setup", False
         self.collective_bytes: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.host_syncs: dict[str, list[str]] = collections.defaultdict(list)
+        self.memory = estimate_memory.LiveMemory("cuda")
+        self.peaks: dict[str, int] = {}
+        self.host_counts: dict[StorageWeakRef, list[int]] = {}  # received counts of the host exchange
 
     @contextlib.contextmanager
     def running(self, phase: str, training_step: bool = False):
         self.phase, self.in_training_step = phase, training_step
+        self.memory.start()
         try:
             with phase_failures(phase):
                 yield
+            self.peaks[phase] = max(self.peaks.get(phase, 0), self.memory.peak)
+            check_fits(phase, self.peaks[phase])
         finally:
             self.phase, self.in_training_step = "setup", False
 
@@ -210,7 +230,11 @@ class FakeGPU(TorchDispatchMode):
         self.host_syncs[self.phase].append(f"{what} in {where}")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        result = self.dispatch(func, args, kwargs or {})
+        self.memory.track(tensors_in([result]))
+        return result
+
+    def dispatch(self, func, args, kwargs):
         if isinstance(func, torch._ops.HigherOrderOperator):  # flex_attention: its parts come through one by one
             return func(*args, **kwargs)
         name = func._schema.name
@@ -220,11 +244,17 @@ class FakeGPU(TorchDispatchMode):
             source, target = args[0], torch.device(kwargs.get("device") or args[0].device)
             if source.device.type == "cuda" and target.type == "cpu":
                 self.host_sync("a copy to the host")
-            if target.type == "cuda" and not isinstance(source, FakeTensor):  # host tensor -> fake GPU
+            if target.type == "cuda" and (not isinstance(source, FakeTensor) or source.constant is not None):
+                # A host tensor (or a small one fake mode keeps the value of, which it would copy for real)
+                # becomes a fake GPU tensor of its shape and dtype.
                 with self.fake_mode:
-                    return func(self.fake_mode.from_tensor(source), *args[1:], **kwargs)
+                    return torch.empty(source.shape, dtype=kwargs.get("dtype") or source.dtype, device=target)
         if name == "aten::copy_" and args[1].device.type == "cuda" and args[0].device.type == "cpu":
             self.host_sync("a copy to the host")
+        if name == "aten::_local_scalar_dense" and args[0].device.type == "cpu":
+            counts = self.host_counts.get(StorageWeakRef(args[0].untyped_storage()))
+            if counts is not None:  # a host value: no sync
+                return counts[args[0].storage_offset()]
         if name in SYNCING_OPS:
             self.host_sync(name)
             if name == "aten::_local_scalar_dense":
@@ -237,6 +267,14 @@ class FakeGPU(TorchDispatchMode):
                 self.collective_bytes[self.phase][kind] += max(t.nbytes for t in tensors_in(args))
         return func(*args, **kwargs)
 
+    def all_to_all_single(self, output, input, *args, **kwargs):
+        """torch.distributed.all_to_all_single, noting the values of a host count exchange (real tensors,
+        before they reach the fake process group) as what the output receives."""
+        if input.device.type == "cpu" and not isinstance(input, FakeTensor) and output.device.type == "cpu":
+            with _disable_current_modes():
+                self.host_counts[StorageWeakRef(output.untyped_storage())] = input.tolist()
+        return ALL_TO_ALL_SINGLE(output, input, *args, **kwargs)
+
 
 class GraphCounter:
     """A torch.compile backend that counts the graphs compiled for each part of the model, then hands
@@ -247,11 +285,25 @@ class GraphCounter:
         self.part = None
         self.graphs = collections.Counter()
 
-    def watch(self, model: T.GPT, whole_blocks: bool):
-        blocks = "blocks" if whole_blocks else "attention calls"
+    def watch(self, model: T.GPT, compiled: bool):
+        """Names the part of the model that compiles: each layer (one code object, Block.forward, for all
+        of them), the stem, the final mix and the loss chunk; with --compile=false the attention calls."""
+        layers = "layers" if compiled else "attention calls"
         for block in model.blocks:
-            block.register_forward_pre_hook(lambda module, inputs: setattr(self, "part", blocks))
-        model.head.register_forward_pre_hook(lambda module, inputs: setattr(self, "part", "head"))
+            block.register_forward_pre_hook(lambda module, inputs: setattr(self, "part", layers))
+        if compiled:
+            for attribute, part in (("stem", "stem"), ("head_mix", "final mix"), ("mtp_chunk", "loss chunk")):
+                setattr(model, attribute, self.naming(part, getattr(model, attribute)))
+
+    def naming(self, part: str, fn):
+        def call(*args, **kwargs):
+            self.part = part
+            return fn(*args, **kwargs)
+        return call
+
+    @property
+    def total(self) -> int:
+        return sum(self.graphs.values())
 
     def __call__(self, graph_module, example_inputs):
         self.graphs[self.part] += 1
@@ -262,27 +314,20 @@ class GraphCounter:
         return aot_eager(graph_module, example_inputs)
 
 
-@contextlib.contextmanager
-def saved_activations(model: T.GPT):
-    """Per forward of the model, the bytes of the tensors kept for its backward (each storage once):
-    tools/estimate_memory.py's measure, taken on the step as compiled here."""
-    per_forward: list[dict] = []
-
-    def keep(t):
-        if per_forward:
-            per_forward[-1][StorageWeakRef(t.untyped_storage())] = t.untyped_storage().nbytes()
-        return t
-
-    handle = model.register_forward_pre_hook(lambda module, inputs: per_forward.append({}))
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            yield per_forward
-    finally:
-        handle.remove()
-
-
 # -----------------------------------------------------------------------------
 # The run
+
+@dataclasses.dataclass
+class Phase:
+    """One phase of the run: a training step, the validation or the checkpoint."""
+    name: str
+    what: str  # its stage, batch and optimizer steps, in words
+    stage: str | None = None  # estimate_memory's phase of the same shapes
+    peak: int = 0  # bytes of live tensors per rank, at most
+    collectives: dict = dataclasses.field(default_factory=dict)  # kind -> bytes
+    host_syncs: list = dataclasses.field(default_factory=list)
+    graphs: int = 0  # compiled in this phase
+
 
 @dataclasses.dataclass
 class Report:
@@ -291,35 +336,65 @@ class Report:
     backend: str
     decisions: str = ""
     parameters: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # dtype -> elements
-    graphs: dict = dataclasses.field(default_factory=dict)
-    collectives: dict = dataclasses.field(default_factory=dict)  # phase -> kind -> bytes
-    host_syncs: dict = dataclasses.field(default_factory=dict)  # phase -> what and where
-    memory: dict = dataclasses.field(default_factory=dict)  # row -> bytes, this run
-    estimate: dict = dataclasses.field(default_factory=dict)  # row -> bytes, tools/estimate_memory.py
+    phases: dict = dataclasses.field(default_factory=dict)  # name -> Phase, in run order
+    graphs: dict = dataclasses.field(default_factory=dict)  # part of the model -> graphs
+    estimate: dict = dataclasses.field(default_factory=dict)  # estimate_memory's phase -> row -> bytes
     kernels: list = dataclasses.field(default_factory=list)  # inductor: (name, shared memory bytes)
     checkpoint_bytes: int | None = None
     seconds: dict = dataclasses.field(default_factory=dict)
 
-    def step_collectives(self, kind: str) -> dict:
-        """Bytes per collective kind of the measured step without Adam, or with it."""
-        return self.collectives.get(f"training step {measured_steps(self.args)[kind]}", {})
+    def steps(self) -> list[Phase]:
+        return [p for p in self.phases.values() if p.name.startswith("training step")]
 
-    def collectives_per_step(self) -> float:
-        """Bytes per step on average over the steps of one Adam cycle."""
-        with_adam, every = sum(self.step_collectives("with Adam").values()), self.args.adam_every
-        if every == 1:
-            return with_adam
-        return ((every - 1) * sum(self.step_collectives("without Adam").values()) + with_adam) / every
+    def collectives_per_step(self) -> dict[str, float]:
+        """Per stage, the bytes of an average step of one Adam cycle: (adam_every - 1) steps without Adam
+        and one with it."""
+        out = {}
+        for stage in dict.fromkeys(p.stage for p in self.steps()):
+            steps = [p for p in self.steps() if p.stage == stage]
+            # an Adam step that does not untie, or else the untie (then the stage's only Adam step here)
+            adam_steps = [p for p in steps if "Adam" in p.what]
+            with_adam = [sum(p.collectives.values()) for p in
+                         ([p for p in adam_steps if "untie" not in p.what] or adam_steps)]
+            without = [sum(p.collectives.values()) for p in steps if "Adam" not in p.what]
+            every = self.args.adam_every
+            if with_adam and (without or every == 1):
+                out[stage] = ((every - 1) * (without[0] if without else 0) + with_adam[0]) / every
+        return out
 
 
-def measured_steps(args: T.Hyperparameters) -> dict[str, int]:
-    """After the warmup's steps, the first step without Adam and the first with it (each kind that occurs)."""
-    steps: dict[str, int] = {}
-    step = len(WARMUP_STEPS)
-    while len(steps) < (1 if args.adam_every == 1 else 2):
-        steps.setdefault("with Adam" if T.adam_steps_at(step, args) else "without Adam", step)
-        step += 1
-    return dict(sorted(steps.items(), key=lambda kind_step: kind_step[1]))
+def preflight_steps(args: T.Hyperparameters, schedule: T.Schedule) -> list[int]:
+    """The trainer's warmup steps (at least one Adam cycle at the start of every stage), the untie, and the
+    next Adam step, the first with the embedding on its own."""
+    steps = T.warmup_steps(dataclasses.replace(args, warmup_steps=max(args.warmup_steps, args.adam_every)), schedule)
+    untie = schedule.untie_step
+    if untie is not None:
+        steps = sorted({*steps, untie, *[s for s in (untie + args.adam_every,) if s < args.num_iterations]})
+    return steps
+
+
+def on_host(*args):
+    """T.host_bigram_rows with real tensors: the loader's host-side work (which bigram rows a micro-batch
+    reads) needs values, which fake tensors do not have."""
+    with _disable_current_modes():
+        return HOST_BIGRAM_ROWS(*args)
+
+
+def real_from_numpy(array):
+    """torch.from_numpy keeping the host array's values (under FakeTensorMode it would make a fake tensor
+    without them): the counts of the bigram rows' exchange are host values the trainer reads back."""
+    with _disable_current_modes():
+        return FROM_NUMPY(array)
+
+
+HOST_BIGRAM_ROWS = T.host_bigram_rows
+ALL_TO_ALL_SINGLE = dist.all_to_all_single
+FROM_NUMPY = torch.from_numpy
+
+
+def stage_name(schedule: T.Schedule, step: int) -> str:
+    index = schedule.stage_index(step)
+    return "extension" if index == len(schedule.stages) - 1 else f"stage {index + 1}"
 
 
 def run_preflight(flags: list[str], world_size: int = 8, backend: str = "aot_eager") -> Report:
@@ -341,7 +416,6 @@ def run_preflight(flags: list[str], world_size: int = 8, backend: str = "aot_eag
         if dist.is_initialized():
             dist.destroy_process_group()
     report.kernels = list(kernels)
-    report.estimate = estimate_memory.estimate(flags, world_size)
     return report
 
 
@@ -351,55 +425,68 @@ def run_steps(args: T.Hyperparameters, world_size: int, backend: str) -> Report:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     gpu = FakeGPU(fake_mode)
     torch.cuda.synchronize = lambda device=None: gpu.host_sync("torch.cuda.synchronize")
+    schedule = T.Schedule(args)
+    counter = GraphCounter(backend)
 
-    with gpu.running("setup"), gpu:  # the model is built on the host; its move to the GPU makes it fake
+    @contextlib.contextmanager
+    def phase(name: str, what: str, stage: str | None = None, training_step: bool = False):
+        graphs, first = counter.total, gpu.phase
+        with gpu.running(name, training_step):
+            yield
+        report.phases[name] = Phase(name, what, stage, gpu.peaks[name], dict(gpu.collective_bytes[name]),
+                                    list(gpu.host_syncs[name]), counter.total - graphs)
+
+    with phase("setup", "the model built and moved to the GPU, compiled, its optimizers"), gpu:
         env = T.setup_distributed(args)
-        model = T.build_model(args, env)
+        # Built on the meta device, which holds no data: its move to the GPU makes it fake. Built for real,
+        # a large recipe's weights would fill the host's memory before anything is checked.
+        with torch.device("meta"):
+            model = T.build_model(args, env)
     for p in model.parameters():
         report.parameters[str(p.dtype).removeprefix("torch.")] += p.numel()
 
-    counter = GraphCounter(backend)
-    with fake_mode, gpu, warnings.catch_warnings():
+    with fake_mode, gpu, warnings.catch_warnings(), unittest.mock.patch.object(T, "host_bigram_rows", on_host), \
+            unittest.mock.patch.object(dist, "all_to_all_single", gpu.all_to_all_single), \
+            unittest.mock.patch.object(torch, "from_numpy", real_from_numpy):
         # FlexAttention run uncompiled materialises the whole score matrix: on the GPUs, an out-of-memory.
         warnings.filterwarnings("error", message=".*flex_attention called without torch.compile")
         with gpu.running("setup"):
-            counter.watch(model, whole_blocks=args.compile)
             optimizers, use_flex = T.prepare_training(model, args, env, backend=counter)
+            counter.watch(model, compiled=args.compile)
             loader = T.SyntheticLoader(args, env)
             val_tokens = torch.randint(0, T.BOS_ID, (args.val_seq_len * world_size + 1,))
         attention = "flex" if use_flex else "sdpa"
-        compiled = "per block" if args.compile else ("FlexAttention only" if use_flex else "off")
-        report.decisions = f"attention {attention}, lm_head {model.head.precision}, compile {compiled}"
-
-        def training_steps(steps):
-            for step in steps:
-                windows = T.layer_windows(args, T.attention_windows(step, args))
-                batch = loader.next_batch()
-                with gpu.running(f"training step {step}", training_step=True):
-                    T.train_step(model, optimizers, batch, windows, step, args, use_flex)
-
+        compiled = "per layer" if args.compile else ("FlexAttention only" if use_flex else "off")
+        report.decisions = (f"attention {attention}, lm_head {model.head_precision}, MLP {model.blocks[0].mlp.precision}, "
+                            f"compile {compiled}")
         report.seconds["setup"] = time.perf_counter() - start
-        training_steps(WARMUP_STEPS)
-        report.seconds["first steps, compiling"] = time.perf_counter() - start - sum(report.seconds.values())
-        final_windows = T.layer_windows(args, T.attention_windows(args.num_iterations, args, final_validation=True))
-        with gpu.running("validation"):
-            T.evaluate(model, val_tokens, final_windows, args, env, use_flex)
+
+        for step in preflight_steps(args, schedule):
+            stage = stage_name(schedule, step)
+            parts = [stage, f"{schedule.micro_tokens(step):,} tokens per micro-batch"]
+            if T.adam_steps_at(step, args):
+                parts.append("Adam")
+            if step == schedule.untie_step:
+                parts.append("untie")
+            model.rotary.set_window(schedule.windows(step)[1])
+            T.set_schedules(step, optimizers, schedule, args)
+            batch = loader.next_batch(step)
+            with phase(f"training step {step}", ", ".join(parts), stage, training_step=True):
+                T.train_step(model, optimizers, batch, step, schedule, args, use_flex)
+        report.seconds["training steps"] = time.perf_counter() - start - sum(report.seconds.values())
+        windows = schedule.windows(args.num_iterations, final_validation=True)
+        model.rotary.set_window(windows[1])  # YaRN, as the trainer leaves it for the last validation
+        with phase("validation", f"final windows {windows}, {args.val_seq_len:,}-token sequences", "validation"):
+            T.evaluate(model, val_tokens, windows, args, env, use_flex)
         if args.save_every or args.save_final:
-            with gpu.running("checkpoint"):
+            with phase("checkpoint", "the checkpoint and final weights, written without tensor data"):
                 report.checkpoint_bytes = save_checkpoints(model, optimizers, loader, args, env)
-        report.seconds["validation"] = time.perf_counter() - start - sum(report.seconds.values())
-        with saved_activations(model) as per_forward:
-            training_steps(sorted(measured_steps(args).values()))
-        report.seconds["measured steps"] = time.perf_counter() - start - sum(report.seconds.values())
-        tokens = torch.full((args.micro_batch_tokens,), T.BOS_ID, device=env.device)
-        masks = T.build_masks(tokens, T.layer_windows(args, T.attention_windows(0, args)), use_flex,
-                              args.window_block)
-        report.memory = estimate_memory.breakdown(model, args, world_size, max(sum(f.values()) for f in per_forward),
-                                                  estimate_memory.mask_bytes(masks))
+        report.seconds["validation and checkpoint"] = time.perf_counter() - start - sum(report.seconds.values())
 
     report.graphs = dict(counter.graphs)
-    report.collectives = {phase: dict(kinds) for phase, kinds in gpu.collective_bytes.items()}
-    report.host_syncs = dict(gpu.host_syncs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report.estimate = estimate_memory.estimate_args(args, world_size)
     return report
 
 
@@ -449,22 +536,21 @@ def print_report(report: Report):
           f"{torch.__version__}), torch.compile backend {report.backend}")
     parameters = ", ".join(f"{n / 1e6:.1f}M in {dtype}" for dtype, n in sorted(report.parameters.items()))
     print(f"decisions: {report.decisions}; parameters {parameters}")
-    print("graphs compiled: " + (", ".join(f"{n} for the {part}" for part, n in report.graphs.items()) or "none"))
-    steps = len(WARMUP_STEPS) + len(measured_steps(args))
-    print(f"host syncs: none in {steps} training steps" +
-          "".join(f"; {phase}: {len(found)} ({', '.join(sorted(set(found)))})"
-                  for phase, found in report.host_syncs.items()))
+    print("phases (memory: the most live tensors per rank | tools/estimate_memory.py's peak for the same shapes; "
+          "collectives: bytes of each whole buffer rank 0 sends or receives):")
+    for p in report.phases.values():
+        estimate = report.estimate.get(p.stage, {}).get("peak")
+        memory = f"{p.peak / GIB:.2f} GiB" + (f" | {estimate / GIB:.2f}" if estimate is not None else "")
+        syncs = ", ".join(sorted(set(p.host_syncs))) or "none"
+        print(f"  {p.name} ({p.what}): memory {memory}; collectives {kinds(p.collectives)}; "
+              f"host syncs {syncs}; graphs compiled {p.graphs}")
+    print(f"  {'an H100 has':<12} {fake_cuda.H100.total_memory / GIB:.2f} GiB")
+    print("graphs compiled: " + (", ".join(f"{n} for the {part}" for part, n in report.graphs.items()) or "none") +
+          f"; dynamo's limit per code object is {torch._dynamo.config.recompile_limit}")
+    per_step = report.collectives_per_step()
     if world_size > 1:
-        steps_seen = "; ".join(f"a step {kind}: {kinds(report.step_collectives(kind))}" for kind in measured_steps(args))
-        print(f"collectives, bytes of each whole buffer: {megabytes(report.collectives_per_step())} per step on "
-              f"average; {steps_seen}")
-        others = [f"{phase}: {kinds(c)}" for phase, c in report.collectives.items()
-                  if not phase.startswith("training step")]
-        print("  outside the training steps: " + "; ".join(others))
-    print("memory of a training step per rank, GiB   this run | tools/estimate_memory.py (eager)")
-    for row, value in report.memory.items():
-        print(f"  {row:<38} {value / GIB:8.2f} | {report.estimate[row] / GIB:8.2f}")
-    print(f"  {'an H100 has':<38} {fake_cuda.H100.total_memory / GIB:8.2f}")
+        print("collectives per step, averaged over an Adam cycle: " +
+              ", ".join(f"{stage} {megabytes(n)}" for stage, n in per_step.items()))
     if report.checkpoint_bytes is not None:
         print(f"checkpoint written without tensor data: {megabytes(report.checkpoint_bytes)}")
     if report.kernels:
@@ -473,11 +559,12 @@ def print_report(report: Report):
               f"({len(report.kernels)} configurations); the most shared memory: {shared / 1024:.1f} KiB of "
               f"{fake_cuda.H100.shared_memory_per_block_optin / 1024:.0f} KiB ({name})")
     print("time: " + ", ".join(f"{what} {seconds:.1f} s" for what, seconds in report.seconds.items()))
-    print(f"summary: preflight passed  world_size:{world_size} backend:{report.backend} steps:{steps} "
-          f"host_syncs_in_steps:0 graphs:{sum(report.graphs.values())} "
+    steps = report.steps()
+    print(f"summary: preflight passed  world_size:{world_size} backend:{report.backend} phases:{len(report.phases)} "
+          f"steps:{len(steps)} host_syncs_in_steps:0 graphs:{sum(report.graphs.values())} "
           f"kernels:{len({n for n, _ in report.kernels}) if report.kernels else '-'} "
-          f"peak_memory:{report.memory['peak'] / GIB:.2f}GiB "
-          f"collectives_per_step:{report.collectives_per_step() / 1e6:.0f}MB "
+          f"peak_memory:{max(p.peak for p in report.phases.values()) / GIB:.2f}GiB "
+          f"collectives_per_step:{max(per_step.values(), default=0) / 1e6:.0f}MB "
           f"seconds:{sum(report.seconds.values()):.0f}")
 
 
@@ -493,6 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     fake_cuda.pretend_h100()
     torch._logging.set_logs(all=logging.CRITICAL)  # errors come back as one line; torch's logging would bury it
     torch._dynamo.config.fail_on_recompile_limit_hit = True  # rather than a silent fallback to uncompiled code
+    # inductor's advice on fp32 matmuls (the record's numerics keep them fp32, as the trainer does)
+    warnings.filterwarnings("ignore", message="TensorFloat32 tensor cores")
     try:
         report = run_preflight(options.flags, options.world_size, options.backend)
     except (T.ConfigError, T.DataError) as e:

@@ -13,7 +13,9 @@ import dataclasses
 import inspect
 import io
 import json
+import resource
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,28 +26,39 @@ fake_cuda.load()
 import preflight  # noqa: E402
 import train_gpt as T  # noqa: E402
 
-# Reduced width (64, one head of 64) with the speedrun's structure, windows, schedule, sequence lengths
-# and batch: fake tensors cost the same at any size, but building the model for real on the host and
-# the FLOP-free bookkeeping shrink with it. At world size 1 the batch is 2 micro-batches instead of 8:
-# gradient accumulation and Adam's no_sync are the same code for 2 as for 8, at a quarter of the time.
-SMALL = ["--model_dim=64", "--head_dim=64"]
+# Reduced width (128, four heads of 32) with the speedrun's structure, windows, schedule, sequence lengths
+# and batches: fake tensors cost about the same at any size, but the host-side bookkeeping shrinks.
+# ONE_LENGTH gives the three stages one batch and sequence length: the same phases and code, with one
+# training graph per layer to compile instead of three (the full schedule's graphs are world_size_8's).
+SMALL = ["--model_dim=128", "--head_dim=32"]
+ONE_LENGTH = [*SMALL, "--stage_batch_tokens=131072,131072,131072", "--stage_max_seq_len=2048,2048,2048"]
 SCENARIOS = {
-    "world_size_1": (["--world_size=1", "--", *SMALL, "--batch_tokens=65536"], None),
-    "world_size_8": (["--world_size=8", "--", *SMALL], None),
-    # --compile=false, and the checkpoint writers (asked for by --save_every and --save_final)
-    "compile_false": (["--world_size=8", "--", *SMALL, "--compile=false", "--save_every=2", "--save_final=true"],
-                      None),
-    "inductor": (["--world_size=8", "--backend=inductor", "--", *SMALL], None),
+    # the speedrun preset itself: its memory per phase and collectives as they will be
+    "world_size_8": (["--world_size=8"], None),
+    # world size 1 with two micro-batches a step (accumulation and Adam's no_sync are the same code for 2 as for
+    # 8), --compile=false, and the checkpoint writers (asked for by --save_every and --save_final); the compiled
+    # step at world size 1 is `python tools/preflight.py --world_size=1`, about 3 minutes
+    "world_size_1": (["--world_size=1", "--", *ONE_LENGTH, "--stage_batch_tokens=32768,32768,32768",
+                      "--micro_batches=2", "--compile=false", "--save_every=2", "--save_final=true"], None),
+    # inductor on FlexAttention's kernels (forward and backward, each kind of mask) for sm_90: the whole
+    # compiled step takes about 8 minutes on 2 cores (`python tools/preflight.py --backend=inductor`)
+    "inductor": (["--world_size=8", "--backend=inductor", "--", *ONE_LENGTH, "--compile=false"], None),
     # A host sync: logging each micro-batch's loss as a Python number.
-    "host_sync": (["--world_size=8", "--", *SMALL, "--compile=false"],
+    "host_sync": (["--world_size=8", "--", *ONE_LENGTH, "--compile=false"],
                   ("train_step", "loss_sum += loss.detach()", "loss_sum += loss.item()")),
     # A CPU tensor created inside the step: harmless on CPU, a device mismatch on CUDA.
-    "cpu_tensor": (["--world_size=8", "--", *SMALL, "--compile=false"],
+    "cpu_tensor": (["--world_size=8", "--", *ONE_LENGTH, "--compile=false"],
                    ("flex_block_mask", "blocks = torch.arange(length // block_size, device=docs.device)",
                     "blocks = torch.arange(length // block_size)")),
-    # The FP8 head's weight operand made row-major: CPU's _scaled_mm takes it, CUDA's refuses it.
-    "fp8_layout": (["--world_size=8", "--", *SMALL, "--compile=false"],
-                   ("FP8Linear", "scaled_mm(x8, w8.T, x_scale", "scaled_mm(x8, w8.T.contiguous(), x_scale")),
+    # The FP8 MLP's weight operand made row-major: CPU's _scaled_mm takes it, CUDA's refuses it.
+    "fp8_layout": (["--world_size=8", "--", *ONE_LENGTH, "--compile=false"],
+                   ("ReluSquaredMLP", "scaled_mm(x8, fc_f8.T, amax", "scaled_mm(x8, fc_f8.T.contiguous(), amax")),
+    # A recipe far larger than this host's memory (8.9 billion parameters at width 8,192): built on the meta
+    # device, it never allocates its weights here, and fails at its first step, which cannot fit an H100.
+    "huge": (["--world_size=8", "--", "--model_dim=8192", "--head_dim=128", "--compile=false"], None),
+    # A training step that cannot fit an H100: the full width with micro-batches of 262,144 tokens.
+    "too_big": (["--world_size=8", "--", "--stage_batch_tokens=2097152,2097152,2097152",
+                 "--stage_max_seq_len=2048,2048,2048", "--compile=false"], None),
 }
 
 
@@ -86,4 +99,9 @@ def run(scenario: str) -> dict:
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:
-        print(json.dumps(run(name)), flush=True)
+        started = time.perf_counter()
+        result = run(name)
+        result["seconds"] = time.perf_counter() - started
+        result["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # so far, this process
+        print(json.dumps(result, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o)),
+              flush=True)
