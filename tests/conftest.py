@@ -34,8 +34,8 @@ def pytest_configure(config):
 # that share an expensive fixture (a training run, the preflight scenarios, the gloo launches) are in one file,
 # so each fixture is made once. The files that took longest (measured on a 2-core machine) start first, so
 # that neither worker is left with a long file at the end while the other is idle; the rest follow in order.
-LONGEST_FILES_FIRST = ("test_equivalence.py", "test_train.py", "test_reliability.py", "test_preflight.py",
-                       "test_optimizers.py", "test_bad_input.py")
+LONGEST_FILES_FIRST = ("test_preflight.py", "test_preflight_faults.py", "test_equivalence.py", "test_train.py",
+                       "test_reliability.py", "test_optimizers.py", "test_bad_input.py")
 
 
 def pytest_collection_modifyitems(items):

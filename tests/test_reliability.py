@@ -151,7 +151,7 @@ def rank_of(pid: int) -> int | None:
 
 
 # Small steps, and enough of them that the run is still going when a test kills it.
-LONG_SHORT = [*SHORT, "--num_iterations=100", "--val_loss_every=0"]
+LONG_SHORT = [*SHORT, "--num_iterations=100", "--val_loss_every=0", "--repeat_data=true"]  # longer than the shard
 
 
 def wait_for(path, pattern, proc, timeout=300):

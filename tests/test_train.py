@@ -117,13 +117,14 @@ def test_unwritable_logs_dir(tmp_path):
 
 @pytest.mark.slow
 def test_init_from_starts_from_a_final_weights_folder(final_folder, short_run, tmp_path):
-    # the SHORT run's trained weights, two more steps: near its final val loss, far below an untrained 10.8
+    # the SHORT run's trained weights, two more steps: no worse than its final val loss (by more than 0.3), far
+    # below an untrained 10.8
     proc = run_main("--num_iterations=2", "--extension_steps=1", "--val_loss_every=0", "--warmup_steps=0",
                     "--val_tokens=2048", "--val_seq_len=512", f"--init_from={final_folder}",
                     f"--logs_dir={tmp_path}", "--run_id=init")
     assert proc.returncode == 0, proc.stderr[-2000:]
     first = val_losses((tmp_path / "init.txt").read_text())[2]
     trained = short_run(1).val_losses[8]
-    assert trained < 10.3 and abs(first - trained) < 0.3, (first, trained)
+    assert trained < 10.3 and first < trained + 0.3, (first, trained)
     other = run_main("--model_dim=128", "--head_dim=32", f"--init_from={final_folder}", f"--logs_dir={tmp_path}")
     one_line_error(other, f"--init_from={final_folder}: its weights do not fit this config's model")
