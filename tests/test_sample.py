@@ -52,9 +52,9 @@ def test_cached_and_uncached_generation_agree():
     tokens = [T.BOS_ID] + prompt + cached[:100]
     with_cache = sample.Generator(model, args, (1, 4), 160, use_cache=True)
     without = sample.Generator(model, args, (1, 4), 160, use_cache=False)
-    assert_close(with_cache.feed(tokens[:5]), without.feed(tokens[:5]), rtol=1e-4, atol=1e-4)
+    assert_close(with_cache.feed(tokens[:5]), without.feed(tokens[:5]), rtol=1e-6, atol=1e-6)
     for token in tokens[5:]:
-        assert_close(with_cache.feed([token]), without.feed([token]), rtol=1e-4, atol=1e-4)
+        assert_close(with_cache.feed([token]), without.feed([token]), rtol=1e-6, atol=1e-6)
 
 
 def test_generation_stops_at_end_of_text_and_at_the_context():
