@@ -2465,10 +2465,13 @@ class SyntheticLoader:
         lengths = np.zeros(0, dtype=np.int64)
         while np.minimum(lengths, max_len).sum() <= self.schedule.micro_batches * (micro + 1):
             lengths = np.append(lengths, rng.exponential(1000, 256).astype(np.int64) + 1)
-        tokens = rng.integers(0, BOS_ID, int(lengths.sum()), dtype=np.uint16)
-        tokens[np.cumsum(lengths) - lengths] = BOS_ID
-        micro_batches, _ = DocumentPieces(tokens).take_step(0, self.schedule.micro_batches, micro, max_len)
-        return rank_micro_batches(micro_batches, self.env, self.bigram_buckets)
+        while True:  # the remainders cut at micro-batch edges are skipped: many small micro-batches need more
+            tokens = rng.integers(0, BOS_ID, int(lengths.sum()), dtype=np.uint16)
+            tokens[np.cumsum(lengths) - lengths] = BOS_ID
+            taken = DocumentPieces(tokens).take_step(0, self.schedule.micro_batches, micro, max_len)
+            if taken is not None:
+                return rank_micro_batches(taken[0], self.env, self.bigram_buckets)
+            lengths = np.append(lengths, rng.exponential(1000, 256).astype(np.int64) + 1)
 
 
 def load_val_tokens(args: Hyperparameters) -> Tensor:

@@ -3,6 +3,8 @@ two files in parallel): world size 1 with --compile=false and the checkpoint wri
 report (a phase that cannot fit, an injected host sync, CPU tensor and FP8 layout mistake), a recipe larger
 than the host, and inductor's kernels for FlexAttention."""
 
+import re
+
 import pytest
 
 from test_preflight import GIB, HAS_TRITON, PHASES, failed, fake_cuda, line_of, passed, run_scenarios
@@ -11,33 +13,83 @@ from test_preflight import GIB, HAS_TRITON, PHASES, failed, fake_cuda, line_of, 
 @pytest.fixture(scope="module")
 def preflight_runs():
     # huge first: the worker's peak memory is read right after it
-    return run_scenarios("huge", "world_size_1", "host_sync", "cpu_tensor", "fp8_layout", "too_big", "inductor")
+    return run_scenarios("huge", "host_sync", "cpu_tensor", "fp8_layout", "rtx3090_too_big", "cards", "inductor")
+
+
+def passed_on_second_run(run) -> dict:
+    """The summary of the preflight's second run, with the flags it found to fit, after the first failed."""
+    assert run["returncode"] == 1 and "it fits with" in run["stderr"], run["stderr"][-3000:]
+    summary = run["stdout"].strip().splitlines()[-1]
+    assert summary.startswith("summary: preflight passed "), run["stdout"]
+    return dict(field.split(":", 1) for field in summary.split()[3:])
 
 
 @pytest.mark.slow
 def test_world_size_1_passes_every_phase_without_collectives(preflight_runs):
-    run = preflight_runs["world_size_1"]  # with --compile=false and the checkpoint writers
-    summary = passed(run)
+    run = preflight_runs["rtx3090_too_big"]  # with --compile=false and the checkpoint writers
+    summary = passed_on_second_run(run)
     assert summary["world_size"] == "1" and list(run["phases"]) == PHASES + ["checkpoint"]
     assert all(phase["collectives"] == {} for phase in run["phases"].values())
 
 
 @pytest.mark.slow
-def test_a_step_that_cannot_fit_an_h100_fails_the_preflight(preflight_runs):
-    # 262,144 tokens per micro-batch at full width: the peak of the first step is above 79.65 GiB.
-    line = failed(preflight_runs["too_big"], "training step 0: does not fit an H100: peak ",
-                  "GiB per rank (live tensors) > 79.65 GiB")
+def test_a_recipe_larger_than_the_host_is_never_built_on_it_and_cannot_fit(preflight_runs):
+    # Width 8,192: 8.9 billion parameters, 36 GB in fp32 if built for real (the old preflight was killed by
+    # the host's OOM killer, exit 137, with no output). Built on the meta device and moved to the fake GPU,
+    # it fails at its first step with one line, and the process stays small. No micro-batch can help: its
+    # weights, gradients and optimizer state alone are more than 85% of an H100.
+    run = preflight_runs["huge"]
+    line = failed(run, "training step 0: does not fit an H100: peak ", "GiB per rank (live tensors) > 79.65 GiB; "
+                  "cannot fit on 8 H100: the weights, gradients and optimizer state alone take ",
+                  "GiB per rank, over 67.70 GiB (85% of the card)")
     assert float(line.split("peak ")[1].split(" GiB")[0]) > 79.65
+    assert run["max_rss_bytes"] < 6 * GIB, run["max_rss_bytes"] / GIB
 
 
 @pytest.mark.slow
-def test_a_recipe_larger_than_the_host_is_never_built_on_it(preflight_runs):
-    # Width 8,192: 8.9 billion parameters, 36 GB in fp32 if built for real (the old preflight was killed by
-    # the host's OOM killer, exit 137, with no output). Built on the meta device and moved to the fake GPU,
-    # it fails at its first step with one line, and the process stays small.
-    run = preflight_runs["huge"]
-    failed(run, "training step 0: does not fit an H100: peak ")
-    assert run["max_rss_bytes"] < 6 * GIB, run["max_rss_bytes"] / GIB
+def test_a_card_a_step_cannot_fit_gets_the_flags_that_do_checked_by_a_second_run(preflight_runs):
+    # 262,144 tokens in one micro-batch at width 128 on an RTX 3090 (24 GiB, no FP8): the first step needs
+    # about 30 GiB. tools/estimate_memory.py finds two micro-batches of 131,072 tokens (the same batch), the
+    # preflight runs again with them and passes; its report is printed, the error line gives the command.
+    run = preflight_runs["rtx3090_too_big"]
+    failed(run, "training step 0: does not fit an RTX 3090: peak ", "GiB per rank (live tensors) > 24.00 GiB; it fits "
+           "with --micro_batches=2 (the same batches and validation tokens; the report above): python "
+           "tools/preflight.py --gpu=rtx3090 --world_size=1 -- ", " --micro_batches=2")
+    assert passed_on_second_run(run)["gpu"] == "rtx-3090"
+    report = run["stdout"].splitlines()
+    peaks = [float(m) for m in re.findall(r": memory (\S+) GiB", run["stdout"])]
+    assert len(peaks) == len(PHASES) + 1 and max(peaks) <= 24.0, peaks  # and the checkpoint
+    assert "131,072 tokens per micro-batch" in run["stdout"]
+    # the card has no FP8 matmuls: the trainer's auto precision falls back, one line each
+    fallbacks = [line for line in report if line.startswith("falls back: ")]
+    assert fallbacks == ["falls back: lm_head in bf16, not FP8: the RTX 3090 has compute capability 8.6, FP8 matmuls need 8.9",
+                         "falls back: MLP up-projections in bf16, not FP8: the RTX 3090 has compute capability 8.6, FP8 "
+                         "matmuls need 8.9"]
+    assert "decisions: attention flex, lm_head bf16, MLP bf16" in run["stdout"]
+
+
+# The issue's table of cards: compute capability, FP8 matmuls, and memory in GB as the card is sold.
+CARDS = {"h100": ((9, 0), True, 80), "h200": ((9, 0), True, 141), "a100-80gb": ((8, 0), False, 80),
+         "a100-40gb": ((8, 0), False, 40), "l40s": ((8, 9), True, 48), "l4": ((8, 9), True, 24),
+         "rtx4090": ((8, 9), True, 24), "rtx3090": ((8, 6), False, 24)}
+
+
+@pytest.mark.slow
+def test_every_card_is_what_the_trainer_sees_on_the_fake_device(preflight_runs):
+    cards = preflight_runs["cards"]["cards"]
+    assert sorted(cards) == sorted(CARDS) == sorted(fake_cuda.GPUS)
+    for name, ((major, minor), fp8, gigabytes) in CARDS.items():
+        seen, card = cards[name], fake_cuda.GPUS[name]
+        assert seen["name"] == card.name and seen["capability"] == [major, minor], name
+        assert seen["memory"] == card.total_memory and 0.93 < card.total_memory / (gigabytes * 1e9) < 1.08, name
+        assert seen["auto"] == (["fp8", "fp8"] if fp8 else ["bf16", "bf16"]), name
+        if fp8:
+            assert seen["fp8"] == "fp8", name
+        else:
+            assert seen["fp8"] == (f"error: --mlp_precision=fp8: {card.name} has no FP8 tensor cores (compute capability "
+                                   f"8.9 or later); use bf16"), name
+        # the trainer's own memory refusal names the card's memory
+        assert f"more than the {card.total_memory / GIB:.0f} GiB cuda:0 has" in seen["sdpa"], name
 
 
 @pytest.mark.slow
@@ -62,15 +114,15 @@ def test_an_fp8_operand_in_the_wrong_layout_fails_the_preflight(preflight_runs):
 def test_compile_false_on_cuda_compiles_flex_attention_alone(preflight_runs):
     # Uncompiled, FlexAttention materialises the whole score matrix: the preflight refuses that, and
     # --compile=false compiles the attention call alone instead.
-    run = preflight_runs["world_size_1"]
-    assert run["decisions"] == "attention flex, lm_head fp8, MLP fp8, compile FlexAttention only"
+    run = preflight_runs["rtx3090_too_big"]
+    assert run["decisions"] == "attention flex, lm_head bf16, MLP bf16, compile FlexAttention only"  # no FP8 here
     assert list(run["graphs"]) == ["attention calls"]
 
 
 @pytest.mark.slow
 def test_checkpoints_are_written_on_the_cuda_path(preflight_runs):
-    run = preflight_runs["world_size_1"]  # with --save_every=2 --save_final=true
-    passed(run)
+    run = preflight_runs["rtx3090_too_big"]  # with --save_every=2 --save_final=true
+    passed_on_second_run(run)
     assert "checkpoint written without tensor data" in run["stdout"] and run["checkpoint_bytes"] > 0
 
 

@@ -35,6 +35,7 @@ import gc
 import math
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,11 +43,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
+import fake_cuda  # noqa: E402  (its table of GPUs; nothing is loaded)
 import train_gpt as T  # noqa: E402
 
 GIB = 2 ** 30
-H100_BYTES = 81_559 * 2 ** 20  # what nvidia-smi reports for an H100 80GB HBM3 (the public record logs)
 
 
 class FlexStandIn(torch.autograd.Function):
@@ -110,15 +111,16 @@ class LiveMemory(TorchDispatchMode):
         return out
 
 
-def h100_precisions(args: T.Hyperparameters) -> tuple[str, str]:
-    """The lm_head and MLP precisions `auto` resolves to on an H100 (compute capability 9.0)."""
-    pick = lambda flag: ("fp8" if T.fp8_fits(args) else "bf16") if getattr(args, flag) == "auto" else getattr(args, flag)
+def gpu_precisions(args: T.Hyperparameters, fp8: bool = True) -> tuple[str, str]:
+    """The lm_head and MLP precisions `auto` resolves to on a GPU with FP8 matmuls (an H100) or without."""
+    pick = lambda flag: (("fp8" if fp8 and T.fp8_fits(args) else "bf16") if getattr(args, flag) == "auto"
+                         else getattr(args, flag))
     return pick("lm_head_precision"), pick("mlp_precision")
 
 
-def gpu_model(args: T.Hyperparameters) -> T.GPT:
+def gpu_model(args: T.Hyperparameters, fp8: bool = True) -> T.GPT:
     """The model in its GPU dtypes, built under the caller's FakeTensorMode."""
-    return T.cast_for_device(T.GPT(args, *h100_precisions(args)), torch.device("cuda"))
+    return T.cast_for_device(T.GPT(args, *gpu_precisions(args, fp8)), torch.device("cuda"))
 
 
 def nbytes(tensors) -> int:
@@ -202,14 +204,25 @@ def estimate(argv: list[str], world_size: int) -> dict[str, dict[str, float]]:
     return estimate_args(T.parse_args(["--preset=speedrun", *argv], True), world_size)
 
 
-def estimate_args(args: T.Hyperparameters, world_size: int) -> dict[str, dict[str, float]]:
+def state_bytes(args: T.Hyperparameters, world_size: int, fp8: bool = True) -> int:
+    """What a rank holds whatever the phase: weights, buffers, gradients and optimizer state (estimate_args's
+    first rows, without running a forward pass)."""
+    with FakeTensorMode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = gpu_model(args, fp8)
+        muon, adam = T.build_optimizers(model, args)
+        return (2 * nbytes(model.parameters()) + nbytes(model.buffers()) + normuon_bytes(muon, world_size)[0]
+                + dist_adam_bytes(adam, world_size, model.bigram_embed.weight, 0)[0])
+
+
+def estimate_args(args: T.Hyperparameters, world_size: int, fp8: bool = True) -> dict[str, dict[str, float]]:
     T.check_world_size(args, world_size)
     real_attention = T.attention
     T.attention = lambda q, k, v, mask, scale: FlexStandIn.apply(q, k, v)
     try:
         with FakeTensorMode(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = gpu_model(args)
+            model = gpu_model(args, fp8)
             muon, adam = T.build_optimizers(model, args)
             weights = nbytes(model.parameters())
             buffers = nbytes(model.buffers())
@@ -255,19 +268,90 @@ def estimate_args(args: T.Hyperparameters, world_size: int) -> dict[str, dict[st
         T.attention = real_attention
 
 
+# -----------------------------------------------------------------------------
+# Flags that fit a card
+
+# The share of a card's memory the counted tensors may take. The rest is for what neither this count nor the
+# preflight's sees (the CUDA context, NCCL's buffers, the allocator's fragmentation, cuBLAS workspaces) and
+# for the compiled step's own choices: the preflight measured up to 13% above this estimate (record #85's
+# first Adam step, 17.61 against 15.55 GiB).
+FIT_MARGIN = 0.15
+
+
+@dataclass
+class Fit:
+    """What makes a recipe fit a card: the extra train_gpt.py flags (none if it fits as given), the estimated
+    peak per phase with them, and, when nothing this tool may change helps, why."""
+    flags: list[str]
+    peaks: dict[str, float]
+    budget: float
+    reason: str = ""
+
+
+def fitting_flags(flags: list[str], world_size: int, memory: int, fp8: bool = True) -> Fit:
+    """More micro-batches per step (the same global batch, each micro-batch smaller) until every training
+    phase's estimate fits (1 - FIT_MARGIN) of `memory`, then shorter validation sequences (the same
+    validation tokens) until the validation fits. Each candidate must pass the trainer's own checks."""
+    budget = memory * (1 - FIT_MARGIN)
+    args = T.parse_args(flags, True)
+    T.check_world_size(args, world_size)
+    state = state_bytes(args, world_size, fp8)
+    if state > budget:  # no micro-batch helps; known without the forward passes, which are slow at such sizes
+        return Fit([], {}, budget, f"the weights, gradients and optimizer state alone take {state / GIB:.2f} GiB per "
+                                   f"rank, over {budget / GIB:.2f} GiB ({1 - FIT_MARGIN:.0%} of the card); more GPUs "
+                                   f"share the optimizer state")
+    rows = estimate_args(args, world_size, fp8)
+    extra: list[str] = []
+
+    def fits(names) -> bool:
+        return all(rows[n]["peak"] <= budget for n in names)
+
+    def first_fitting(flag: str, values, names) -> bool:
+        nonlocal rows
+        for value in values:
+            try:
+                trial = T.parse_args([*flags, *extra, f"--{flag}={value}"], True)
+                T.check_world_size(trial, world_size)
+            except T.ConfigError:
+                return False
+            rows = estimate_args(trial, world_size, fp8)
+            if fits(names):
+                extra.append(f"--{flag}={value}")
+                return True
+        return False
+
+    training = [n for n in rows if n != "validation"]
+    if not fits(training) and not first_fitting("micro_batches", [args.micro_batches << j for j in range(1, 11)],
+                                                training):
+        return Fit([], {n: r["peak"] for n, r in rows.items()}, budget,
+                   f"no micro-batch the batch divides into is small enough for {budget / GIB:.2f} GiB "
+                   f"({1 - FIT_MARGIN:.0%} of the card); more GPUs share the micro-batches and the optimizer state")
+    if not fits(["validation"]) and not first_fitting("val_seq_len", [args.val_seq_len >> j for j in range(1, 11)],
+                                                      ["validation"]):
+        return Fit([], {n: r["peak"] for n, r in rows.items()}, budget,
+                   f"no validation sequence length fits {budget / GIB:.2f} GiB ({1 - FIT_MARGIN:.0%} of the card)")
+    return Fit(extra, {n: r["peak"] for n, r in rows.items()}, budget)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world_sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--gpu", choices=list(fake_cuda.GPUS), default="h100",
+                        help="the card to fit (default h100); its memory, and FP8 or not")
     parser.error = lambda message: (print(f"error: {message}", file=sys.stderr), sys.exit(2))
     options = parser.parse_args(ours)
     bad = [w for w in options.world_sizes if w < 1]
     if bad:
         print(f"error: --world_sizes: {bad[0]} is not a world size (at least 1)", file=sys.stderr)
         return 2
+    card = fake_cuda.GPUS[options.gpu]
+    fp8 = fake_cuda.has_fp8(card)
     try:
-        tables = {w: estimate(flags, w) for w in options.world_sizes}
+        tables = {w: estimate_args(T.parse_args(["--preset=speedrun", *flags], True), w, fp8)
+                  for w in options.world_sizes}
+        fits = {w: fitting_flags(["--preset=speedrun", *flags], w, card.total_memory, fp8) for w in options.world_sizes}
     except (T.ConfigError, T.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -280,8 +364,14 @@ def main(argv=None) -> int:
         for key in keys:
             print(f"| {key} | " + " | ".join(f"{table[n][key] / GIB:.2f}" if key in table[n] else "" for n in names)
                   + " |")
-        print("| room left on an H100 (81,559 MiB) | " +
-              " | ".join(f"{(H100_BYTES - table[n]['peak']) / GIB:.2f}" for n in names) + " |")
+        print(f"| room left on an {card.short_name} ({card.total_memory // 2 ** 20:,} MiB) | " +
+              " | ".join(f"{(card.total_memory - table[n]['peak']) / GIB:.2f}" for n in names) + " |")
+        fit = fits[world_size]
+        print(f"{card.short_name} x {world_size}: " + (
+            f"cannot fit: {fit.reason}" if fit.reason else
+            f"fits within {1 - FIT_MARGIN:.0%} of its memory as given" if not fit.flags else
+            f"fits within {1 - FIT_MARGIN:.0%} of its memory with {' '.join(fit.flags)} (peak "
+            f"{max(fit.peaks.values()) / GIB:.2f} GiB)"))
     return 0
 
 

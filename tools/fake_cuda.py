@@ -1,13 +1,14 @@
-"""A fake H100 for PyTorch without a GPU (a CPU build, or a CUDA build on a machine without one):
-what lets tools/preflight.py run the trainer's CUDA code path on fake tensors.
+"""A fake H100 (or another of GPUS) for PyTorch without a GPU (a CPU build, or a CUDA build on a machine
+without one): what lets tools/preflight.py run the trainer's CUDA code path on fake tensors.
 
 `load()` builds tools/fake_cuda.cpp with g++ against the installed PyTorch's headers (once per
 PyTorch install and source version, into .cache/fake_cuda/) and loads it: a CUDA device guard and
 CUDA hooks, which is all FakeTensorMode needs to hold tensors on device "cuda". It must run before
-`import torch`, because PyTorch reads its CUDA hooks once. `pretend_h100()` then makes torch.cuda
-answer like one H100 SXM (compute capability 9.0, 132 SMs, 227 KiB of shared memory per block), in
-torch.cuda and in the device interface torch.compile asks. For inductor, `fake_sm90_triton()` gives
-triton a driver that compiles every kernel for sm_90 with triton's own ptxas and launches none.
+`import torch`, because PyTorch reads its CUDA hooks once. `pretend_gpu()` then makes torch.cuda
+answer like one H100 SXM (compute capability 9.0, 132 SMs, 227 KiB of shared memory per block), or
+another card of GPUS, in torch.cuda and in the device interface torch.compile asks. For inductor,
+`fake_triton()` gives triton a driver that compiles every kernel for that card (sm_90 for the H100)
+with triton's own ptxas and launches none.
 
 Nothing here allocates device memory or runs a kernel: fake tensors have shapes, dtypes, strides
 and devices but no data.
@@ -40,7 +41,40 @@ H100 = SimpleNamespace(
     shared_memory_per_block=48 * 1024, shared_memory_per_block_optin=227 * 1024,
     shared_memory_per_multiprocessor=228 * 1024, L2_cache_size=50 * 2 ** 20, clock_rate=1_980_000,
     memory_clock_rate=2_619_000, memory_bus_width=5120, is_integrated=False, is_multi_gpu_board=False,
-    gcnArchName="NVIDIA H100 80GB HBM3", uuid="fake-h100", pci_bus_id=0, pci_device_id=0, pci_domain_id=0)
+    gcnArchName="NVIDIA H100 80GB HBM3", uuid="fake-h100", pci_bus_id=0, pci_device_id=0, pci_domain_id=0,
+    short_name="H100")
+
+
+def profile(name: str, short_name: str, capability: tuple[int, int], memory_mib: int, sms: int, shared_kib: int,
+            l2_mib: int, threads_per_sm: int, memory_bus_width: int) -> SimpleNamespace:
+    """Another GPU as torch.cuda would describe it: the H100's fields with this card's own values. Memory is
+    what nvidia-smi shows for such a card (published figures, not measured here); `shared_kib` is the most
+    shared memory one block may opt into, which bounds every Triton kernel."""
+    return SimpleNamespace(**{**vars(H100), **dict(
+        name=name, gcnArchName=name, short_name=short_name, uuid=f"fake-{short_name.lower().replace(' ', '-')}",
+        major=capability[0], minor=capability[1], total_memory=memory_mib * 2 ** 20, multi_processor_count=sms,
+        shared_memory_per_block_optin=shared_kib * 1024, shared_memory_per_multiprocessor=(shared_kib + 1) * 1024,
+        L2_cache_size=l2_mib * 2 ** 20, max_threads_per_multi_processor=threads_per_sm,
+        memory_bus_width=memory_bus_width)})
+
+
+# The cards `tools/preflight.py --gpu=NAME` can stand in for. FP8 matmuls need compute capability 8.9 (Ada)
+# or later, so the A100s and the RTX 3090 train in bf16 where the H100 uses FP8.
+GPUS = {
+    "h100": H100,
+    "h200": profile("NVIDIA H200", "H200", (9, 0), 143_771, 132, 227, 50, 2048, 6144),
+    "a100-80gb": profile("NVIDIA A100-SXM4-80GB", "A100 80GB", (8, 0), 81_920, 108, 163, 40, 2048, 5120),
+    "a100-40gb": profile("NVIDIA A100-SXM4-40GB", "A100 40GB", (8, 0), 40_960, 108, 163, 40, 2048, 5120),
+    "l40s": profile("NVIDIA L40S", "L40S", (8, 9), 46_068, 142, 99, 96, 1536, 384),
+    "l4": profile("NVIDIA L4", "L4", (8, 9), 23_034, 58, 99, 48, 1536, 192),
+    "rtx4090": profile("NVIDIA GeForce RTX 4090", "RTX 4090", (8, 9), 24_564, 128, 99, 72, 1536, 384),
+    "rtx3090": profile("NVIDIA GeForce RTX 3090", "RTX 3090", (8, 6), 24_576, 82, 99, 6, 1536, 384),
+}
+gpu = H100  # the card pretend_gpu() last made torch.cuda describe
+
+
+def has_fp8(card: SimpleNamespace) -> bool:
+    return (card.major, card.minor) >= (8, 9)
 
 
 class ShimError(RuntimeError):
@@ -140,10 +174,13 @@ def stderr_without(line: str):
             sys.stderr.write("".join(kept))
 
 
-def pretend_h100():
-    """torch.cuda and torch.compile's device interface answer like one H100; no memory, no kernels."""
+def pretend_gpu(card: SimpleNamespace = H100):
+    """torch.cuda and torch.compile's device interface answer like one such card (an H100 unless another of
+    GPUS is given): its name, compute capability, memory and limits. No memory, no kernels."""
+    global gpu
     if loaded is None:
-        raise ShimError("load() the fake CUDA device before pretend_h100()")
+        raise ShimError("load() the fake CUDA device before pretend_gpu()")
+    gpu = card
     import torch
     from torch._dynamo import device_interface
     from torch._subclasses import fake_tensor
@@ -155,8 +192,8 @@ def pretend_h100():
     fake_tensor.init_gpu_context = lambda device: None
     answers = dict(
         is_available=lambda: True, device_count=lambda: 1, current_device=lambda: 0, set_device=lambda device: None,
-        get_device_capability=lambda device=None: (H100.major, H100.minor),
-        get_device_properties=lambda device=None: H100, get_device_name=lambda device=None: H100.name,
+        get_device_capability=lambda device=None: (card.major, card.minor),
+        get_device_properties=lambda device=None: card, get_device_name=lambda device=None: card.name,
         is_bf16_supported=lambda including_emulation=True: True, synchronize=lambda device=None: None,
         memory_allocated=lambda device=None: 0, _exchange_device=lambda device: 0,
         _maybe_exchange_device=lambda device: 0,
@@ -170,12 +207,12 @@ def pretend_h100():
     for name in ("current_device", "set_device", "device_count", "get_device_properties", "synchronize",
                  "memory_allocated", "is_bf16_supported", "_exchange_device", "_maybe_exchange_device"):
         setattr(interface, name.removeprefix("_"), staticmethod(answers[name]))
-    device_interface.caching_worker_device_properties["cuda"] = [H100]
+    device_interface.caching_worker_device_properties["cuda"] = [card]
 
 
-def fake_sm90_triton() -> list[tuple[str, int]]:
-    """Lets torch.compile's inductor generate and compile every Triton kernel for the H100 (sm_90),
-    with triton's own bundled ptxas, and launch none. Returns the list that collects each kernel
+def fake_triton() -> list[tuple[str, int]]:
+    """Lets torch.compile's inductor generate and compile every Triton kernel for the card pretend_gpu()
+    set (sm_90 for the H100), with triton's own bundled ptxas, and launch none. Returns the list that collects each kernel
     loaded: (name, bytes of shared memory). Needs `triton` (pip install triton)."""
     import torch
     import torch._inductor.config as inductor_config
@@ -189,20 +226,20 @@ def fake_sm90_triton() -> list[tuple[str, int]]:
     loaded_kernels: list[tuple[str, int]] = []
 
     class DeviceUtils:
-        """What triton asks the CUDA driver: the H100's limits; loading a kernel records it, nothing more.
+        """What triton asks the CUDA driver: the card's limits; loading a kernel records it, nothing more.
         Triton itself refuses a kernel that needs more shared memory than max_shared_mem."""
 
         @staticmethod
         def get_device_properties(device):
-            return {"max_shared_mem": H100.shared_memory_per_block_optin, "multiprocessor_count": H100.multi_processor_count,
-                    "max_num_regs": H100.regs_per_multiprocessor, "warpSize": H100.warp_size,
-                    "sm_clock_rate": H100.clock_rate, "mem_clock_rate": H100.memory_clock_rate,
-                    "mem_bus_width": H100.memory_bus_width}
+            return {"max_shared_mem": gpu.shared_memory_per_block_optin, "multiprocessor_count": gpu.multi_processor_count,
+                    "max_num_regs": gpu.regs_per_multiprocessor, "warpSize": gpu.warp_size,
+                    "sm_clock_rate": gpu.clock_rate, "mem_clock_rate": gpu.memory_clock_rate,
+                    "mem_bus_width": gpu.memory_bus_width}
 
         @staticmethod
         def load_binary(name, kernel, shared, device):
             loaded_kernels.append((name, shared))
-            return 0, 0, 0, 0, H100.max_threads_per_block  # module, function, registers, spills, max threads
+            return 0, 0, 0, 0, gpu.max_threads_per_block  # module, function, registers, spills, max threads
 
         @staticmethod
         def unload_module(module):
@@ -215,19 +252,19 @@ def fake_sm90_triton() -> list[tuple[str, int]]:
         def __call__(self, *args, **kwargs):
             pass
 
-    class FakeSm90Driver(CudaDriver):  # a CudaDriver, so that inductor keeps it as the active one
+    class FakeDriver(CudaDriver):  # a CudaDriver, so that inductor keeps it as the active one
         def __init__(self):
             GPUDriver.__init__(self)  # torch's device queries; CudaDriver's own would load libcuda
             self.utils, self.launcher_cls = DeviceUtils(), NoLaunch
             self.get_current_stream = lambda device=None: 0
 
         def get_current_target(self):
-            return GPUTarget("cuda", 10 * H100.major + H100.minor, H100.warp_size)
+            return GPUTarget("cuda", 10 * gpu.major + gpu.minor, gpu.warp_size)
 
         def map_python_to_cpp_type(self, ty: str) -> str:
             return ty_to_cpp(ty)
 
-    active_driver.set_active(FakeSm90Driver())
+    active_driver.set_active(FakeDriver())
     # Inductor steps that run ops or time kernels on the device itself.
     CachingAutotuner.benchmark_all_configs = lambda self, *args, **kwargs: {launcher: 0.0 for launcher in self.launchers}
     inductor_config.joint_graph_constant_folding = False

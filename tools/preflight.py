@@ -3,6 +3,7 @@
     python tools/preflight.py                                  # the speedrun preset, as rank 0 of 8
     python tools/preflight.py --world_size=1 -- --model_dim=1024
     python tools/preflight.py --backend=inductor               # also every Triton kernel for sm_90
+    python tools/preflight.py --gpu=rtx4090 --world_size=1     # another card: fits? if not, with which flags?
 
 Arguments after `--` are train_gpt.py flags. The trainer's own functions run as they would on an
 H100, on fake tensors (shapes, dtypes, strides and devices, but no data; tools/fake_cuda.py makes
@@ -25,6 +26,13 @@ of train_gpt.py, and on any error the CUDA path would raise (devices, dtypes, la
 summary line and exit 0 when all is well; otherwise one `error:` line naming what failed and where,
 exit 1 (2 for bad flags, or when the fake device cannot be built).
 
+--gpu=NAME stands the fake device in for another card (fake_cuda.GPUS: its name, compute capability,
+memory, SMs and shared memory), which the trainer's own decisions then see: `auto` precision falls back
+from FP8 to bf16 without FP8 matmuls (one line says so), and inductor compiles for that architecture.
+When a phase does not fit the card, tools/estimate_memory.py finds the flags that would (more, smaller
+micro-batches per step: the same global batch and tokens; shorter validation sequences), the preflight
+runs again with them, and the `error:` line gives the flags that passed, or why nothing fits.
+
 It cannot tell kernel speed, what NCCL does, or the numbers of a real run: fake tensors hold no values.
 """
 
@@ -42,9 +50,11 @@ import fake_cuda  # noqa: E402
 def parse_options(argv: list[str]) -> argparse.Namespace:
     ours, flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(prog="tools/preflight.py", description=__doc__.splitlines()[0],
-                                     usage="python tools/preflight.py [--world_size=8] "
+                                     usage="python tools/preflight.py [--world_size=8] [--gpu=h100] "
                                            "[--backend=aot_eager|inductor] [-- train_gpt.py flags]")
     parser.add_argument("--world_size", type=int, default=8, help="ranks of the simulated job (default 8)")
+    parser.add_argument("--gpu", choices=list(fake_cuda.GPUS), default="h100",
+                        help="the card each rank has (default h100, the record's)")
     parser.add_argument("--backend", choices=("aot_eager", "inductor"), default="aot_eager",
                         help="torch.compile backend: aot_eager (graphs and autograd, no kernels; the default) or "
                              "inductor (also generates and compiles every Triton kernel for sm_90; needs triton)")
@@ -110,12 +120,16 @@ class PreflightFailure(RuntimeError):
     """What would have failed on the GPUs; the message names the phase, the cause and where."""
 
 
+class DoesNotFit(PreflightFailure):
+    """A phase needs more memory than the card has."""
+
+
 def check_fits(phase: str, peak: int):
     """More memory than the device has is an out-of-memory on the GPUs, however well the rest went."""
-    total = fake_cuda.H100.total_memory
-    if peak > total:
-        raise PreflightFailure(f"{phase}: does not fit an H100: peak {peak / GIB:.2f} GiB per rank (live tensors) "
-                               f"> {total / GIB:.2f} GiB")
+    card = fake_cuda.gpu
+    if peak > card.total_memory:
+        raise DoesNotFit(f"{phase}: does not fit an {card.short_name}: peak {peak / GIB:.2f} GiB per rank (live "
+                         f"tensors) > {card.total_memory / GIB:.2f} GiB")
 
 
 # -----------------------------------------------------------------------------
@@ -335,6 +349,7 @@ class Report:
     world_size: int
     backend: str
     decisions: str = ""
+    fallbacks: list = dataclasses.field(default_factory=list)  # what this card runs otherwise than an H100, in words
     parameters: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # dtype -> elements
     phases: dict = dataclasses.field(default_factory=dict)  # name -> Phase, in run order
     graphs: dict = dataclasses.field(default_factory=dict)  # part of the model -> graphs
@@ -404,7 +419,7 @@ def run_preflight(flags: list[str], world_size: int = 8, backend: str = "aot_eag
     if args.device == "cpu":
         raise T.ConfigError("--device=cpu: the preflight runs the CUDA path; leave --device at auto or cuda")
     T.check_world_size(args, world_size)
-    kernels = fake_cuda.fake_sm90_triton() if backend == "inductor" else []
+    kernels = fake_cuda.fake_triton() if backend == "inductor" else []
     torch._dynamo.reset()  # graphs compiled by an earlier run in this process would not be counted
     if world_size > 1:
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -459,6 +474,12 @@ def run_steps(args: T.Hyperparameters, world_size: int, backend: str) -> Report:
         compiled = "per layer" if args.compile else ("FlexAttention only" if use_flex else "off")
         report.decisions = (f"attention {attention}, lm_head {model.head_precision}, MLP {model.blocks[0].mlp.precision}, "
                             f"compile {compiled}")
+        card = fake_cuda.gpu
+        for flag, part, chosen in (("lm_head_precision", "lm_head", model.head_precision),
+                                   ("mlp_precision", "MLP up-projections", model.blocks[0].mlp.precision)):
+            if getattr(args, flag) == "auto" and T.fp8_fits(args) and chosen != "fp8":
+                report.fallbacks.append(f"{part} in {chosen}, not FP8: the {card.short_name} has compute capability "
+                                        f"{card.major}.{card.minor}, FP8 matmuls need 8.9")
         report.seconds["setup"] = time.perf_counter() - start
 
         for step in preflight_steps(args, schedule):
@@ -486,7 +507,7 @@ def run_steps(args: T.Hyperparameters, world_size: int, backend: str) -> Report:
     report.graphs = dict(counter.graphs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report.estimate = estimate_memory.estimate_args(args, world_size)
+        report.estimate = estimate_memory.estimate_args(args, world_size, fake_cuda.has_fp8(fake_cuda.gpu))
     return report
 
 
@@ -532,10 +553,13 @@ def kinds(counts: dict) -> str:
 
 def print_report(report: Report):
     args, world_size = report.args, report.world_size
-    print(f"preflight: the {args.preset} preset as rank 0 of {world_size} H100 (fake tensors, PyTorch "
+    card = fake_cuda.gpu
+    print(f"preflight: the {args.preset} preset as rank 0 of {world_size} {card.short_name} (fake tensors, PyTorch "
           f"{torch.__version__}), torch.compile backend {report.backend}")
     parameters = ", ".join(f"{n / 1e6:.1f}M in {dtype}" for dtype, n in sorted(report.parameters.items()))
     print(f"decisions: {report.decisions}; parameters {parameters}")
+    for fallback in report.fallbacks:
+        print(f"falls back: {fallback}")
     print("phases (memory: the most live tensors per rank | tools/estimate_memory.py's peak for the same shapes; "
           "collectives: bytes of each whole buffer rank 0 sends or receives):")
     for p in report.phases.values():
@@ -544,7 +568,7 @@ def print_report(report: Report):
         syncs = ", ".join(sorted(set(p.host_syncs))) or "none"
         print(f"  {p.name} ({p.what}): memory {memory}; collectives {kinds(p.collectives)}; "
               f"host syncs {syncs}; graphs compiled {p.graphs}")
-    print(f"  {'an H100 has':<12} {fake_cuda.H100.total_memory / GIB:.2f} GiB")
+    print(f"  an {card.short_name} has {card.total_memory / GIB:.2f} GiB")
     print("graphs compiled: " + (", ".join(f"{n} for the {part}" for part, n in report.graphs.items()) or "none") +
           f"; dynamo's limit per code object is {torch._dynamo.config.recompile_limit}")
     per_step = report.collectives_per_step()
@@ -555,12 +579,13 @@ def print_report(report: Report):
         print(f"checkpoint written without tensor data: {megabytes(report.checkpoint_bytes)}")
     if report.kernels:
         name, shared = max(report.kernels, key=lambda kernel: kernel[1])
-        print(f"Triton kernels compiled for sm_90: {len({n for n, _ in report.kernels})} "
+        print(f"Triton kernels compiled for sm_{card.major}{card.minor}: {len({n for n, _ in report.kernels})} "
               f"({len(report.kernels)} configurations); the most shared memory: {shared / 1024:.1f} KiB of "
-              f"{fake_cuda.H100.shared_memory_per_block_optin / 1024:.0f} KiB ({name})")
+              f"{card.shared_memory_per_block_optin / 1024:.0f} KiB ({name})")
     print("time: " + ", ".join(f"{what} {seconds:.1f} s" for what, seconds in report.seconds.items()))
     steps = report.steps()
-    print(f"summary: preflight passed  world_size:{world_size} backend:{report.backend} phases:{len(report.phases)} "
+    print(f"summary: preflight passed  gpu:{card.short_name.lower().replace(' ', '-')} world_size:{world_size} "
+          f"backend:{report.backend} phases:{len(report.phases)} "
           f"steps:{len(steps)} host_syncs_in_steps:0 graphs:{sum(report.graphs.values())} "
           f"kernels:{len({n for n, _ in report.kernels}) if report.kernels else '-'} "
           f"peak_memory:{max(p.peak for p in report.phases.values()) / GIB:.2f}GiB "
@@ -577,7 +602,8 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --backend=inductor needs triton, the version your PyTorch's CUDA wheel pins (PyTorch 2.13: "
               "pip install triton==3.7.1; see the README)", file=sys.stderr)
         return 2
-    fake_cuda.pretend_h100()
+    card = fake_cuda.GPUS[options.gpu]
+    fake_cuda.pretend_gpu(card)
     torch._logging.set_logs(all=logging.CRITICAL)  # errors come back as one line; torch's logging would bury it
     torch._dynamo.config.fail_on_recompile_limit_hit = True  # rather than a silent fallback to uncompiled code
     # inductor's advice on fp32 matmuls (the record's numerics keep them fp32, as the trainer does)
@@ -587,11 +613,36 @@ def main(argv: list[str] | None = None) -> int:
     except (T.ConfigError, T.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except DoesNotFit as e:
+        print(f"error: {e}; {fitting_command(options, card)}", file=sys.stderr)
+        return 1
     except PreflightFailure as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print_report(report)
     return 0
+
+
+def fitting_command(options: argparse.Namespace, card) -> str:
+    """The flags that fit the card, found by tools/estimate_memory.py and checked by running the preflight again
+    with them (its report is printed), or why none do; in words, for the end of the error line."""
+    fit = estimate_memory.fitting_flags(options.flags, options.world_size, card.total_memory, fake_cuda.has_fp8(card))
+    if fit.reason:
+        return f"cannot fit on {options.world_size} {card.short_name}: {fit.reason}"
+    if not fit.flags:
+        return (f"tools/estimate_memory.py puts every phase within {1 - estimate_memory.FIT_MARGIN:.0%} of the card "
+                f"({fit.budget / GIB:.2f} GiB), so the difference is the compiled step's; try more --micro_batches")
+    try:
+        report = run_preflight([*options.flags, *fit.flags], options.world_size, options.backend)
+    except PreflightFailure as e:
+        return f"with {' '.join(fit.flags)}, which tools/estimate_memory.py puts within the card, too: {e}"
+    print_report(report)
+    changed = tuple(flag.split("=")[0] for flag in fit.flags)
+    kept = [flag for flag in options.flags if not flag.startswith(changed)]  # (the --flag=value form)
+    command = ["python tools/preflight.py", f"--gpu={options.gpu}", f"--world_size={options.world_size}", "--",
+               *kept, *fit.flags]
+    return (f"it fits with {' '.join(fit.flags)} (the same batches and validation tokens; the report above): "
+            f"{' '.join(command)}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import fake_cuda  # noqa: E402
 
 fake_cuda.load()
 import preflight  # noqa: E402
+import torch  # noqa: E402
 import train_gpt as T  # noqa: E402
 
 # Reduced width (128, four heads of 32) with the speedrun's structure, windows, schedule, sequence lengths
@@ -32,13 +33,10 @@ import train_gpt as T  # noqa: E402
 # training graph per layer to compile instead of three (the full schedule's graphs are world_size_8's).
 SMALL = ["--model_dim=128", "--head_dim=32"]
 ONE_LENGTH = [*SMALL, "--stage_batch_tokens=131072,131072,131072", "--stage_max_seq_len=2048,2048,2048"]
+TINY = [*ONE_LENGTH, "--micro_batches=1", "--compile=false"]
 SCENARIOS = {
     # the speedrun preset itself: its memory per phase and collectives as they will be
     "world_size_8": (["--world_size=8"], None),
-    # world size 1, --compile=false, and the checkpoint writers (asked for by --save_every and --save_final);
-    # the compiled step at world size 1 is `python tools/preflight.py --world_size=1`, about 3 minutes
-    "world_size_1": (["--world_size=1", "--", *ONE_LENGTH, "--stage_batch_tokens=16384,16384,16384",
-                      "--micro_batches=1", "--compile=false", "--save_every=2", "--save_final=true"], None),
     # inductor on FlexAttention's kernels (forward and backward, each kind of mask) for sm_90: the whole
     # compiled step takes about 8 minutes on 2 cores (`python tools/preflight.py --backend=inductor`)
     "inductor": (["--world_size=8", "--backend=inductor", "--", *ONE_LENGTH, "--compile=false"], None),
@@ -53,11 +51,16 @@ SCENARIOS = {
     "fp8_layout": (["--world_size=8", "--", *ONE_LENGTH, "--compile=false"],
                    ("ReluSquaredMLP", "scaled_mm(x8, fc_f8.T, amax", "scaled_mm(x8, fc_f8.T.contiguous(), amax")),
     # A recipe far larger than this host's memory (8.9 billion parameters at width 8,192): built on the meta
-    # device, it never allocates its weights here, and fails at its first step, which cannot fit an H100.
+    # device, it never allocates its weights here, and fails at its first step, which cannot fit an H100 at
+    # any micro-batch.
     "huge": (["--world_size=8", "--", "--model_dim=8192", "--head_dim=128", "--compile=false"], None),
-    # A training step that cannot fit an H100: the full width with micro-batches of 262,144 tokens.
-    "too_big": (["--world_size=8", "--", "--stage_batch_tokens=2097152,2097152,2097152",
-                 "--stage_max_seq_len=2048,2048,2048", "--compile=false"], None),
+    # World size 1 on a card without FP8 matmuls, on which a step of 262,144 tokens in one micro-batch cannot
+    # fit: the fallback to bf16, and the flags the preflight finds and checks in a second run (two
+    # micro-batches), which passes every phase with --compile=false and the checkpoint writers (asked for by
+    # --save_every and --save_final). The compiled step at world size 1 is `python tools/preflight.py
+    # --world_size=1`, about 3 minutes.
+    "rtx3090_too_big": (["--gpu=rtx3090", "--world_size=1", "--", *TINY, "--stage_batch_tokens=262144,262144,262144",
+                         "--val_seq_len=16384", "--save_every=2", "--save_final=true"], None),
 }
 
 
@@ -73,6 +76,28 @@ def replaced_in_trainer(name: str, old: str, new: str):
         yield
     finally:
         setattr(T, name, original)
+
+
+def card_decisions() -> dict:
+    """What the trainer decides on each card of fake_cuda.GPUS for the speedrun preset: the name, capability
+    and memory it is told, the precision `auto` picks, its refusal of FP8 where there is none, and its
+    refusal of SDPA's dense mask, which names the card's memory."""
+    cuda, cards = torch.device("cuda", 0), {}
+    for name, card in fake_cuda.GPUS.items():
+        fake_cuda.pretend_gpu(card)
+        args = T.parse_args(["--preset=speedrun"], True)
+        seen = {"name": torch.cuda.get_device_name(cuda), "capability": list(torch.cuda.get_device_capability(cuda)),
+                "memory": torch.cuda.get_device_properties(cuda).total_memory,
+                "auto": [T.resolve_precision(args, cuda, flag) for flag in ("lm_head_precision", "mlp_precision")]}
+        for key, flags, resolve in (("fp8", ["--mlp_precision=fp8"], lambda a: T.resolve_precision(a, cuda, "mlp_precision")),
+                                    ("sdpa", ["--attention=sdpa"], lambda a: T.resolve_attention(a, cuda))):
+            try:
+                seen[key] = resolve(T.parse_args(["--preset=speedrun", *flags], True))
+            except T.ConfigError as e:
+                seen[key] = f"error: {e}"
+        cards[name] = seen
+    fake_cuda.pretend_gpu(fake_cuda.H100)
+    return {"scenario": "cards", "cards": cards}
 
 
 def run(scenario: str) -> dict:
@@ -99,7 +124,7 @@ def run(scenario: str) -> dict:
 if __name__ == "__main__":
     for name in sys.argv[1:]:
         started = time.perf_counter()
-        result = run(name)
+        result = card_decisions() if name == "cards" else run(name)
         result["seconds"] = time.perf_counter() - started
         result["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # so far, this process
         print(json.dumps(result, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o)),
