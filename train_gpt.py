@@ -89,6 +89,10 @@ class Hyperparameters:
     synthetic: bool = _help("feed synthetic tokens with web-like document lengths instead of shards (benchmarks)", False)
     repeat_data: bool = _help("when the training shards supply fewer steps than num_iterations, start over from "
                               "the first shard (each time logged) instead of refusing to run", False)
+    packing: str = _help("how a training shard becomes micro-batches: auto (what its header asks: documents for "
+                         "FineWeb's, stream for data/tokenize_text.py's), documents (record #85's rule: each "
+                         "micro-batch starts at a document, which gives its first max_seq_len tokens) or stream "
+                         "(consecutive runs of tokens: every token trained on)", "auto")
     # the schedule: three stages of equal length, then the extension (lists hold one value per stage)
     num_iterations: int = _help("optimizer steps in all: the scheduled ones, then the extension", 1290)
     extension_steps: int = _help("last steps, run at the final lr and windows of the extension", 15)
@@ -490,6 +494,7 @@ def validate_config(args: Hyperparameters):
         raise ConfigError(f"--save_every={args.save_every} must be a multiple of --adam_every={args.adam_every}: "
                           f"a checkpoint between two Adam steps would lose the gradients accumulated so far")
     for name, choices in (("device", ("auto", "cuda", "cpu")), ("attention", ("auto", "flex", "sdpa")),
+                          ("packing", ("auto", *SHARD_PACKINGS)),
                           ("lm_head_precision", ("auto", "fp8", "bf16", "fp32")),
                           ("mlp_precision", ("auto", "fp8", "bf16", "fp32"))):
         if getattr(args, name) not in choices:
@@ -2063,6 +2068,7 @@ class DistAdam(torch.optim.Optimizer):
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
 SHARD_HEADER_INTS = 256
+SHARD_PACKING_INDEX, SHARD_PACKINGS = 3, {"documents": 0, "stream": 1}  # header[3]; data/shards.py writes it
 FETCH_HINT = "fetch FineWeb with `python data/cached_fineweb10B.py`"
 REPO_DIR = Path(__file__).resolve().parent  # where the bundled corpus and the data tools are
 BUNDLED_CORPUS = REPO_DIR / "data" / "shakespeare"
@@ -2091,6 +2097,17 @@ def read_shard_header(path) -> int:
         raise DataError(f"{path}: header says {num_tokens} tokens ({expected} bytes) but the file has {size} bytes"
                         f"{' (truncated?)' if size < expected else ''}")
     return num_tokens
+
+
+def shard_packing(path) -> str:
+    """The packing a shard's header asks for (data/shards.py's PACKINGS: FineWeb's shards say documents)."""
+    with open(path, "rb") as f:
+        value = int(np.frombuffer(f.read(SHARD_HEADER_INTS * 4), dtype="<i4")[SHARD_PACKING_INDEX])
+    names = {v: k for k, v in SHARD_PACKINGS.items()}
+    if value not in names:
+        raise DataError(f"{path}: unknown packing {value} in its header (known: "
+                        f"{', '.join(f'{v} {k}' for k, v in SHARD_PACKINGS.items())}); pass --packing")
+    return names[value]
 
 
 def read_shard(path) -> np.ndarray:
@@ -2193,6 +2210,34 @@ class DocumentPieces:
             steps += 1
 
 
+class TokenStream:
+    """The `stream` packing, for text that is not FineWeb (data/tokenize_text.py's shards): a step's
+    micro-batches are the next consecutive runs of micro_tokens + 1 tokens, wherever documents begin, and
+    no document is cut at max_seq_len. Documents stay apart in attention by their BOS, as everywhere;
+    every token is trained on. Positions are token offsets where DocumentPieces's are piece indices."""
+
+    def __init__(self, tokens: np.ndarray):
+        self.tokens = tokens
+
+    def take_step(self, first: int, num_micro: int, micro_tokens: int, max_len: int
+                  ) -> tuple[list[np.ndarray], int] | None:
+        end = first + num_micro * (micro_tokens + 1)
+        if end > len(self.tokens):
+            return None
+        return [self.tokens[i:i + micro_tokens + 1] for i in range(first, end, micro_tokens + 1)], end
+
+    def count_steps(self, first_step: int, schedule: Schedule) -> int:
+        steps, used = 0, 0
+        while used + step_tokens(first_step + steps, schedule) <= len(self.tokens):
+            used += step_tokens(first_step + steps, schedule)
+            steps += 1
+        return steps
+
+
+def packed(packing: str, tokens: np.ndarray, starts: np.ndarray) -> DocumentPieces | TokenStream:
+    return TokenStream(tokens) if packing == "stream" else DocumentPieces(tokens, starts)
+
+
 class Batch(list):
     """This rank's micro-batches of a step, (inputs, targets) each, and the bigram rows each one reads,
     found on the host (for DistAdam's sparse exchange of the bigram table's gradient)."""
@@ -2240,6 +2285,7 @@ class ShardScan:
     path: Path
     num_tokens: int
     starts: np.ndarray  # BOS positions: the loader reuses them when it opens the shard
+    packing: str = "documents"  # SHARD_PACKINGS: --packing, or the shard's header under auto
     first_step: int = 0  # the step of the schedule the run reaches this shard at
     steps: int = 0  # steps the loader takes from it (DocumentPieces.count_steps)
 
@@ -2274,12 +2320,13 @@ def scan_shard(path: Path, args: Hyperparameters) -> ShardScan:
     if not len(starts):
         raise DataError(f"{path}: no document starts in it (no <|endoftext|>, id {BOS_ID}, the token every "
                         f"training piece starts with); tokenize text with `python data/tokenize_text.py`")
-    return ShardScan(path, len(tokens), starts)
+    packing = shard_packing(path) if args.packing == "auto" else args.packing
+    return ShardScan(path, len(tokens), starts, packing)
 
 
 def count_shard_steps(scan: ShardScan, first_step: int, args: Hyperparameters, schedule: Schedule) -> ShardScan:
     scan.first_step = first_step
-    scan.steps = DocumentPieces(read_shard(scan.path), scan.starts).count_steps(first_step, schedule)
+    scan.steps = packed(scan.packing, read_shard(scan.path), scan.starts).count_steps(first_step, schedule)
     if not scan.steps:
         stage = schedule.stage(first_step)
         raise DataError(f"{scan.path}: its documents cannot fill one step of {schedule.micro_batches} x "
@@ -2355,13 +2402,20 @@ class TrainLoader:
         if self.supplied < self.needed and not args.repeat_data:
             per_shard = self.supplied / len(self.scans)
             enough = math.ceil(self.needed / per_shard)
-            raise DataError(f"--train_files={args.train_files}: its {len(files)} shard(s) supply {self.supplied:,} "
-                            f"steps ({per_shard:,.0f} per shard) but the run needs {self.needed:,}: about {enough} "
-                            f"shards like these would (FineWeb: `python data/cached_fineweb10B.py {enough + 1}`, one "
-                            f"spare), or --repeat_data=true starts over from the first shard")
-        self.env, self.bigram_buckets = env, args.bigram_vocab_size
+            short = (f"--train_files={args.train_files}: its {len(files)} shard(s) supply {self.supplied:,} steps "
+                     f"({per_shard:,.0f} per shard) but the run needs {self.needed:,}")
+            if all(scan.packing == "stream" for scan in self.scans):  # own text: every token is used already
+                raise DataError(f"{short}: add text (about {math.ceil(self.needed / self.supplied)} times as "
+                                f"much), run fewer steps "
+                                f"(--num_iterations={self.supplied}), or --repeat_data=true starts over from the first "
+                                f"shard")
+            raise DataError(f"{short}: about {enough} shards like these would (FineWeb: `python "
+                            f"data/cached_fineweb10B.py {enough + 1}`, one spare), or --repeat_data=true starts over "
+                            f"from the first shard; for your own text, --packing=stream trains on every token (what "
+                            f"data/tokenize_text.py's shards ask for)")
+        self.env, self.bigram_buckets, self.packing_flag = env, args.bigram_vocab_size, args.packing
         self.file_index, self.piece = 0, 0
-        self.pieces: DocumentPieces | None = None
+        self.pieces: DocumentPieces | TokenStream | None = None
         self.started_over = False  # whether the last batch was the first of another pass over the shards
         self._prefetch = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         self._next: tuple[int, concurrent.futures.Future] | None = None
@@ -2370,16 +2424,18 @@ class TrainLoader:
         """The log's account of the data: one line, and notes where the run repeats or skips much."""
         tokens = sum(scan.num_tokens for scan in self.scans)
         used = sum(step_tokens(step, self.schedule) for step in range(self.supplied))
+        packings = dict.fromkeys(scan.packing for scan in self.scans)
         lines = [f"data: {len(self.scans)} training shard(s) supply {self.supplied:,} steps, the run needs "
                  f"{self.needed:,}; the steps use {used / tokens:.1%} of their {tokens:,} tokens"
-                 + (f" ({self.unread} more shard(s) are not needed)" if self.unread else "")]
+                 + (f" ({self.unread} more shard(s) are not needed)" if self.unread else "")
+                 + f"; packed as {' and '.join(packings)} (--packing={self.packing_flag})"]
         if self.supplied < self.needed:
             lines.append(f"data: --repeat_data=true: after {self.supplied:,} steps the data starts over from the "
                          f"first shard (logged each time)")
         def share(scan):
             return sum(step_tokens(s, self.schedule) for s in range(scan.first_step, scan.first_step + scan.steps)) \
                 / scan.num_tokens
-        sparse = [scan for scan in self.scans if share(scan) < 0.5]
+        sparse = [scan for scan in self.scans if scan.packing == "documents" and share(scan) < 0.5]
         if sparse:
             worst = min(sparse, key=share)
             stage = self.schedule.stage(worst.first_step)
@@ -2388,8 +2444,8 @@ class TrainLoader:
             lines.append(f"note: the steps use less than half of the tokens of {len(sparse)} shard(s) ({worst.path}: "
                          f"{share(worst):.0%}): a document gives its first {stage.max_seq_len} tokens at most "
                          f"(--stage_max_seq_len) and a micro-batch of {micro + 1} skips the rest of the one it ends "
-                         f"in; documents of at most {shorter} tokens (data/tokenize_text.py "
-                         f"--max-doc-tokens={shorter}) would use most of them")
+                         f"in; --packing=stream would use every token, documents of at most {shorter} tokens "
+                         f"(data/tokenize_text.py --max-doc-tokens={shorter}) most of them")
         return lines
 
     def shard_record(self) -> list[dict]:
@@ -2398,16 +2454,22 @@ class TrainLoader:
                  "fingerprint": fingerprint} for scan, fingerprint in zip(self.scans, self.fingerprints)]
 
     def state_dict(self) -> dict:
-        return {"file_index": self.file_index, "piece": self.piece}
+        # piece: the next piece of the shard (documents) or its next token (stream)
+        return {"file_index": self.file_index, "piece": self.piece, "packing": [scan.packing for scan in self.scans]}
 
     def load_state_dict(self, state: dict):
+        packing = state.get("packing", ["documents"] * len(self.scans))  # checkpoints from before --packing
+        if packing != [scan.packing for scan in self.scans][:len(packing)]:
+            raise DataError(f"the checkpoint packed its training shards as {', '.join(dict.fromkeys(packing))}, "
+                            f"this run would pack them as {', '.join(dict.fromkeys(s.packing for s in self.scans))}: "
+                            f"its position in them would mean other tokens; resume with the checkpoint's --packing")
         self.file_index, self.piece, self.pieces = int(state["file_index"]), int(state["piece"]), None
 
-    def _index(self, file_index: int) -> DocumentPieces:
+    def _index(self, file_index: int) -> DocumentPieces | TokenStream:
         scan = self.scans[file_index]
-        return DocumentPieces(read_shard(scan.path), scan.starts)
+        return packed(scan.packing, read_shard(scan.path), scan.starts)
 
-    def _open(self, file_index: int) -> DocumentPieces:
+    def _open(self, file_index: int) -> DocumentPieces | TokenStream:
         if self._next is not None and self._next[0] == file_index:
             pieces = self._next[1].result()
         else:

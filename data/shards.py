@@ -1,8 +1,9 @@
 """Token shard files shared by the scripts in data/ (kept separate from train_gpt.py on purpose).
 
 A shard is a header of 256 little-endian int32 values -- [0] magic 20240520, [1] version 1,
-[2] number of tokens, the rest zero -- followed by that many little-endian uint16 token ids.
-This is the layout of the public FineWeb GPT-2 shards, so both kinds of data read the same way.
+[2] number of tokens, [3] how train_gpt.py packs it (0: documents, 1: stream; see PACKINGS), the rest
+zero -- followed by that many little-endian uint16 token ids. This is the layout of the public FineWeb
+GPT-2 shards (whose [3] is 0), so both kinds of data read the same way.
 """
 
 import os
@@ -18,14 +19,21 @@ HEADER_BYTES = HEADER_INTS * 4
 TOKEN_BYTES = 2
 BOS_ID = 50256  # <|endoftext|>: starts every document
 MAX_TOKENS = 2**31 - 1  # the count is stored in an int32
+PACKING_INDEX = 3
+# How train_gpt.py's `--packing=auto` packs a shard's tokens into micro-batches. documents: record #85's rule,
+# each micro-batch starts at a document and a document gives its first max_seq_len tokens (FineWeb's shards,
+# whose header has 0 here). stream: micro-batches are consecutive runs of the tokens, every token trained on
+# (data/tokenize_text.py's default: a few books would otherwise lose most of their text).
+PACKINGS = {"documents": 0, "stream": 1}
 
 
 class ShardError(ValueError):
     """A shard file that is missing, malformed, or cannot be written."""
 
 
-def write_shard(path, tokens) -> int:
-    """Write tokens (ints in 0..65535) as a shard at path, atomically; returns the token count.
+def write_shard(path, tokens, packing: str = "documents") -> int:
+    """Write tokens (ints in 0..65535) as a shard at path, atomically, marked for `packing` (PACKINGS);
+    returns the token count.
 
     The data goes to a temporary file in the same folder, is fsynced, and only then renamed over
     path, so a crash never leaves a half-written file under the final name.
@@ -43,7 +51,7 @@ def write_shard(path, tokens) -> int:
             raise ShardError(f"{path}: token ids must be in 0..65535 to fit uint16, "
                              f"got {array.min()}..{array.max()}")
     header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[0], header[1], header[2] = MAGIC, VERSION, array.size
+    header[0], header[1], header[2], header[PACKING_INDEX] = MAGIC, VERSION, array.size, PACKINGS[packing]
     body = array.astype("<u2", copy=False)
 
     try:

@@ -304,8 +304,9 @@ class DocumentReader:
 class ShardSequence:
     """Packs documents into numbered shards of at most shard_tokens tokens each."""
 
-    def __init__(self, folder: Path, prefix: str, split: str, first_index: int, shard_tokens: int):
-        self.folder, self.prefix, self.split = folder, prefix, split
+    def __init__(self, folder: Path, prefix: str, split: str, first_index: int, shard_tokens: int,
+                 packing: str = "stream"):
+        self.folder, self.prefix, self.split, self.packing = folder, prefix, split, packing
         self.index, self.shard_tokens = first_index, shard_tokens
         self.buffer = np.empty(shard_tokens, dtype=np.uint16)  # untouched pages cost no memory
         self.fill = 0
@@ -331,7 +332,7 @@ class ShardSequence:
         if not self.fill:
             return
         path = self.folder / f"{self.prefix}_{self.split}_{self.index:06d}.bin"
-        shards.write_shard(path, self.buffer[:self.fill])
+        shards.write_shard(path, self.buffer[:self.fill], self.packing)
         self.written.append((path, self.fill))
         self.index += 1
         self.fill = 0
@@ -367,12 +368,13 @@ def _batches(docs, max_chars=BATCH_CHARS):
 
 def write_dataset(out_dir, prefix, train_docs, val_docs=None, val_tokens=0, *, bpe_file=None,
                   shard_tokens=DEFAULT_SHARD_TOKENS, max_doc_tokens=DEFAULT_MAX_DOC_TOKENS, workers=1,
-                  overwrite=False, progress=None, bpe_flag: str | None = "--bpe-file") -> dict:
+                  overwrite=False, progress=None, bpe_flag: str | None = "--bpe-file", packing="stream") -> dict:
     """Tokenize documents into PREFIX_val_*.bin and PREFIX_train_*.bin shards in out_dir.
 
     The validation set is either val_docs (whole held-out documents), or, with val_tokens > 0, the
     first documents of train_docs until they hold at least val_tokens tokens. A document longer than
     max_doc_tokens is written as several (split_document; 0 keeps it whole), all in the same split.
+    The shards' headers ask train_gpt.py for `packing` (shards.PACKINGS).
     All shards are written into a staging folder and moved into out_dir only once everything
     succeeded. progress, if given, is called after each batch of documents.
     """
@@ -412,8 +414,8 @@ def write_dataset(out_dir, prefix, train_docs, val_docs=None, val_tokens=0, *, b
         raise TokenizeError(f"--out {out_dir}: cannot write there ({e.strerror or e})", code=2) from None
     pool, finished = None, False
     try:
-        val = ShardSequence(stage, prefix, "val", 0, shard_tokens)
-        train = ShardSequence(stage, prefix, "train", 1, shard_tokens)
+        val = ShardSequence(stage, prefix, "val", 0, shard_tokens, packing)
+        train = ShardSequence(stage, prefix, "train", 1, shard_tokens, packing)
         split = {"documents": 0, "pieces": 0}  # documents longer than max_doc_tokens, and what they became
         if workers > 1:
             import multiprocessing
@@ -478,7 +480,7 @@ def write_dataset(out_dir, prefix, train_docs, val_docs=None, val_tokens=0, *, b
 
     return {"val": listing(val), "train": listing(train), "val_documents": val.documents,
             "train_documents": train.documents, "split_documents": split["documents"],
-            "split_pieces": split["pieces"], "max_doc_tokens": max_doc_tokens}
+            "split_pieces": split["pieces"], "max_doc_tokens": max_doc_tokens, "packing": packing}
 
 
 def print_summary(result: dict):
@@ -490,6 +492,10 @@ def print_summary(result: dict):
         print(f"{split}: {total:,} tokens, {result[split + '_documents']:,} documents, {len(files)} shard(s)")
         for path, n in files:
             print(f"  {display(path)}  {n:,} tokens, {path.stat().st_size:,} bytes")
+    print(f"packing: {result['packing']} ("
+          + ("train_gpt.py trains on every token, micro-batches running on across documents" if result["packing"] == "stream"
+             else "record #85's rule: micro-batches start at documents, each giving its first max_seq_len tokens")
+          + "; train_gpt.py --packing overrides it)")
     if result["split_documents"]:
         print(f"split: {result['split_documents']:,} document(s) longer than {result['max_doc_tokens']:,} tokens "
               f"became {result['split_pieces']:,} (cut at paragraphs, else at line ends; --max-doc-tokens 0 keeps "
@@ -550,6 +556,11 @@ def parse_args(argv=None):
                         help=f"write a longer document as several of at most N tokens, cut at paragraphs, else at "
                              f"line ends (default {DEFAULT_MAX_DOC_TOKENS:,}: train_gpt.py trains on a document's "
                              f"first {DEFAULT_MAX_DOC_TOKENS:,} tokens only); 0 keeps documents whole")
+    parser.add_argument("--packing", choices=list(shards.PACKINGS), default="stream",
+                        help="how train_gpt.py packs these shards, written in their headers: stream (default: "
+                             "micro-batches are consecutive runs of tokens, every token trained on) or documents "
+                             "(record #85's FineWeb rule: each micro-batch starts at a document, which gives its "
+                             "first max_seq_len tokens, and the rest of the one it ends in is skipped)")
     parser.add_argument("--text-field", default="text", help="JSON field holding the text in .jsonl files")
     parser.add_argument("--bpe-file", metavar="PATH",
                         help="GPT-2 ranks in tiktoken's format, e.g. data/gpt2.tiktoken (works offline); "
@@ -566,15 +577,17 @@ def run_preset(args):
                                       ("--val-files", args.val_files),
                                       ("--doc-separator", args.doc_separator is not None),
                                       ("--max-doc-tokens", args.max_doc_tokens != DEFAULT_MAX_DOC_TOKENS),
-                                      ("--bpe-file", args.bpe_file)] if value]
+                                      ("--bpe-file", args.bpe_file),
+                                      ("--packing", args.packing != "stream")] if value]
     if given:
         raise TokenizeError(f"--preset {args.preset} fixes the inputs and settings; drop {', '.join(given)} "
                             f"(it accepts only --out, --workers and --overwrite)")
     train, val = shakespeare_docs.documents(shakespeare_docs.TEXTS_DIR)
-    # Its documents are scenes and runs of poems, cut by shakespeare_docs itself: kept whole.
+    # Its documents are scenes and runs of poems, cut by shakespeare_docs itself: kept whole. Packed by the
+    # record's rule: the smoke preset is a check of the speedrun's own pipeline.
     return write_dataset(args.out or shakespeare_docs.OUT_DIR, shakespeare_docs.PREFIX, train, val,
                          bpe_file=BUNDLED_BPE, max_doc_tokens=0, workers=args.workers, overwrite=args.overwrite,
-                         bpe_flag=None)
+                         bpe_flag=None, packing="documents")
 
 
 def run(args):
@@ -610,7 +623,7 @@ def run(args):
         result = write_dataset(args.out, prefix, train_reader, val_reader, args.val_tokens or 0,
                                bpe_file=args.bpe_file, shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
                                max_doc_tokens=args.max_doc_tokens, workers=args.workers, overwrite=args.overwrite,
-                               progress=progress)
+                               progress=progress, packing=args.packing)
     replaced = {f: n for r in readers for f, n in r.replaced.items()}
     if replaced:
         print(f"note: {sum(replaced.values())} invalid UTF-8 bytes in {len(replaced)} file(s) were replaced "

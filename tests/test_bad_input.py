@@ -73,6 +73,7 @@ FLAG_CASES = [
     (["--stage_batch_tokens=1000,2048,3072"], ["--stage_batch_tokens=1000,2048,3072: each batch must split into "
                                                "--micro_batches=1 micro-batches of a multiple of --window_block=64"]),
     (["--preset=nope"], ["--preset=nope: unknown preset"]),
+    (["--packing=bos"], ["--packing=bos: choose auto, documents, stream"]),
     (["--val_seq_len=1048576", "--val_tokens=1048576"], ["--attention=sdpa: the dense attention mask of a "
                                                          "2,097,152-position sequence takes at least 36,864 GiB to "
                                                          "build"]),

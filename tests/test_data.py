@@ -79,6 +79,23 @@ def test_round_trip_through_train_gpt_reader(tmp_path):
 def test_constants_agree_with_train_gpt():
     assert (shards.MAGIC, shards.VERSION, shards.HEADER_INTS, shards.BOS_ID) == (
         train_gpt.SHARD_MAGIC, train_gpt.SHARD_VERSION, train_gpt.SHARD_HEADER_INTS, train_gpt.BOS_ID)
+    assert (shards.PACKING_INDEX, shards.PACKINGS) == (train_gpt.SHARD_PACKING_INDEX, train_gpt.SHARD_PACKINGS)
+
+
+def test_the_tokenizer_marks_its_shards_for_the_stream_packing_unless_told_otherwise(tmp_path):
+    # FineWeb's shards have a zero there (documents: the record's rule); the bundled corpus keeps that rule,
+    # since the smoke preset checks the speedrun's own pipeline.
+    corpus = make_corpus(tmp_path / "corpus")
+    for flags, packing in (([], "stream"), (["--packing", "documents"], "documents")):
+        out = tmp_path / f"out_{packing}"
+        done = tokenize(corpus, "--out", out, "--prefix", "c", "--val-tokens", "500", *flags, *BPE)
+        assert done.returncode == 0, done.stderr
+        assert f"packing: {packing} (" in done.stdout
+        for path in out.glob("*.bin"):
+            assert train_gpt.shard_packing(path) == packing
+            assert np.fromfile(path, dtype="<i4", count=4)[3] == {"documents": 0, "stream": 1}[packing]
+    for path in (DATA / "shakespeare").glob("*.bin"):
+        assert train_gpt.shard_packing(path) == "documents"
 
 
 def test_empty_shard_round_trips(tmp_path):
