@@ -2457,12 +2457,15 @@ class TrainLoader:
         # piece: the next piece of the shard (documents) or its next token (stream)
         return {"file_index": self.file_index, "piece": self.piece, "packing": [scan.packing for scan in self.scans]}
 
-    def load_state_dict(self, state: dict):
+    def check_packing(self, state: dict):
         packing = state.get("packing", ["documents"] * len(self.scans))  # checkpoints from before --packing
         if packing != [scan.packing for scan in self.scans][:len(packing)]:
-            raise DataError(f"the checkpoint packed its training shards as {', '.join(dict.fromkeys(packing))}, "
-                            f"this run would pack them as {', '.join(dict.fromkeys(s.packing for s in self.scans))}: "
+            raise DataError(f"the checkpoint packed its training shards as {', '.join(map(str, dict.fromkeys(packing)))}"
+                            f", this run would pack them as {', '.join(dict.fromkeys(s.packing for s in self.scans))}: "
                             f"its position in them would mean other tokens; resume with the checkpoint's --packing")
+
+    def load_state_dict(self, state: dict):
+        self.check_packing(state)
         self.file_index, self.piece, self.pieces = int(state["file_index"]), int(state["piece"]), None
 
     def _index(self, file_index: int) -> DocumentPieces | TokenStream:
@@ -3157,6 +3160,10 @@ def check_resume_shards(resume: Resume, loader, args: Hyperparameters):
                             f"{'shards' if scans else 'synthetic tokens'}")
     if not scans:
         return
+    try:  # a resume that would read the position with another meaning, before anything is written
+        loader.check_packing(resume.meta["loader"])
+    except DataError as e:
+        raise TrainingError(f"--resume={resume.path}: {e}") from None
     position = resume.meta["loader"].get("file_index")
     if type(position) is not int or not 0 <= position < len(scans):
         raise TrainingError(f"--resume={resume.path}: the checkpoint stopped in training shard {position!r}, but "
