@@ -271,6 +271,12 @@ def fake_triton() -> list[tuple[str, int]]:
     inductor_config.shape_padding = False
     inductor_config.use_static_cuda_launcher = False  # a CUDA build's C++ launcher
     inductor_config.compile_threads = 1  # compile workers would be processes without the fake device
+    # Every kernel compiled afresh for this card: a graph cached by an earlier compile (on disk, or loaded in
+    # this process by an earlier preflight run) would load no kernel, and the count would say none.
+    inductor_config.force_disable_caches = True
+    warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")  # its notice of the above
+    from torch._inductor.codecache import PyCodeCache
+    PyCodeCache.cache_clear()
     fuse_attention._sfdp_init = lambda input_device=None: None  # SDPA patterns built from real CUDA tensors
     # The generated code's allocation and stream helpers, C++ fast paths that bypass fake tensors.
     torch._C._cuda_getCurrentRawStream = lambda device: 0
