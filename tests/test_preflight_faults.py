@@ -13,7 +13,8 @@ from test_preflight import GIB, HAS_TRITON, PHASES, failed, fake_cuda, line_of, 
 @pytest.fixture(scope="module")
 def preflight_runs():
     # huge first: the worker's peak memory is read right after it
-    return run_scenarios("huge", "host_sync", "cpu_tensor", "fp8_layout", "rtx3090_too_big", "cards", "inductor")
+    return run_scenarios("huge", "host_sync", "cpu_tensor", "fp8_layout", "rtx3090_too_big", "cards", "inductor",
+                         "inductor_rtx4090")
 
 
 def passed_on_second_run(run) -> dict:
@@ -137,3 +138,19 @@ def test_inductor_compiles_every_triton_kernel_for_sm90(preflight_runs):
     assert any("flex_attention_backward" in name for name in names)  # FlexAttention's fused templates
     assert any("flex_attention" in name and "backward" not in name for name in names)
     assert all(0 <= shared <= fake_cuda.H100.shared_memory_per_block_optin for _, shared in run["kernels"])
+
+
+@pytest.mark.slow
+def test_inductor_compiles_for_another_card_in_the_same_process(preflight_runs):
+    # The same flags as the H100 run above, in the same process, for an RTX 4090: inductor's caches would have
+    # served that run's graphs, loaded no kernel and counted none (as they did before the preflight turned
+    # them off); now every kernel is compiled for sm_89 within its 99 KiB.
+    run = preflight_runs["inductor_rtx4090"]
+    if not HAS_TRITON:
+        assert run["returncode"] == 2
+        return
+    assert passed(run)["kernels"] != "-"
+    assert "Triton kernels compiled for sm_89: " in run["stdout"] and "of 99 KiB" in run["stdout"]
+    card = fake_cuda.GPUS["rtx4090"]
+    assert run["kernels"] and all(0 <= shared <= card.shared_memory_per_block_optin for _, shared in run["kernels"])
+    assert any("flex_attention_backward" in name for name, _ in run["kernels"])
