@@ -2227,9 +2227,9 @@ class TokenStream:
         return [self.tokens[i:i + micro_tokens + 1] for i in range(first, end, micro_tokens + 1)], end
 
     def count_steps(self, first_step: int, schedule: Schedule) -> int:
-        steps, used = 0, 0
-        while used + step_tokens(first_step + steps, schedule) <= len(self.tokens):
-            used += step_tokens(first_step + steps, schedule)
+        steps, left = 0, len(self.tokens)
+        while (need := step_tokens(first_step + steps, schedule)) <= left:
+            left -= need
             steps += 1
         return steps
 
@@ -2327,6 +2327,9 @@ def scan_shard(path: Path, args: Hyperparameters) -> ShardScan:
 def count_shard_steps(scan: ShardScan, first_step: int, args: Hyperparameters, schedule: Schedule) -> ShardScan:
     scan.first_step = first_step
     scan.steps = packed(scan.packing, read_shard(scan.path), scan.starts).count_steps(first_step, schedule)
+    if not scan.steps and scan.packing == "stream":
+        raise DataError(f"{scan.path}: its {scan.num_tokens:,} tokens cannot fill one step of "
+                        f"{step_tokens(first_step, schedule):,} (step {first_step}); add text")
     if not scan.steps:
         stage = schedule.stage(first_step)
         raise DataError(f"{scan.path}: its documents cannot fill one step of {schedule.micro_batches} x "
@@ -2405,10 +2408,9 @@ class TrainLoader:
             short = (f"--train_files={args.train_files}: its {len(files)} shard(s) supply {self.supplied:,} steps "
                      f"({per_shard:,.0f} per shard) but the run needs {self.needed:,}")
             if all(scan.packing == "stream" for scan in self.scans):  # own text: every token is used already
-                raise DataError(f"{short}: add text (about {math.ceil(self.needed / self.supplied)} times as "
-                                f"much), run fewer steps "
-                                f"(--num_iterations={self.supplied}), or --repeat_data=true starts over from the first "
-                                f"shard")
+                raise DataError(f"{short}: add text (about {math.ceil(self.needed / self.supplied)} times as much), "
+                                f"run fewer steps (--num_iterations={self.supplied}), or --repeat_data=true starts "
+                                f"over from the first shard")
             raise DataError(f"{short}: about {enough} shards like these would (FineWeb: `python "
                             f"data/cached_fineweb10B.py {enough + 1}`, one spare), or --repeat_data=true starts over "
                             f"from the first shard; for your own text, --packing=stream trains on every token (what "

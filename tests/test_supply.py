@@ -368,3 +368,13 @@ def test_a_few_books_train_with_the_default_commands(few_books, tmp_path):
     refused = run_main(f"--train_files={whole}/whole_train_*.bin", f"--val_files={whole}/whole_val_*.bin",
                        "--packing=documents", f"--logs_dir={tmp_path}")
     one_line_error(refused, "its documents cannot fill one step of 4 x 257 tokens")
+
+
+def test_a_stream_shard_too_short_for_a_step_says_so_in_its_own_terms(tmp_path):
+    # Not "its documents cannot fill one step ... --stage_max_seq_len": under the stream packing only the
+    # number of tokens counts.
+    path = write_shard(tmp_path / "t_train_000001.bin", documents([1000] * 5), packing="stream")
+    args = args_for(tmp_path)
+    with pytest.raises(T.DataError, match=r"t_train_000001.bin: its 5,000 tokens cannot fill one step of 8,194 "
+                                          r"\(step 0\); add text$"):
+        T.count_shard_steps(T.scan_shard(path, args), 0, args, T.Schedule(args))

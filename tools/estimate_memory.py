@@ -199,9 +199,9 @@ def synthetic_tokens(length: int) -> torch.Tensor:
     return tokens
 
 
-def estimate(argv: list[str], world_size: int) -> dict[str, dict[str, float]]:
+def estimate(argv: list[str], world_size: int, fp8: bool = True) -> dict[str, dict[str, float]]:
     """{phase: {row: bytes}} on rank 0 of world_size, for train_gpt.py's flags argv."""
-    return estimate_args(T.parse_args(["--preset=speedrun", *argv], True), world_size)
+    return estimate_args(T.parse_args(["--preset=speedrun", *argv], True), world_size, fp8)
 
 
 def state_bytes(args: T.Hyperparameters, world_size: int, fp8: bool = True) -> int:
@@ -349,8 +349,7 @@ def main(argv=None) -> int:
     card = fake_cuda.GPUS[options.gpu]
     fp8 = fake_cuda.has_fp8(card)
     try:
-        tables = {w: estimate_args(T.parse_args(["--preset=speedrun", *flags], True), w, fp8)
-                  for w in options.world_sizes}
+        tables = {w: estimate(flags, w, fp8) for w in options.world_sizes}
         fits = {w: fitting_flags(["--preset=speedrun", *flags], w, card.total_memory, fp8) for w in options.world_sizes}
     except (T.ConfigError, T.DataError) as e:
         print(f"error: {e}", file=sys.stderr)

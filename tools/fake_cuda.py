@@ -212,8 +212,8 @@ def pretend_gpu(card: SimpleNamespace = H100):
 
 def fake_triton() -> list[tuple[str, int]]:
     """Lets torch.compile's inductor generate and compile every Triton kernel for the card pretend_gpu()
-    set (sm_90 for the H100), with triton's own bundled ptxas, and launch none. Returns the list that collects each kernel
-    loaded: (name, bytes of shared memory). Needs `triton` (pip install triton)."""
+    set (sm_90 for the H100), with triton's own bundled ptxas, and launch none. Returns the list that
+    collects each kernel loaded: (name, bytes of shared memory). Needs `triton` (pip install triton)."""
     import torch
     import torch._inductor.config as inductor_config
     from torch._inductor.fx_passes import fuse_attention

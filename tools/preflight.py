@@ -57,7 +57,8 @@ def parse_options(argv: list[str]) -> argparse.Namespace:
                         help="the card each rank has (default h100, the record's)")
     parser.add_argument("--backend", choices=("aot_eager", "inductor"), default="aot_eager",
                         help="torch.compile backend: aot_eager (graphs and autograd, no kernels; the default) or "
-                             "inductor (also generates and compiles every Triton kernel for sm_90; needs triton)")
+                             "inductor (also generates and compiles every Triton kernel for the card's architecture, "
+                             "sm_90 on an H100; needs triton)")
     def one_line_error(message: str):
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
