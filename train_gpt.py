@@ -24,6 +24,7 @@ import ctypes
 import dataclasses
 import datetime
 import errno
+import gc
 import glob
 import hashlib
 import io
@@ -39,6 +40,7 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +50,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if dist.is_available():
     # torch.distributed.nn.functional binds group.WORLD as a default argument when it is first imported,
@@ -98,8 +103,13 @@ class Hyperparameters:
     extension_steps: int = _help("last steps, run at the final lr and windows of the extension", 15)
     stage_batch_tokens: str = _help("tokens per optimizer step in each stage, over all ranks (the extension keeps "
                                     "the last)", "131072,262144,393216")
-    micro_batches: int = _help("micro-batches per step, dealt out over the ranks; each holds batch/micro_batches "
-                               "tokens, so every world size trains on the same tokens", 8)
+    micro_batches: str = _help("micro-batches per step, dealt out over the ranks; each holds batch/micro_batches "
+                               "tokens, so every world size trains on the same tokens. One count, one per stage "
+                               "(the extension keeps the last), or auto: per stage, the fewest (the largest "
+                               "micro-batches) that the memory model fits into the device (--memory_limit_gib)", "8")
+    memory_limit_gib: float = _help("per-rank memory the run must fit, in GiB, of which the memory model's "
+                                    "predicted peaks may take 85%; 0: the GPU's own memory (on CPU, checked only "
+                                    "with --micro_batches=auto, against the host's memory)", 0.0)
     stage_max_seq_len: str = _help("per stage: a training document contributes at most its first N tokens",
                                    "896,2048,2048")
     stage_windows: str = _help("per stage: short:long attention windows in blocks of window_block tokens",
@@ -191,7 +201,7 @@ PRESETS: dict[str, dict] = {
         val_files="data/shakespeare/shakespeare_val_*.bin",
         val_tokens=8192, val_seq_len=1024,
         num_iterations=30, extension_steps=3,
-        stage_batch_tokens="1024,2048,3072", micro_batches=4, stage_max_seq_len="256,512,512",
+        stage_batch_tokens="1024,2048,3072", micro_batches="4", stage_max_seq_len="256,512,512",
         stage_windows="1:2,2:4,3:6", extension_windows="3:7", final_val_window=10, window_block=64,
         stage_mtp_weights="1,0.5>1,0/1>1/1>1", cooldown_frac=0.3, adam_lr=0.04, muon_lr=0.06,
         num_layers=6, model_dim=64, head_dim=16, bigram_vocab_size=50_000, bigram_sign_rows=1024,
@@ -207,7 +217,7 @@ PRESETS: dict[str, dict] = {
 # resumed with different values of these.
 RUN_CONTROL_FIELDS = ("run_id", "logs_dir", "pg_timeout_s", "save_every", "save_final", "checkpoint_dir",
                       "resume", "force_resume", "val_loss_every", "train_loss_every", "warmup_steps", "compile",
-                      "init_from")
+                      "init_from", "memory_limit_gib")
 
 
 def _parse_value(name: str, text: str, typ: type):
@@ -311,6 +321,13 @@ class Stage:
     lr: float
     mtp_start: tuple[float, ...]
     mtp_end: tuple[float, ...]
+    micro_batches: int | None  # None: --micro_batches=auto, not yet chosen (plan_memory)
+
+    @property
+    def micro_tokens(self) -> int:
+        if self.micro_batches is None:
+            raise ConfigError("--micro_batches=auto: the counts are chosen at start-up (plan_memory), not before")
+        return self.batch_tokens // self.micro_batches
 
 
 class Schedule:
@@ -342,11 +359,12 @@ class Schedule:
         # the record's boundaries: round(i/n * scheduled)
         ends = [round(self.scheduled * (i + 1) / n) for i in range(n)]
         starts = [0, *ends[:-1]]
-        self.stages = [Stage(s, e, batches[i], lengths[i], windows[i], lrs[i], *mtp[i])
+        counts = stage_micro_batches(args, n)
+        self.stages = [Stage(s, e, batches[i], lengths[i], windows[i], lrs[i], *mtp[i], counts[i])
                        for i, (s, e) in enumerate(zip(starts, ends))]
         self.stages.append(Stage(self.scheduled, self.total, batches[-1], lengths[-1],
                                  window_pair(args, "extension_windows", args.extension_windows), lrs[-1],
-                                 mtp[-1][1], mtp[-1][1]))
+                                 mtp[-1][1], mtp[-1][1], counts[-1]))
         self.final_val_windows = (self.stages[-1].windows[0], args.final_val_window)
         self.cooldown_start = int(self.scheduled * (1 - args.cooldown_frac))
         self.final_lr_frac = args.final_lr_frac
@@ -356,7 +374,6 @@ class Schedule:
         if untie_start is not None:
             self.untie_step = next(s for s in range(untie_start, untie_start + args.adam_every)
                                    if (s + 1) % args.adam_every == 0)
-        self.micro_batches = args.micro_batches
 
     def stage_index(self, step: int) -> int:
         for i, stage in enumerate(self.stages):
@@ -384,11 +401,14 @@ class Schedule:
     def windows(self, step: int, final_validation: bool = False) -> tuple[int, int]:
         return self.final_val_windows if final_validation else self.stage(step).windows
 
+    def micro_batches(self, step: int) -> int:
+        return self.stage(step).batch_tokens // self.stage(step).micro_tokens
+
     def micro_tokens(self, step: int) -> int:
-        return self.stage(step).batch_tokens // self.micro_batches
+        return self.stage(step).micro_tokens
 
     def max_micro_tokens(self) -> int:
-        return max(stage.batch_tokens for stage in self.stages) // self.micro_batches
+        return max(stage.micro_tokens for stage in self.stages)
 
 
 @dataclass(frozen=True)
@@ -426,6 +446,25 @@ def layer_plan(args: Hyperparameters) -> list[LayerPlan]:
     return plans
 
 
+def stage_micro_batches(args: Hyperparameters, stages: int) -> tuple[int | None, ...]:
+    """--micro_batches for each of the stages: one count for all, one count per stage, or auto (None each:
+    plan_memory chooses them at start-up)."""
+    text = args.micro_batches.strip()
+    if text == "auto":
+        return (None,) * stages
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--micro_batches={text}: expected auto, a count, or one count per stage, e.g. 8,8,16") from None
+    if len(counts) == 1:
+        counts *= stages
+    if len(counts) != stages:
+        raise ConfigError(f"--micro_batches={text}: one count for every stage, or one per stage ({stages}), or auto")
+    if min(counts) <= 0:
+        raise ConfigError(f"--micro_batches={text}: must be positive")
+    return counts
+
+
 def skip_pair(args: Hyperparameters) -> tuple[int, int]:
     source, colon, target = args.skip_layers.partition(":")
     try:
@@ -435,7 +474,7 @@ def skip_pair(args: Hyperparameters) -> tuple[int, int]:
 
 
 def validate_config(args: Hyperparameters):
-    positive = ["val_tokens", "val_seq_len", "micro_batches", "vocab_size", "num_layers", "model_dim", "head_dim",
+    positive = ["val_tokens", "val_seq_len", "vocab_size", "num_layers", "model_dim", "head_dim",
                 "mlp_ratio", "window_block", "final_val_window", "num_iterations", "adam_every", "bigram_vocab_size",
                 "bigram_sign_rows", "dc_window"]
     for name in positive:
@@ -480,7 +519,8 @@ def validate_config(args: Hyperparameters):
                           f"--num_iterations={args.num_iterations}")
     schedule = Schedule(args)  # a run shorter than the stages skips some of them (tests, quick checks)
     for stage in schedule.stages:
-        if stage.batch_tokens % args.micro_batches or (stage.batch_tokens // args.micro_batches) % args.window_block:
+        count = stage.micro_batches or 1  # auto chooses among the counts that split the batch
+        if stage.batch_tokens % count or (stage.batch_tokens // count) % args.window_block:
             raise ConfigError(f"--stage_batch_tokens={args.stage_batch_tokens}: each batch must split into "
                               f"--micro_batches={args.micro_batches} micro-batches of a multiple of "
                               f"--window_block={args.window_block} tokens")
@@ -490,6 +530,8 @@ def validate_config(args: Hyperparameters):
         raise ConfigError(f"--val_seq_len={args.val_seq_len} must be a multiple of --window_block={args.window_block}")
     if args.val_tokens % args.val_seq_len:
         raise ConfigError(f"--val_tokens={args.val_tokens} must be a multiple of --val_seq_len={args.val_seq_len}")
+    if not 0 <= args.memory_limit_gib < math.inf:
+        raise ConfigError(f"--memory_limit_gib={args.memory_limit_gib}: must be a finite number >= 0 (0: the device's)")
     if args.save_every % args.adam_every:
         raise ConfigError(f"--save_every={args.save_every} must be a multiple of --adam_every={args.adam_every}: "
                           f"a checkpoint between two Adam steps would lose the gradients accumulated so far")
@@ -503,7 +545,7 @@ def validate_config(args: Hyperparameters):
     if "fp8" in (args.lm_head_precision, args.mlp_precision) and not fp8_fits(args):
         raise ConfigError(f"--lm_head_precision/--mlp_precision=fp8: FP8 matmuls need --model_dim (here "
                           f"{args.model_dim}) and every micro-batch (here {min_micro_tokens(args)} tokens at the "
-                          f"least) to be multiples of 16; use bf16")
+                          f"least; with --micro_batches=auto, --window_block) to be multiples of 16; use bf16")
 
 
 def validate_layer_plan(args: Hyperparameters):
@@ -548,25 +590,31 @@ def validate_layer_plan(args: Hyperparameters):
         raise ConfigError(f"--untie_stage={args.untie_stage}: at most the number of stages")
 
 
-def min_micro_tokens(args: Hyperparameters) -> int:
-    return min(int_list(args, "stage_batch_tokens")) // args.micro_batches
+def min_micro_tokens(args: Hyperparameters) -> int | None:
+    """The smallest micro-batch of the stages; None before --micro_batches=auto has chosen."""
+    stages = Schedule(args).stages
+    return None if stages[0].micro_batches is None else min(stage.micro_tokens for stage in stages)
 
 
 def fp8_fits(args: Hyperparameters) -> bool:
-    """torch._scaled_mm takes only multiples of 16 for the dimensions the FP8 matmuls multiply over."""
-    return args.model_dim % 16 == 0 and min_micro_tokens(args) % 16 == 0
+    """torch._scaled_mm takes only multiples of 16 for the dimensions the FP8 matmuls multiply over. Every
+    micro-batch auto may choose is a multiple of --window_block."""
+    smallest = min_micro_tokens(args)
+    return args.model_dim % 16 == 0 and (args.window_block if smallest is None else smallest) % 16 == 0
 
 
-def check_world_size(args: Hyperparameters, world_size: int) -> int:
-    """Micro-batches per rank per step; the global batch never changes with the world size."""
-    if args.micro_batches % world_size:
+def check_world_size(args: Hyperparameters, world_size: int) -> tuple[int | None, ...]:
+    """Micro-batches per rank per step in each stage (None each for auto, which chooses multiples of the
+    world size); the global batch never changes with the world size."""
+    counts = [stage.micro_batches for stage in Schedule(args).stages[:-1]]
+    if any(count is not None and count % world_size for count in counts):
         raise ConfigError(f"world size {world_size} cannot split the batch: a step is --micro_batches="
                           f"{args.micro_batches} micro-batches, not a multiple of {world_size} (a larger --micro_batches "
                           f"makes more, each smaller)")
     if (args.val_tokens // args.val_seq_len) % world_size:
         raise ConfigError(f"world size {world_size} cannot split validation: --val_tokens={args.val_tokens} is "
                           f"{args.val_tokens // args.val_seq_len} sequences of --val_seq_len={args.val_seq_len}")
-    return args.micro_batches // world_size
+    return tuple(None if count is None else count // world_size for count in counts)
 
 
 def resolve_attention(args: Hyperparameters, device: torch.device, training: bool = True) -> str:
@@ -576,7 +624,9 @@ def resolve_attention(args: Hyperparameters, device: torch.device, training: boo
         raise ConfigError("--attention=flex: PyTorch has no FlexAttention backward on CPU; train on CPU with "
                           "--attention=sdpa (flex serves forward passes there)")
     if choice == "sdpa" and training:
-        longest = 2 * max_positions(args)  # paired layers attend over twice the positions
+        # paired layers attend over twice the positions; before --micro_batches=auto has chosen, the
+        # validation's (plan_memory counts the micro-batches' masks, and this check runs again after it)
+        longest = 2 * (max_positions(args) if min_micro_tokens(args) is not None else args.val_seq_len)
         need, have = dense_mask_bytes(longest), device_memory_bytes(device)
         if need > have:  # certain to run out of memory, at the first step or the first validation
             raise ConfigError(f"--attention=sdpa: the dense attention mask of a {longest:,}-position sequence takes "
@@ -618,6 +668,7 @@ class DistEnv:
     local_rank: int
     world_size: int
     device: torch.device
+    memory: MemoryPlan | None = None  # plan_memory's, where the memory was checked
 
     @property
     def is_main(self) -> bool:
@@ -653,14 +704,17 @@ def setup_distributed(args: Hyperparameters) -> DistEnv:
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    resolve_attention(args, device)  # refuse what this device cannot train before any process group exists
-    resolve_precision(args, device, "lm_head_precision")
-    resolve_precision(args, device, "mlp_precision")
+    # Refuse what this device cannot train, and choose --micro_batches=auto, before any process group exists
+    # (every rank decides the same).
+    check_world_size(args, world_size)
+    attention_kind = resolve_attention(args, device)
+    precisions = (resolve_precision(args, device, "lm_head_precision"), resolve_precision(args, device, "mlp_precision"))
+    memory_plan = plan_memory(args, world_size, device, precisions, attention_kind)
     if world_size > 1 and not dist.is_initialized():  # tools/preflight.py brings its own (fake) group
         dist.init_process_group(backend="nccl" if use_cuda else "gloo",
                                 timeout=datetime.timedelta(seconds=args.pg_timeout_s),
                                 device_id=device if use_cuda else None)
-    return DistEnv(rank, local_rank, world_size, device)
+    return DistEnv(rank, local_rank, world_size, device, memory_plan)
 
 
 def distributed() -> bool:
@@ -904,6 +958,8 @@ def build_masks(tokens: Tensor, plans: list[LayerPlan], windows: tuple[int, int]
 def attention(q: Tensor, k: Tensor, v: Tensor, mask, scale: Tensor) -> Tensor:
     """q, k, v: (B, H, T, D); mask: a BlockMask (FlexAttention) or a boolean tensor (SDPA). The scale is
     applied to q, so that it is a tensor in the graph and not a compile-time constant."""
+    if isinstance(mask, CountedFlexMask):  # the memory model's forward (MemoryModel)
+        return FlexStandIn.apply(q, k, v)
     q = q * scale.type_as(q)
     if isinstance(mask, Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
@@ -2202,7 +2258,7 @@ class DocumentPieces:
         steps, first = 0, 0
         while True:
             step = first_step + steps
-            for _ in range(schedule.micro_batches):
+            for _ in range(schedule.micro_batches(step)):
                 last = self._last_piece(first, schedule.micro_tokens(step) + 1, schedule.stage(step).max_seq_len)
                 if last is None:
                     return steps
@@ -2332,7 +2388,7 @@ def count_shard_steps(scan: ShardScan, first_step: int, args: Hyperparameters, s
                         f"{step_tokens(first_step, schedule):,} (step {first_step}); add text")
     if not scan.steps:
         stage = schedule.stage(first_step)
-        raise DataError(f"{scan.path}: its documents cannot fill one step of {schedule.micro_batches} x "
+        raise DataError(f"{scan.path}: its documents cannot fill one step of {schedule.micro_batches(first_step)} x "
                         f"{schedule.micro_tokens(first_step) + 1} tokens (step {first_step}): a document gives its "
                         f"first {stage.max_seq_len} tokens at most (--stage_max_seq_len) and a micro-batch skips "
                         f"the rest of the one it ends in; split long documents (`python data/tokenize_text.py` "
@@ -2368,7 +2424,7 @@ def scan_training_shards(files: list[Path], args: Hyperparameters, schedule: Sch
 
 def step_tokens(step: int, schedule: Schedule) -> int:
     """Tokens a step reads: its micro-batches, each with one more token for the last target."""
-    return schedule.micro_batches * (schedule.micro_tokens(step) + 1)
+    return schedule.micro_batches(step) * (schedule.micro_tokens(step) + 1)
 
 
 class TrainLoader:
@@ -2490,12 +2546,12 @@ class TrainLoader:
         while True:
             if self.pieces is None:
                 self.pieces = self._open(self.file_index)
-            taken = self.pieces.take_step(self.piece, self.schedule.micro_batches, micro, max_len)
+            taken = self.pieces.take_step(self.piece, self.schedule.micro_batches(step), micro, max_len)
             if taken is not None:
                 break
             if self.piece == 0:  # the scan counted at least one step in every shard it reached
                 raise DataError(f"{self.scans[self.file_index].path}: its documents cannot fill step {step} "
-                                f"({self.schedule.micro_batches} x {micro + 1} tokens), or it changed since the "
+                                f"({self.schedule.micro_batches(step)} x {micro + 1} tokens), or it changed since the "
                                 f"start-up scan")
             self.file_index, self.piece, self.pieces = (self.file_index + 1) % len(self.scans), 0, None
             self.started_over = self.file_index == 0
@@ -2530,12 +2586,12 @@ class SyntheticLoader:
         # FineWeb documents average roughly a thousand GPT-2 tokens with a long tail: exponential lengths,
         # of which training sees the first max_len; draw pieces until they fill the step.
         lengths = np.zeros(0, dtype=np.int64)
-        while np.minimum(lengths, max_len).sum() <= self.schedule.micro_batches * (micro + 1):
+        while np.minimum(lengths, max_len).sum() <= self.schedule.micro_batches(step) * (micro + 1):
             lengths = np.append(lengths, rng.exponential(1000, 256).astype(np.int64) + 1)
         while True:  # the remainders cut at micro-batch edges are skipped: many small micro-batches need more
             tokens = rng.integers(0, BOS_ID, int(lengths.sum()), dtype=np.uint16)
             tokens[np.cumsum(lengths) - lengths] = BOS_ID
-            taken = DocumentPieces(tokens).take_step(0, self.schedule.micro_batches, micro, max_len)
+            taken = DocumentPieces(tokens).take_step(0, self.schedule.micro_batches(step), micro, max_len)
             if taken is not None:
                 return rank_micro_batches(taken[0], self.env, self.bigram_buckets)
             lengths = np.append(lengths, rng.exponential(1000, 256).astype(np.int64) + 1)
@@ -2752,6 +2808,400 @@ def schedule_flops_per_token(args: Hyperparameters, model: GPT, tokens: Tensor) 
     total_tokens = sum(stage.batch_tokens * (stage.end - stage.start) for stage in schedule.stages)
     return sum(stage.batch_tokens * (stage.end - stage.start) * model_flops_per_token(args, model, tokens, stage.windows)
                for stage in schedule.stages if stage.end > stage.start) / total_tokens
+
+# -----------------------------------------------------------------------------
+# Memory model: each phase's peak per rank, counted on fake tensors (no memory, no device), so that
+# --micro_batches=auto can choose and an explicit count that cannot fit is refused before step 0
+
+# The share of the device's memory the counted tensors may take. The rest is for what this count does not
+# see (the CUDA context, NCCL's buffers, the allocator's fragmentation, cuBLAS workspaces) and for the
+# compiled step's own choices: tools/preflight.py measured up to 13% above this count (record #85's first
+# Adam step, 17.61 against 15.55 GiB).
+MEMORY_MARGIN = 0.15
+GIB = 2 ** 30
+
+
+class FlexStandIn(torch.autograd.Function):
+    """Keeps for backward what FlexAttention keeps (q, k, v, the output, the fp32 log-sum-exp): FlexAttention
+    has no backward on CPU, where the memory model runs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty_like(q)
+        ctx.save_for_backward(q, k, v, out, torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+class CountedFlexMask:
+    """A block mask in the memory model's forward pass: attention() keeps what FlexAttention would."""
+
+    def __init__(self, mask):
+        self.mask = mask
+
+
+class LiveMemory(TorchDispatchMode):
+    """The bytes of the live storages its ops make, and their peak: what torch.cuda.max_memory_allocated
+    would say, less the allocator's rounding, cache and fragmentation. A storage is counted once, however
+    many tensors view it, until it is freed. `start()` begins a new peak from what is live now."""
+
+    def __init__(self, device_type: str = "cuda"):
+        super().__init__()
+        self.device_type = device_type
+        self.storages: dict = {}
+        self.live = self.peak = 0
+
+    def sweep(self):
+        for key, (ref, nbytes) in list(self.storages.items()):
+            if ref.expired():
+                del self.storages[key]
+                self.live -= nbytes
+
+    def start(self):
+        gc.collect()  # torch.compile leaves its inputs in reference cycles: count what is reachable
+        self.sweep()
+        self.peak = self.live
+
+    def track(self, tensors):
+        for t in tensors:
+            if not isinstance(t, Tensor) or t.device.type != self.device_type:
+                continue
+            storage = t.untyped_storage()
+            ref = StorageWeakRef(storage)
+            known = self.storages.get(ref)
+            if known is not None and not known[0].expired():
+                continue
+            if known is not None:  # a freed storage's address, taken by a new one
+                self.live -= known[1]
+            self.storages[ref] = (ref, storage.nbytes())
+            self.live += storage.nbytes()
+            if self.live > self.peak:
+                self.sweep()  # only when a new peak is possible: sweeping at every op would be slow
+                self.peak = max(self.peak, self.live)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.track(out if isinstance(out, (tuple, list)) else [out])
+        return out
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def normuon_bytes(muon: NorMuon, world_size: int, rank: int = 0) -> tuple[int, int]:
+    """(state bytes this rank keeps, communication buffer bytes of one step) for NorMuon."""
+    state = buffers = 0
+    for chunk in muon.chunks(world_size):
+        p, j, _ = muon.matrices[chunk[0]]
+        matrix = p if j is None else p[j]
+        n, size = matrix.numel(), matrix.element_size()
+        if rank < len(chunk):
+            state += 4 * (n + max(matrix.shape))  # fp32 momentum + per-neuron second moment
+            state += 2 * n if matrix.dtype == torch.bfloat16 else 0  # the mantissas of the fp32 master
+        if world_size > 1:  # stacked gradients, the owned mean (and its fp32 copy), gathered matrices
+            buffers += 2 * size * world_size * n + (size + 4) * n
+    return state, buffers
+
+
+def dist_adam_bytes(adam: DistAdam, world_size: int, sparse_table: Tensor, touched_rows: int) -> tuple[int, int]:
+    """(state bytes per rank, communication buffer bytes of one step) for DistAdam at world_size, whatever
+    the world size it was built with (its buckets are the same). The bigram table's rows go by a sparse
+    exchange, at most `touched_rows` of them each way, when its rows split evenly over the ranks."""
+    state = buffers = 0
+    sparse = adam._bucket_of[sparse_table] if sparse_table.size(0) % world_size == 0 else None
+    for bucket in adam.buckets:
+        p = bucket.params[0]
+        shard = math.ceil(bucket.numel / world_size)
+        state += 2 * 4 * shard  # fp32 exp_avg, exp_avg_sq (the tied embedding's too, from the untie on)
+        if world_size > 1:
+            in_place = len(bucket.params) == 1 and bucket.numel == shard * world_size
+            buffers += (0 if in_place else 2 * p.element_size() * shard * world_size) + p.element_size() * shard
+            if bucket is sparse:
+                buffers += 2 * touched_rows * (p.size(1) * p.element_size() + 8)  # rows out and in, indices
+    return state, buffers
+
+
+def mask_bytes(masks: Masks) -> int:
+    """Bytes of the distinct attention masks of one micro-batch (layers of one kind share one)."""
+    total = 0
+    for m in masks.by_kind.values():
+        total += tensor_bytes([m] if isinstance(m, Tensor) else
+                              [t for t in m.as_tuple()[2:] if isinstance(t, Tensor)])
+    return total
+
+
+def loss_chunk_bytes(args: Hyperparameters, tokens: int, device_type: str) -> int:
+    """The loss's transient: one chunk of logits, its fp32 squashed logits and exponentials, and (on GPUs)
+    its FP8 gradient; the full logits are never held."""
+    rows = min(LOSS_CHUNK, tokens)
+    return rows * padded_vocab(args.vocab_size) * ((2 + 4 + 4 + 1) if device_type == "cuda" else 3 * 4)
+
+
+class MemoryModel:
+    """What rank 0 of world_size holds at each phase's peak, for one configuration (explicit micro-batch
+    counts) on one kind of device, with the precisions and attention the run resolved. Per phase:
+      - weights, buffers (rotary tables, the bigram signs, FP8 copies) and, in training, their gradients;
+      - NorMuon's fp32 momentum and per-neuron second moment, and the bf16 weights' mantissas, for the
+        matrices this rank owns; DistAdam's fp32 moments of this rank's shard of every bucket;
+      - training, the largest of: the tensors one micro-batch's forward keeps for backward (recorded by
+        saved-tensor hooks while the eager model runs on fake tensors; torch.compile may keep less, so an
+        upper bound there) with the loss's transient chunk and the block masks; the end of backward, where
+        the dense gradient of the largest gathered table (the value embeddings) is built beside the one it
+        is added to (two copies, eager); the optimizer step's communication buffers at world size > 1;
+      - validation: the most live tensors of a forward pass over one validation sequence, op by op.
+    Not counted (MEMORY_MARGIN is for them): allocator fragmentation, CUDA and NCCL contexts, kernel
+    workspaces."""
+
+    def __init__(self, args: Hyperparameters, world_size: int, device: torch.device, precisions: tuple[str, str],
+                 attention_kind: str):
+        self.args, self.world_size, self.device_type = args, world_size, device.type
+        self.use_flex = attention_kind == "flex"
+        self.fake = FakeTensorMode()
+        with self.fake, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.model = cast_for_device(GPT(args, *precisions), device)
+            self.muon, self.adam = build_optimizers(self.model, args)
+        self.weights = tensor_bytes(self.model.parameters())
+        self.buffers = tensor_bytes(self.model.buffers())
+        self.muon_state, self.muon_buffers = normuon_bytes(self.muon, world_size)
+        self.adam_state = dist_adam_bytes(self.adam, world_size, self.model.bigram_embed.weight, 0)[0]
+
+    def state(self) -> int:
+        """What a training rank holds whatever the phase: weights, buffers, gradients, optimizer state."""
+        return 2 * self.weights + self.buffers + self.muon_state + self.adam_state
+
+    def _tokens(self, length: int) -> Tensor:
+        tokens = torch.randint(0, BOS_ID, (length,))
+        tokens[::1000] = BOS_ID  # documents of a thousand tokens: the masks' blocks are the data's
+        return tokens
+
+    def _masks(self, inputs: Tensor, windows: tuple[int, int]) -> tuple[Masks, int]:
+        masks = build_masks(inputs, self.model.plans, windows, self.args.window_block, self.use_flex)
+        if self.use_flex:
+            return Masks({kind: CountedFlexMask(m) for kind, m in masks.by_kind.items()}, masks.docs), mask_bytes(masks)
+        return masks, mask_bytes(masks)
+
+    def training(self, micro_tokens: int, windows: tuple[int, int], micro_per_rank: int) -> dict[str, int]:
+        """The rows of a training phase whose micro-batches hold micro_tokens tokens."""
+        args = self.args
+        with self.fake, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            x = self._tokens(micro_tokens + 1)
+            masks, masks_size = self._masks(x[:-1], windows)
+            touched = min(self.model.bigram_embed.num_embeddings, args.adam_every * micro_tokens * micro_per_rank)
+            adam_buffers = dist_adam_bytes(self.adam, self.world_size, self.model.bigram_embed.weight, touched)[1]
+            saved: dict = {}
+
+            def keep(t):
+                saved[StorageWeakRef(t.untyped_storage())] = t.untyped_storage().nbytes()
+                return t
+
+            mtp = torch.ones(len(Schedule(args).mtp_weights(0)))
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                self.model(x[:-1], x[1:], masks, windows, mtp, loss_scale=1.0)
+        activations, chunk = sum(saved.values()), loss_chunk_bytes(args, micro_tokens, self.device_type)
+        tables = (self.model.value_embeds, self.model.embed.weight, self.model.bigram_embed.weight)
+        embedding_backward = 2 * max(tensor_bytes([table]) for table in tables)
+        step_buffers = self.muon_buffers + adam_buffers
+        return {"weights": self.weights, "buffers": self.buffers, "gradients": self.weights,
+                "NorMuon state": self.muon_state, "DistAdam state": self.adam_state,
+                "saved activations": activations, "loss chunk": chunk, "block masks": masks_size,
+                "embedding backward": embedding_backward, "optimizer-step buffers": step_buffers,
+                "peak": self.state() + max(activations + chunk + masks_size, embedding_backward, step_buffers)}
+
+    def validation(self, seq_len: int, windows: tuple[int, int]) -> dict[str, int]:
+        """The rows of a validation forward pass over one seq_len-token sequence (no gradients)."""
+        with self.fake, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            x = self._tokens(seq_len + 1)
+            masks, masks_size = self._masks(x[:-1], windows)
+            self.model.eval()
+            live = LiveMemory(device_type="cpu")  # fake tensors live on the host: cast, never moved
+            live.track([*self.model.parameters(), *self.model.buffers()])  # views of them are not new memory
+            with torch.no_grad(), live:
+                live.start()
+                base = live.live
+                self.model(x[:-1], x[1:], masks, windows)
+            self.model.train()
+        forward = live.peak - base
+        persistent = self.weights + self.buffers + self.muon_state + self.adam_state
+        return {"weights": self.weights, "buffers": self.buffers, "gradients": 0, "NorMuon state": self.muon_state,
+                "DistAdam state": self.adam_state, "forward's largest live tensors": forward,
+                "block masks": masks_size, "peak": persistent + forward + masks_size}
+
+    def phases(self, stages: set[int] | None = None, validation: bool = True) -> dict[str, dict[str, int]]:
+        """Every phase whose memory differs: each stage the run reaches (the extension's windows are its
+        own; it trains at the last stage's count), then the validation at the final windows. `stages`: only
+        the phases of these --micro_batches entries."""
+        schedule, rows, seen = Schedule(self.args), {}, {}
+        for i, stage in enumerate(schedule.stages):
+            if stage.end <= stage.start or (stages is not None and min(i, len(schedule.stages) - 2) not in stages):
+                continue
+            name = f"stage {i + 1}" if i < len(schedule.stages) - 1 else "extension"
+            # The windows change no tensor's size (block masks hold every block pair; attention keeps q, k, v,
+            # its output and log-sum-exp): phases of the same micro-batches share one count.
+            key = (stage.micro_tokens, stage.micro_batches)
+            if key not in seen:
+                seen[key] = self.training(stage.micro_tokens, stage.windows, stage.micro_batches // self.world_size)
+            rows[name] = seen[key]
+        if validation:
+            rows["validation"] = self.validation(self.args.val_seq_len, schedule.final_val_windows)
+        return rows
+
+
+class DoesNotFitError(ConfigError):
+    """The memory model puts a phase over the device's memory (less MEMORY_MARGIN); the message says which
+    and what would fit."""
+
+
+def memory_budget(args: Hyperparameters, device: torch.device) -> tuple[int, str] | None:
+    """(bytes, whose) that the predicted peaks must fit, before the margin; None where nothing is checked:
+    on CPU, unless --micro_batches=auto or --memory_limit_gib asks."""
+    if args.memory_limit_gib:
+        return int(args.memory_limit_gib * GIB), f"--memory_limit_gib={args.memory_limit_gib:g}"
+    if device.type == "cuda":
+        return device_memory_bytes(device), f"{device} ({torch.cuda.get_device_name(device)})"
+    if args.micro_batches.strip() == "auto":
+        return device_memory_bytes(device), "this host"
+    return None
+
+
+def micro_batch_choices(batch_tokens: int, world_size: int, window_block: int) -> list[int]:
+    """The counts a stage's batch can split into, fewest (the largest micro-batches) first: multiples of the
+    world size, each micro-batch a multiple of window_block."""
+    return [count for count in range(world_size, batch_tokens // window_block + 1, world_size)
+            if batch_tokens % count == 0 and (batch_tokens // count) % window_block == 0]
+
+
+def micro_batches_flag(counts) -> str:
+    """--micro_batches's value for these per-stage counts: one count when they are all the same."""
+    return str(counts[0]) if len(set(counts)) == 1 else ",".join(map(str, counts))
+
+
+def phase_stage(name: str, stages: int) -> int | None:
+    """The index of the --micro_batches entry a phase of MemoryModel.phases trains with (None: validation)."""
+    return stages - 1 if name == "extension" else None if name == "validation" else int(name.split()[1]) - 1
+
+
+def fit_micro_batches(args: Hyperparameters, world_size: int, device: torch.device, precisions: tuple[str, str],
+                      attention_kind: str, budget: int, within: str) -> tuple[tuple[int, ...], dict[str, dict[str, int]]]:
+    """The micro-batch count of each stage, and every phase's rows with them: --micro_batches as given, or
+    for auto the fewest per stage whose phases fit `budget` (`within` says it in words). Counts only grow
+    during the search, and with them nothing a phase holds does, so each stage's first fit stays a fit."""
+    stages = Schedule(args).stages[:-1]  # the flag's stages; the extension trains at the last one's count
+    given = stage_micro_batches(args, len(stages))
+    choices = [micro_batch_choices(stage.batch_tokens, world_size, args.window_block) for stage in stages]
+    for i, (stage, options) in enumerate(zip(stages, choices)):
+        if given[i] is None and not options:
+            raise ConfigError(f"--micro_batches=auto: stage {i + 1}'s batch of {stage.batch_tokens:,} tokens cannot "
+                              f"split over {world_size} ranks into micro-batches of a multiple of --window_block="
+                              f"{args.window_block} tokens")
+    most = [options[-1] if count is None else count for count, options in zip(given, choices)]
+    state = MemoryModel(dataclasses.replace(args, micro_batches=",".join(map(str, most))), world_size, device,
+                        precisions, attention_kind).state()
+    if state > budget:  # no micro-batch helps; known without the forward passes, which are slow at such sizes
+        raise DoesNotFitError(f"the weights, gradients and optimizer state alone take {state / GIB:.2f} GiB per rank, "
+                              f"over {within}; more GPUs share the optimizer state")
+    counts = [options[0] if count is None else count for count, options in zip(given, choices)]
+    searching = {i for i, count in enumerate(given) if count is None}
+    while searching:
+        trial = dataclasses.replace(args, micro_batches=",".join(map(str, counts)))
+        rows = MemoryModel(trial, world_size, device, precisions, attention_kind).phases(searching, validation=False)
+        over: dict[int, int] = {}
+        for name, row in rows.items():
+            i = phase_stage(name, len(stages))
+            if row["peak"] > budget:
+                over[i] = max(over.get(i, 0), row["peak"] - state)
+        searching = set(over)
+        for i, varying in over.items():
+            larger = [count for count in choices[i] if count > counts[i]]
+            if not larger:
+                raise DoesNotFitError(f"--micro_batches=auto: no micro-batch of stage {i + 1}'s batch fits {within}; "
+                                      f"more GPUs share the micro-batches and the optimizer state")
+            # Skip the counts that cannot fit: what a phase holds beyond the state shrinks at most with the
+            # square of the micro-batch (dense masks; the rest linearly or not at all), so this bound never
+            # skips a count that fits. The next round checks the first one it leaves.
+            guess = [count for count in larger if state + varying * (counts[i] / count) ** 2 <= budget]
+            counts[i] = guess[0] if guess else larger[-1]
+    trial = dataclasses.replace(args, micro_batches=",".join(map(str, counts)))
+    return tuple(counts), MemoryModel(trial, world_size, device, precisions, attention_kind).phases()
+
+
+def fitting_val_seq_len(args: Hyperparameters, world_size: int, device: torch.device, precisions: tuple[str, str],
+                        attention_kind: str, budget: int) -> int | None:
+    """The longest validation sequence, halving --val_seq_len, that splits the same validation tokens over
+    the ranks and fits `budget`; None if none does."""
+    length = args.val_seq_len // 2
+    while length >= args.window_block:
+        if (length % args.window_block == 0 and args.val_tokens % length == 0
+                and (args.val_tokens // length) % world_size == 0):
+            trial = dataclasses.replace(args, val_seq_len=length)
+            model = MemoryModel(trial, world_size, device, precisions, attention_kind)
+            if model.validation(length, Schedule(trial).final_val_windows)["peak"] <= budget:
+                return length
+        length //= 2
+    return None
+
+
+@dataclass
+class MemoryPlan:
+    rows: dict[str, dict[str, int]]  # MemoryModel.phases of the run as it will train
+    lines: list[str]  # for the log: the budget, then each phase's predicted peak
+
+
+def plan_memory(args: Hyperparameters, world_size: int, device: torch.device, precisions: tuple[str, str],
+                attention_kind: str) -> MemoryPlan | None:
+    """Checks, before anything is built, that every phase fits this device's memory (memory_budget) by the
+    memory model, and chooses the counts of --micro_batches=auto (written back into args, so that the log
+    and the checkpoints hold them). None where nothing is checked. Raises DoesNotFitError, naming what
+    would fit."""
+    budget_of = memory_budget(args, device)
+    if budget_of is None:
+        return None
+    memory, whose = budget_of
+    budget = int(memory * (1 - MEMORY_MARGIN))
+    within = f"{budget / GIB:.2f} GiB per rank ({1 - MEMORY_MARGIN:.0%} of the {memory / GIB:.2f} GiB of {whose})"
+    auto = args.micro_batches.strip() == "auto"
+    counts, rows = fit_micro_batches(args, world_size, device, precisions, attention_kind, budget, within)
+    stages = len(counts)
+    for name, row in rows.items():
+        if name == "validation" or row["peak"] <= budget:
+            continue
+        try:
+            fits, _ = fit_micro_batches(dataclasses.replace(args, micro_batches="auto"), world_size, device,
+                                        precisions, attention_kind, budget, within)
+            remedy = f"--micro_batches={micro_batches_flag(fits)} fits (what --micro_batches=auto chooses)"
+        except DoesNotFitError:
+            remedy = "no micro-batch count fits; more GPUs share the micro-batches and the optimizer state"
+        micro = Schedule(args).stages[phase_stage(name, stages)].micro_tokens
+        raise DoesNotFitError(f"--micro_batches={args.micro_batches}: {name}'s micro-batches of {micro:,} tokens need "
+                              f"{row['peak'] / GIB:.2f} GiB per rank (predicted), over {within}; {remedy}")
+    if rows["validation"]["peak"] > budget:
+        length = fitting_val_seq_len(args, world_size, device, precisions, attention_kind, budget)
+        remedy = (f"--val_seq_len={length} fits (the same validation tokens)" if length else
+                  "no shorter --val_seq_len fits")
+        raise DoesNotFitError(f"--val_seq_len={args.val_seq_len}: a validation sequence needs "
+                              f"{rows['validation']['peak'] / GIB:.2f} GiB per rank (predicted), over {within}; {remedy}")
+    chosen = micro_batches_flag(counts)
+    lines = [f"memory: the predicted peaks must fit {within}; "
+             + (f"--micro_batches=auto chose {chosen}" if auto else f"--micro_batches={args.micro_batches} fits")]
+    if auto:
+        args.micro_batches = chosen
+    schedule = Schedule(args)
+    for name, row in rows.items():
+        if name == "validation":
+            lines.append(f"memory: validation, sequences of {args.val_seq_len:,} tokens: predicted peak "
+                         f"{row['peak'] / GIB:.2f} GiB")
+            continue
+        stage = schedule.stages[phase_stage(name, stages) if name != "extension" else -1]
+        lines.append(f"memory: {name}, micro-batches of {stage.micro_tokens:,} tokens, {stage.micro_batches} a step "
+                     f"({stage.micro_batches // world_size} per rank): predicted peak {row['peak'] / GIB:.2f} GiB")
+    return MemoryPlan(rows, lines)
 
 # -----------------------------------------------------------------------------
 # Checkpoints: atomic, per-rank optimizer shards, every file's size and sha256 in meta.json, refused
@@ -3432,6 +3882,8 @@ def train(args: Hyperparameters, env: DistEnv):
     try:
         model = build_model(args, env, init_state)
         log_header(log, source, args, env, run_id, model)
+        for line in env.memory.lines if env.memory else []:
+            log(line)
         for line in loader.report():
             log(line)
         for line in getattr(loader, "located", []):

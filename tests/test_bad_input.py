@@ -72,6 +72,13 @@ FLAG_CASES = [
     (["--num_iterations=0"], ["--num_iterations=0: must be positive"]),
     (["--stage_batch_tokens=1000,2048,3072"], ["--stage_batch_tokens=1000,2048,3072: each batch must split into "
                                                "--micro_batches=1 micro-batches of a multiple of --window_block=64"]),
+    (["--micro_batches=0"], ["--micro_batches=0: must be positive"]),
+    (["--micro_batches=2,2"], ["--micro_batches=2,2: one count for every stage, or one per stage (3), or auto"]),
+    (["--micro_batches=many"], ["--micro_batches=many: expected auto, a count, or one count per stage"]),
+    (["--micro_batches=auto", "--stage_batch_tokens=1000,2048,3072"], ["--stage_batch_tokens=1000,2048,3072: each "
+                                                                       "batch must split into --micro_batches=auto"]),
+    (["--memory_limit_gib=-1"], ["--memory_limit_gib=-1.0: must be a finite number >= 0"]),
+    (["--memory_limit_gib=inf"], ["--memory_limit_gib=inf"]),
     (["--preset=nope"], ["--preset=nope: unknown preset"]),
     (["--packing=bos"], ["--packing=bos: choose auto, documents, stream"]),
     (["--val_seq_len=1048576", "--val_tokens=1048576"], ["--attention=sdpa: the dense attention mask of a "

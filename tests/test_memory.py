@@ -1,10 +1,14 @@
-"""tools/estimate_memory.py: the parts of its table that can be counted by hand from record #85's shapes."""
+"""The memory model (train_gpt.py's MemoryModel, tools/estimate_memory.py's table): the parts of its table
+that can be counted by hand from record #85's shapes, its predictions against real steps on this CPU, and
+--micro_batches=auto and the start-up refusal under a memory limit the tests set."""
 
 import sys
 
 import pytest
+import torch
 
-from conftest import REPO, in_process
+import train_gpt as T
+from conftest import REPO, in_process, one_line_error
 
 sys.path.insert(0, str(REPO / "tools"))
 import estimate_memory  # noqa: E402
@@ -73,3 +77,120 @@ def test_the_command_prints_a_table_that_fits_an_h100():
 def test_world_sizes_that_cannot_run_are_one_line(flags, message):
     bad = in_process(estimate_memory.main, *flags)
     assert bad.returncode == 2 and bad.stderr.startswith(message) and bad.stderr.count("\n") == 1, bad.stderr
+
+
+# -----------------------------------------------------------------------------
+# The trainer's memory model (train_gpt.MemoryModel) against real steps, and --micro_batches=auto, on CPU
+
+CPU = torch.device("cpu")
+
+
+def smoke_args(*flags):
+    return T.parse_args(["--preset=smoke", *flags], False)
+
+
+def test_the_memory_model_predicts_real_cpu_steps_and_validation():
+    # Real tensors on this CPU, followed op by op: a micro-batch's forward and backward from the second one
+    # of a step on (the gradients of the first exist), at sizes where the loss chunk, the saved activations
+    # or the value embeddings' backward make the peak; and a validation forward pass.
+    args = smoke_args()
+    model = T.build_model(args, T.DistEnv(0, 0, 1, CPU))
+    schedule = T.Schedule(args)
+    memory = T.MemoryModel(args, 1, CPU, ("fp32", "fp32"), "sdpa")
+    seen = []
+    for micro_tokens, stage in ((768, 2), (64, 0)):
+        windows = schedule.stages[stage].windows
+        x = torch.randint(0, T.BOS_ID, (micro_tokens + 1,), generator=torch.Generator().manual_seed(micro_tokens))
+        x[::300] = T.BOS_ID
+        masks = T.build_masks(x[:-1], model.plans, windows, args.window_block, False)
+        mtp = torch.tensor(schedule.stages[stage].mtp_start)
+        model.zero_grad(set_to_none=True)
+        model(x[:-1], x[1:], masks, windows, mtp, loss_scale=1.0).backward()
+        live = T.LiveMemory("cpu")
+        live.track([*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters())])
+        with live:
+            live.start()
+            base = live.live
+            model(x[:-1], x[1:], masks, windows, mtp, loss_scale=1.0).backward()
+        row = memory.training(micro_tokens, windows, 1)
+        predicted = max(row["saved activations"] + row["loss chunk"] + row["block masks"], row["embedding backward"])
+        seen.append((micro_tokens, live.peak - base, predicted))
+    model.eval()
+    x = torch.randint(0, T.BOS_ID, (args.val_seq_len + 1,), generator=torch.Generator().manual_seed(1))
+    windows = schedule.final_val_windows
+    live = T.LiveMemory("cpu")
+    live.track([*model.parameters(), *model.buffers()])
+    with torch.no_grad(), live:
+        live.start()
+        base = live.live
+        model(x[:-1], x[1:], T.build_masks(x[:-1], model.plans, windows, args.window_block, False), windows)
+    row = memory.validation(args.val_seq_len, windows)
+    seen.append(("validation", live.peak - base, row["forward's largest live tensors"] + row["block masks"]))
+    for what, measured, predicted in seen:
+        assert abs(predicted / measured - 1) < 0.05, seen
+    # each kind of peak was met: the loss chunk, and the value embeddings' backward (two copies of the table)
+    assert seen[0][1] > 4 * seen[1][1] and seen[1][2] == 2 * T.tensor_bytes([model.value_embeds])
+
+
+def test_auto_choices_are_multiples_of_the_world_size_that_split_the_batch_into_blocks():
+    assert T.micro_batch_choices(3072, 1, 64) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]
+    assert T.micro_batch_choices(3072, 2, 64) == [2, 4, 6, 8, 12, 16, 24, 48]
+    # record #85's last stage: 3,072 blocks of 128 tokens, 2**10 * 3, over 8 ranks
+    assert T.micro_batch_choices(393216, 8, 128) == [8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024,
+                                                     1536, 3072]
+    assert T.micro_batch_choices(1024, 32, 64) == []
+
+
+def stage_peak(micro_tokens: int, world_size: int = 1) -> int:
+    """The smoke model's predicted training peak at a micro-batch of micro_tokens (stage 3's windows)."""
+    args = smoke_args(f"--micro_batches={world_size},{world_size},{3072 // micro_tokens}")
+    stage = T.Schedule(args).stages[2]
+    model = T.MemoryModel(args, world_size, CPU, ("fp32", "fp32"), "sdpa")
+    return model.training(micro_tokens, stage.windows, stage.micro_batches // world_size)["peak"]
+
+
+@pytest.fixture(scope="module")
+def limit_gib() -> float:
+    """A limit whose budget (85%) admits the smoke model's micro-batches of 1,024 tokens and not 1,536."""
+    fits, too_big = stage_peak(1024), stage_peak(1536)
+    assert too_big > 1.2 * fits  # room on both sides of the budget for the other stages' windows
+    return round((fits + too_big) / 2 / (1 - T.MEMORY_MARGIN) / GIB, 4)
+
+
+def test_auto_takes_the_fewest_micro_batches_that_fit_at_any_world_size(limit_gib):
+    # Micro-batches of at most 1,024 tokens fit: the fewest for batches of 1,024, 2,048 and 3,072 tokens are
+    # 1, 2 and 3 at world size 1 (the run below); at world size 2 the counts are even (2, 2, 4), and 2 for
+    # stage 3 would not fit.
+    budget = int(limit_gib * GIB * (1 - T.MEMORY_MARGIN))
+    counts, rows = T.fit_micro_batches(smoke_args("--micro_batches=auto"), 2, CPU, ("fp32", "fp32"), "sdpa", budget, "")
+    assert counts == (2, 2, 4) and all(row["peak"] <= budget for row in rows.values())
+    assert stage_peak(1536, world_size=2) > budget  # stage 3 at 2 micro-batches of 1,536 tokens
+
+
+def test_auto_micro_batches_under_a_memory_limit_train_and_an_explicit_count_over_it_is_refused(tmp_path, limit_gib):
+    flags = ["--preset=smoke", "--num_iterations=4", "--extension_steps=1", "--val_loss_every=0", "--val_tokens=1024",
+             f"--memory_limit_gib={limit_gib}", f"--logs_dir={tmp_path}/logs"]
+    proc = in_process(T.main, *flags, "--micro_batches=auto", "--run_id=auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = (tmp_path / "logs/auto.txt").read_text()
+    lines = [line for line in log.splitlines() if line.startswith("memory: ")]
+    budget = limit_gib * (1 - T.MEMORY_MARGIN)
+    assert lines[0] == (f"memory: the predicted peaks must fit {budget:.2f} GiB per rank (85% of the {limit_gib:.2f} "
+                        f"GiB of --memory_limit_gib={limit_gib:g}); --micro_batches=auto chose 1,2,3")
+    expected = ["stage 1, micro-batches of 1,024 tokens, 1 a step (1 per rank)",
+                "stage 2, micro-batches of 1,024 tokens, 2 a step (2 per rank)",
+                "stage 3, micro-batches of 1,024 tokens, 3 a step (3 per rank)",
+                "extension, micro-batches of 1,024 tokens, 3 a step (3 per rank)", "validation, sequences of 1,024 tokens"]
+    assert [line.removeprefix("memory: ").split(":")[0] for line in lines[1:]] == expected
+    assert all(float(line.split("predicted peak ")[1].split()[0]) <= budget for line in lines[1:])
+    assert "  micro_batches = 1,2,3" in log  # the choice, as a resume or a rerun would give it
+    # the same limit with one micro-batch a step: stage 2's 2,048 tokens do not fit; refused before the log
+    proc = in_process(T.main, *flags, "--micro_batches=1", "--run_id=one")
+    one_line_error(proc, f"error: --micro_batches=1: stage 2's micro-batches of 2,048 tokens need ", " GiB per rank "
+                   f"(predicted), over {budget:.2f} GiB per rank", "; --micro_batches=1,2,3 fits (what "
+                   "--micro_batches=auto chooses)")
+    assert not (tmp_path / "logs/one.txt").exists()
+    # a limit below the weights, gradients and optimizer state: no micro-batch helps
+    proc = in_process(T.main, *flags, "--micro_batches=auto", "--memory_limit_gib=0.2", "--run_id=small")
+    one_line_error(proc, "the weights, gradients and optimizer state alone take 0.34 GiB per rank, over 0.17 GiB per "
+                   "rank (85% of the 0.20 GiB of --memory_limit_gib=0.2); more GPUs share the optimizer state")

@@ -651,12 +651,19 @@ def test_training_with_flex_on_cpu_is_refused_and_evaluation_allowed():
 
 def test_world_size_that_cannot_split_the_batch_is_an_error():
     args = small_args()
-    assert T.check_world_size(args, 1) == 4 and T.check_world_size(args, 2) == 2
+    assert T.check_world_size(args, 1) == (4, 4, 4) and T.check_world_size(args, 2) == (2, 2, 2)
     with pytest.raises(T.ConfigError, match="world size 3 cannot split the batch"):
         T.check_world_size(args, 3)
     speedrun = T.parse_args(["--preset=speedrun"], True)
-    assert [T.check_world_size(speedrun, w) for w in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    assert [T.check_world_size(speedrun, w) for w in (1, 2, 4, 8)] == [(8,) * 3, (4,) * 3, (2,) * 3, (1,) * 3]
     with pytest.raises(T.ConfigError, match="a larger --micro_batches makes more"):
         T.check_world_size(speedrun, 16)
     two_nodes = T.parse_args(["--preset=speedrun", "--micro_batches=16", "--val_seq_len=65536"], True)
-    assert T.check_world_size(two_nodes, 16) == 1
+    assert T.check_world_size(two_nodes, 16) == (1, 1, 1)
+    # one count per stage: each must split over the ranks
+    per_stage = T.parse_args(["--preset=speedrun", "--micro_batches=2,8,8"], True)
+    assert T.check_world_size(per_stage, 2) == (1, 4, 4)
+    with pytest.raises(T.ConfigError, match="--micro_batches=2,8,8 micro-batches, not a multiple of 4"):
+        T.check_world_size(per_stage, 4)
+    # auto chooses at start-up, among multiples of the world size
+    assert T.check_world_size(T.parse_args(["--preset=speedrun", "--micro_batches=auto"], True), 8) == (None,) * 3

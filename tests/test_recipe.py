@@ -14,7 +14,7 @@ SCHEDULE = T.Schedule(SPEEDRUN)
 
 def test_speedrun_preset_holds_record_85s_values():
     a = SPEEDRUN
-    assert (a.num_iterations, a.extension_steps, a.micro_batches) == (1290, 15, 8)
+    assert (a.num_iterations, a.extension_steps, a.micro_batches) == (1290, 15, "8")
     assert [(s.start, s.end) for s in SCHEDULE.stages] == [(0, 425), (425, 850), (850, 1275), (1275, 1290)]
     assert [s.batch_tokens for s in SCHEDULE.stages] == [131_072, 262_144, 393_216, 393_216]
     assert [s.max_seq_len for s in SCHEDULE.stages] == [896, 2048, 2048, 2048]
@@ -218,7 +218,7 @@ def test_synthetic_batches_are_packed_like_real_ones():
     loader = T.SyntheticLoader(args, T.DistEnv(0, 0, 1, torch.device("cpu")))
     for step in (0, 20):
         batch = loader.next_batch(step)
-        assert len(batch) == args.micro_batches
+        assert len(batch) == schedule.micro_batches(step) == 4
         for inputs, targets in batch:
             assert inputs[0] == T.BOS_ID and len(inputs) == schedule.micro_tokens(step)
             bos = torch.nonzero(inputs == T.BOS_ID).flatten().tolist() + [len(inputs)]

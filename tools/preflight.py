@@ -17,8 +17,8 @@ size W is torch's fake process group: DistAdam's hooks and NorMuon's chunks issu
 rank 0 of W, with their real shapes, and nothing is sent.
 
 It reports the graphs compiled for the blocks and the head; the memory of a training step per rank
-(tools/estimate_memory.py's count, with the saved activations measured on this compiled step, next
-to that tool's own estimate); the bytes each kind of collective moves per step; with
+(the most live tensors of this compiled step, next to the trainer's memory model, whose start-up
+check tools/estimate_memory.py prints in full); the bytes each kind of collective moves per step; with
 --backend=inductor the Triton kernels compiled for sm_90 and their shared memory. It fails on any
 host sync inside a training step (a value read back such as .item() or bool(t), a shape that depends
 on data such as nonzero, a copy to the host, torch.cuda.synchronize), naming the function and line
@@ -29,7 +29,9 @@ exit 1 (2 for bad flags, or when the fake device cannot be built).
 --gpu=NAME stands the fake device in for another card (fake_cuda.GPUS: its name, compute capability,
 memory, SMs and shared memory), which the trainer's own decisions then see: `auto` precision falls back
 from FP8 to bf16 without FP8 matmuls (one line says so), and inductor compiles for that architecture.
-When a phase does not fit the card, tools/estimate_memory.py finds the flags that would (more, smaller
+The trainer checks at start-up, by its memory model, that every phase fits the card (and chooses the
+counts of --micro_batches=auto); the preflight shows those lines. When a phase does not fit, by that check
+or by the preflight's own measure, tools/estimate_memory.py finds the flags that would (more, smaller
 micro-batches per step: the same global batch and tokens; shorter validation sequences), the preflight
 runs again with them, and the `error:` line gives the flags that passed, or why nothing fits.
 
@@ -199,7 +201,7 @@ class FakeGPU(TorchDispatchMode):
     becomes a fake CUDA tensor (pinning is skipped); collectives are counted, in bytes per kind and
     phase; a host sync raises during a training step and is counted elsewhere (a validation ends
     with one, its loss, which reads back as NaN here); the live fake-CUDA storages are followed, with
-    their peak per phase (estimate_memory.LiveMemory).
+    their peak per phase (train_gpt.LiveMemory).
 
     The sparse exchange of the bigram table's rows starts with a count exchange between the hosts: the
     counts this rank sends are real; what it receives is answered as if the traffic were symmetric (each
@@ -221,7 +223,7 @@ class FakeGPU(TorchDispatchMode):
         self.phase, self.in_training_step = "setup", False
         self.collective_bytes: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.host_syncs: dict[str, list[str]] = collections.defaultdict(list)
-        self.memory = estimate_memory.LiveMemory("cuda")
+        self.memory = T.LiveMemory("cuda")
         self.peaks: dict[str, int] = {}
         self.host_counts: dict[StorageWeakRef, list[int]] = {}  # received counts of the host exchange
 
@@ -350,6 +352,7 @@ class Report:
     world_size: int
     backend: str
     decisions: str = ""
+    memory_plan: list = dataclasses.field(default_factory=list)  # the trainer's start-up lines (plan_memory)
     fallbacks: list = dataclasses.field(default_factory=list)  # what this card runs otherwise than an H100, in words
     parameters: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # dtype -> elements
     phases: dict = dataclasses.field(default_factory=dict)  # name -> Phase, in run order
@@ -458,6 +461,7 @@ def run_steps(args: T.Hyperparameters, world_size: int, backend: str) -> Report:
         # a large recipe's weights would fill the host's memory before anything is checked.
         with torch.device("meta"):
             model = T.build_model(args, env)
+    report.memory_plan = env.memory.lines
     for p in model.parameters():
         report.parameters[str(p.dtype).removeprefix("torch.")] += p.numel()
 
@@ -506,9 +510,7 @@ def run_steps(args: T.Hyperparameters, world_size: int, backend: str) -> Report:
         report.seconds["validation and checkpoint"] = time.perf_counter() - start - sum(report.seconds.values())
 
     report.graphs = dict(counter.graphs)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report.estimate = estimate_memory.estimate_args(args, world_size, fake_cuda.has_fp8(fake_cuda.gpu))
+    report.estimate = env.memory.rows  # the trainer's start-up check: tools/estimate_memory.py's table
     return report
 
 
@@ -561,7 +563,9 @@ def print_report(report: Report):
     print(f"decisions: {report.decisions}; parameters {parameters}")
     for fallback in report.fallbacks:
         print(f"falls back: {fallback}")
-    print("phases (memory: the most live tensors per rank | tools/estimate_memory.py's peak for the same shapes; "
+    for line in report.memory_plan:
+        print(f"trainer's {line}")
+    print("phases (memory: the most live tensors per rank | the trainer's memory model for the same shapes; "
           "collectives: bytes of each whole buffer rank 0 sends or receives):")
     for p in report.phases.values():
         estimate = report.estimate.get(p.stage, {}).get("peak")
@@ -611,12 +615,12 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="TensorFloat32 tensor cores")
     try:
         report = run_preflight(options.flags, options.world_size, options.backend)
+    except (DoesNotFit, T.DoesNotFitError) as e:  # the preflight's measure, or the trainer's own start-up check
+        print(f"error: {e}; {fitting_command(options, card, said=isinstance(e, T.DoesNotFitError))}", file=sys.stderr)
+        return 1
     except (T.ConfigError, T.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except DoesNotFit as e:
-        print(f"error: {e}; {fitting_command(options, card)}", file=sys.stderr)
-        return 1
     except PreflightFailure as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -624,14 +628,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def fitting_command(options: argparse.Namespace, card) -> str:
+def fitting_command(options: argparse.Namespace, card, said: bool = False) -> str:
     """The flags that fit the card, found by tools/estimate_memory.py and checked by running the preflight again
-    with them (its report is printed), or why none do; in words, for the end of the error line."""
-    fit = estimate_memory.fitting_flags(options.flags, options.world_size, card.total_memory, fake_cuda.has_fp8(card))
+    with them (its report is printed), or why none do; in words, for the end of the error line. said: the
+    trainer's own refusal came first, and gave the reason already."""
+    fit = estimate_memory.fitting_flags(options.flags, options.world_size, card)
     if fit.reason:
-        return f"cannot fit on {options.world_size} {card.short_name}: {fit.reason}"
+        return f"cannot fit on {options.world_size} {card.short_name}" + ("" if said else f": {fit.reason}")
     if not fit.flags:
-        return (f"tools/estimate_memory.py puts every phase within {1 - estimate_memory.FIT_MARGIN:.0%} of the card "
+        return (f"tools/estimate_memory.py puts every phase within {1 - T.MEMORY_MARGIN:.0%} of the card "
                 f"({fit.budget / GIB:.2f} GiB), so the difference is the compiled step's; try more --micro_batches")
     try:
         report = run_preflight([*options.flags, *fit.flags], options.world_size, options.backend)

@@ -53,17 +53,17 @@ SCENARIOS = {
     # The FP8 MLP's weight operand made row-major: CPU's _scaled_mm takes it, CUDA's refuses it.
     "fp8_layout": (["--world_size=8", "--", *ONE_LENGTH, "--compile=false"],
                    ("ReluSquaredMLP", "scaled_mm(x8, fc_f8.T, amax", "scaled_mm(x8, fc_f8.T.contiguous(), amax")),
-    # A recipe far larger than this host's memory (8.9 billion parameters at width 8,192): built on the meta
-    # device, it never allocates its weights here, and fails at its first step, which cannot fit an H100 at
-    # any micro-batch.
+    # A recipe far larger than this host's memory (8.9 billion parameters at width 8,192): the trainer's
+    # start-up check refuses it, before anything is built, since no micro-batch can make it fit an H100.
     "huge": (["--world_size=8", "--", "--model_dim=8192", "--head_dim=128", "--compile=false"], None),
     # World size 1 on a card without FP8 matmuls, on which a step of 262,144 tokens in one micro-batch cannot
     # fit: the fallback to bf16, and the flags the preflight finds and checks in a second run (two
     # micro-batches), which passes every phase with --compile=false and the checkpoint writers (asked for by
-    # --save_every and --save_final). The compiled step at world size 1 is `python tools/preflight.py
-    # --world_size=1`, about 3 minutes.
+    # --save_every and --save_final). --memory_limit_gib above the card's 24 GiB lets it past the trainer's
+    # own check, to the preflight's measure of the step. The compiled step at world size 1 is
+    # `python tools/preflight.py --world_size=1`, about 3 minutes.
     "rtx3090_too_big": (["--gpu=rtx3090", "--world_size=1", "--", *TINY, "--stage_batch_tokens=262144,262144,262144",
-                         "--val_seq_len=16384", "--save_every=2", "--save_final=true"], None),
+                         "--val_seq_len=16384", "--save_every=2", "--save_final=true", "--memory_limit_gib=40"], None),
 }
 
 
