@@ -41,6 +41,7 @@ import sys
 import time
 import uuid
 import warnings
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -187,6 +188,9 @@ class Hyperparameters:
     init_from: str = _help("start from the weights of a final-weights folder (--save_final=true, or "
                            "tools/record_weights.py to-ours); optimizer state, data and schedule start fresh", "")
     force_resume: bool = _help("resume even if the config or code differs from the checkpoint's", False)
+
+    def __post_init__(self):
+        self.micro_batches = str(self.micro_batches)  # the config.json of older final weights holds an int
 
 
 PRESETS: dict[str, dict] = {
@@ -728,6 +732,16 @@ def all_ranks_ok(ok: bool, device: torch.device) -> bool:
     flag = torch.full((1,), int(ok), dtype=torch.int32, device=device)  # a factory: fake tensors (preflight) too
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def same_on_every_rank(text: str, device: torch.device) -> bool:
+    """True if every rank passes the same text (compared by CRC-32, in one all-reduce)."""
+    if not distributed():
+        return True
+    code = zlib.crc32(text.encode())
+    codes = torch.tensor([code, -code], dtype=torch.int64, device=device)
+    dist.all_reduce(codes, op=dist.ReduceOp.MAX)  # (the largest, minus the smallest)
+    return codes.tolist() == [code, -code]
 
 
 def gather_from_ranks(obj) -> list:
@@ -2936,10 +2950,15 @@ def mask_bytes(masks: Masks) -> int:
 
 
 def loss_chunk_bytes(args: Hyperparameters, tokens: int, device_type: str) -> int:
-    """The loss's transient: one chunk of logits, its fp32 squashed logits and exponentials, and (on GPUs)
-    its FP8 gradient; the full logits are never held."""
-    rows = min(LOSS_CHUNK, tokens)
-    return rows * padded_vocab(args.vocab_size) * ((2 + 4 + 4 + 1) if device_type == "cuda" else 3 * 4)
+    """The loss's transient, one chunk of LOSS_CHUNK rows of logits at a time (the full logits are never
+    held). On GPUs: the bf16 logits, the FP8 gradient and the chunk's fp32 passes (mtp_chunk), of which the
+    eager chunk (--compile=false) keeps two at once, working in place, and the compiled one five as
+    tools/preflight.py measures it (aot_eager keeps every pass; inductor fuses most: fewer). On CPU: fp32
+    logits and two passes (tests/test_memory.py measures it)."""
+    elements = min(LOSS_CHUNK, tokens) * padded_vocab(args.vocab_size)
+    if device_type == "cuda":
+        return elements * (2 + 1 + 4 * (5 if args.compile else 2))
+    return elements * 3 * 4
 
 
 class MemoryModel:
@@ -3169,6 +3188,14 @@ def plan_memory(args: Hyperparameters, world_size: int, device: torch.device, pr
     auto = args.micro_batches.strip() == "auto"
     counts, rows = fit_micro_batches(args, world_size, device, precisions, attention_kind, budget, within)
     stages = len(counts)
+    validation = rows["validation"]["peak"]
+    if validation > budget:  # auto never shortens it: the measured loss would change
+        length = fitting_val_seq_len(dataclasses.replace(args, micro_batches=micro_batches_flag(counts)), world_size,
+                                     device, precisions, attention_kind, budget)
+        validation_need = (f"--val_seq_len={args.val_seq_len}: a validation sequence needs {validation / GIB:.2f} GiB "
+                           f"per rank (predicted)")
+        validation_fix = (f"--val_seq_len={length} fits (the same validation tokens)" if length else
+                          "no shorter --val_seq_len fits")
     for name, row in rows.items():
         if name == "validation" or row["peak"] <= budget:
             continue
@@ -3180,13 +3207,10 @@ def plan_memory(args: Hyperparameters, world_size: int, device: torch.device, pr
             remedy = "no micro-batch count fits; more GPUs share the micro-batches and the optimizer state"
         micro = Schedule(args).stages[phase_stage(name, stages)].micro_tokens
         raise DoesNotFitError(f"--micro_batches={args.micro_batches}: {name}'s micro-batches of {micro:,} tokens need "
-                              f"{row['peak'] / GIB:.2f} GiB per rank (predicted), over {within}; {remedy}")
-    if rows["validation"]["peak"] > budget:
-        length = fitting_val_seq_len(args, world_size, device, precisions, attention_kind, budget)
-        remedy = (f"--val_seq_len={length} fits (the same validation tokens)" if length else
-                  "no shorter --val_seq_len fits")
-        raise DoesNotFitError(f"--val_seq_len={args.val_seq_len}: a validation sequence needs "
-                              f"{rows['validation']['peak'] / GIB:.2f} GiB per rank (predicted), over {within}; {remedy}")
+                              f"{row['peak'] / GIB:.2f} GiB per rank (predicted), over {within}; {remedy}"
+                              + (f"; and {validation_need}: {validation_fix}" if validation > budget else ""))
+    if validation > budget:
+        raise DoesNotFitError(f"{validation_need}, over {within}; {validation_fix}")
     chosen = micro_batches_flag(counts)
     lines = [f"memory: the predicted peaks must fit {within}; "
              + (f"--micro_batches=auto chose {chosen}" if auto else f"--micro_batches={args.micro_batches} fits")]
@@ -3840,6 +3864,12 @@ def train(args: Hyperparameters, env: DistEnv):
     source = Path(__file__).read_text(encoding="utf-8")
     run_id = args.run_id or f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:8]}"
     check_world_size(args, env.world_size)
+    # Each rank chose its --micro_batches=auto counts from its own device's memory: different GPUs would train
+    # different micro-batches and wait for each other's collectives until the timeout.
+    if not same_on_every_rank(args.micro_batches, env.device):
+        raise ConfigError(f"--micro_batches: rank {env.rank} trains {args.micro_batches} micro-batches a step and "
+                          f"another rank other counts (auto chooses from each device's memory); give the counts "
+                          f"explicitly")
 
     # Every input check (data, checkpoint, run id) runs before anything is created, so bad input leaves
     # no log and no folder behind and takes no run id. All ranks agree on the outcome before the log is

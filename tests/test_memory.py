@@ -3,6 +3,7 @@ that can be counted by hand from record #85's shapes, its predictions against re
 --micro_batches=auto and the start-up refusal under a memory limit the tests set."""
 
 import sys
+import zlib
 
 import pytest
 import torch
@@ -56,8 +57,9 @@ def test_activations_grow_with_each_stage_micro_batch(tables):
         saved = [table[f"stage {i}"]["saved activations"] for i in (1, 2, 3)]
         assert 1.9 < saved[1] / saved[0] < 2.1 and 1.45 < saved[2] / saved[1] < 1.55
         assert table["extension"]["saved activations"] == saved[2]
-        # one chunk of 8,192 rows of logits, never the full (49,152 x 50,304) logits
-        assert table["stage 3"]["loss chunk"] == 8192 * VOCAB * 11
+        # one chunk of 8,192 rows of logits, never the full (49,152 x 50,304) logits: bf16 logits, the FP8
+        # gradient and five fp32 passes of the compiled chunk (the preflight's measure on the fake H100)
+        assert table["stage 3"]["loss chunk"] == 8192 * VOCAB * (2 + 1 + 5 * 4)
         assert table["validation"]["forward's largest live tensors"] > GIB  # one 262,144-token sequence
 
 
@@ -190,7 +192,24 @@ def test_auto_micro_batches_under_a_memory_limit_train_and_an_explicit_count_ove
                    f"(predicted), over {budget:.2f} GiB per rank", "; --micro_batches=1,2,3 fits (what "
                    "--micro_batches=auto chooses)")
     assert not (tmp_path / "logs/one.txt").exists()
+    # validation sequences of 2,048 tokens do not fit: auto never shortens them, the line names the length that fits
+    proc = in_process(T.main, *flags, "--micro_batches=auto", "--val_seq_len=2048", "--val_tokens=4096", "--run_id=val")
+    one_line_error(proc, "error: --val_seq_len=2048: a validation sequence needs ", f" GiB per rank (predicted), over "
+                   f"{budget:.2f} GiB per rank", "; --val_seq_len=1024 fits (the same validation tokens)")
     # a limit below the weights, gradients and optimizer state: no micro-batch helps
     proc = in_process(T.main, *flags, "--micro_batches=auto", "--memory_limit_gib=0.2", "--run_id=small")
     one_line_error(proc, "the weights, gradients and optimizer state alone take 0.34 GiB per rank, over 0.17 GiB per "
                    "rank (85% of the 0.20 GiB of --memory_limit_gib=0.2); more GPUs share the optimizer state")
+
+
+def test_ranks_that_chose_different_counts_are_refused_before_training(monkeypatch, tmp_path):
+    # Two ranks on devices of different memory could choose different counts under auto; they would then
+    # wait on each other's collectives until the timeout. One all-reduce of the choice's CRC finds it. Here the
+    # other rank is simulated: its all-reduce contribution is the CRC of "8,16,16".
+    other = zlib.crc32(b"8,16,16")
+    monkeypatch.setattr(T, "distributed", lambda: True)
+    monkeypatch.setattr(T.dist, "all_reduce", lambda t, op: t.copy_(torch.maximum(t, torch.tensor([other, -other]))))
+    assert T.same_on_every_rank("8,16,16", CPU) and not T.same_on_every_rank("8,16,24", CPU)
+    proc = in_process(T.main, "--preset=smoke", "--micro_batches=4,4,8", f"--logs_dir={tmp_path}")
+    one_line_error(proc, "--micro_batches: rank 0 trains 4,4,8 micro-batches a step and another rank other counts")
+    assert not list(tmp_path.iterdir())
