@@ -2989,6 +2989,7 @@ class MemoryModel:
         self.buffers = tensor_bytes(self.model.buffers())
         self.muon_state, self.muon_buffers = normuon_bytes(self.muon, world_size)
         self.adam_state = dist_adam_bytes(self.adam, world_size, self.model.bigram_embed.weight, 0)[0]
+        self.counted: dict[tuple[int, int], dict[str, int]] = {}  # (micro_tokens, micro_per_rank) -> training rows
 
     def state(self) -> int:
         """What a training rank holds whatever the phase: weights, buffers, gradients, optimizer state."""
@@ -3057,17 +3058,17 @@ class MemoryModel:
         """Every phase whose memory differs: each stage the run reaches (the extension's windows are its
         own; it trains at the last stage's count), then the validation at the final windows. `stages`: only
         the phases of these --micro_batches entries."""
-        schedule, rows, seen = Schedule(self.args), {}, {}
+        schedule, rows = Schedule(self.args), {}
         for i, stage in enumerate(schedule.stages):
             if stage.end <= stage.start or (stages is not None and min(i, len(schedule.stages) - 2) not in stages):
                 continue
             name = f"stage {i + 1}" if i < len(schedule.stages) - 1 else "extension"
             # The windows change no tensor's size (block masks hold every block pair; attention keeps q, k, v,
             # its output and log-sum-exp): phases of the same micro-batches share one count.
-            key = (stage.micro_tokens, stage.micro_batches)
-            if key not in seen:
-                seen[key] = self.training(stage.micro_tokens, stage.windows, stage.micro_batches // self.world_size)
-            rows[name] = seen[key]
+            key = (stage.micro_tokens, stage.micro_batches // self.world_size)
+            if key not in self.counted:
+                self.counted[key] = self.training(stage.micro_tokens, stage.windows, key[1])
+            rows[name] = self.counted[key]
         if validation:
             rows["validation"] = self.validation(self.args.val_seq_len, schedule.final_val_windows)
         return rows
@@ -3128,9 +3129,17 @@ def fit_micro_batches(args: Hyperparameters, world_size: int, device: torch.devi
                               f"over {within}; more GPUs share the optimizer state")
     counts = [options[0] if count is None else count for count, options in zip(given, choices)]
     searching = {i for i, count in enumerate(given) if count is None}
+    models: dict[str, MemoryModel] = {}
+
+    def model_of(counts) -> MemoryModel:  # one per set of counts: its phases are counted once
+        flag = ",".join(map(str, counts))
+        if flag not in models:
+            models[flag] = MemoryModel(dataclasses.replace(args, micro_batches=flag), world_size, device, precisions,
+                                       attention_kind)
+        return models[flag]
+
     while searching:
-        trial = dataclasses.replace(args, micro_batches=",".join(map(str, counts)))
-        rows = MemoryModel(trial, world_size, device, precisions, attention_kind).phases(searching, validation=False)
+        rows = model_of(counts).phases(searching, validation=False)
         over: dict[int, int] = {}
         for name, row in rows.items():
             i = phase_stage(name, len(stages))
@@ -3147,8 +3156,7 @@ def fit_micro_batches(args: Hyperparameters, world_size: int, device: torch.devi
             # skips a count that fits. The next round checks the first one it leaves.
             guess = [count for count in larger if state + varying * (counts[i] / count) ** 2 <= budget]
             counts[i] = guess[0] if guess else larger[-1]
-    trial = dataclasses.replace(args, micro_batches=",".join(map(str, counts)))
-    return tuple(counts), MemoryModel(trial, world_size, device, precisions, attention_kind).phases()
+    return tuple(counts), model_of(counts).phases()
 
 
 def fitting_val_seq_len(args: Hyperparameters, world_size: int, device: torch.device, precisions: tuple[str, str],

@@ -91,6 +91,14 @@ def test_every_card_is_what_the_trainer_sees_on_the_fake_device(preflight_runs):
                                    f"8.9 or later); use bf16"), name
         # the trainer's own memory refusal names the card's memory
         assert f"more than the {card.total_memory / GIB:.0f} GiB cuda:0 has" in seen["sdpa"], name
+        # its start-up plan on the card (reduced width, 8 ranks, auto): within 85% of the card's memory, one
+        # micro-batch per rank (the fewest there can be), a line per phase
+        plan, budget = seen["plan"], 0.85 * card.total_memory
+        assert plan["lines"][0] == (f"memory: the predicted peaks must fit {int(budget) / GIB:.2f} GiB per rank (85% "
+                                    f"of the {card.total_memory / GIB:.2f} GiB of cuda:0 ({card.name})); "
+                                    f"--micro_batches=auto chose 8"), name
+        assert len(plan["lines"]) == 6 and plan["micro_batches"] == "8", name
+        assert all(0 < peak <= budget for peak in plan["peaks"].values()), name
 
 
 @pytest.mark.slow

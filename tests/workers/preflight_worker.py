@@ -84,7 +84,8 @@ def replaced_in_trainer(name: str, old: str, new: str):
 def card_decisions() -> dict:
     """What the trainer decides on each card of fake_cuda.GPUS for the speedrun preset: the name, capability
     and memory it is told, the precision `auto` picks, its refusal of FP8 where there is none, and its
-    refusal of SDPA's dense mask, which names the card's memory."""
+    refusal of SDPA's dense mask, which names the card's memory; and its start-up memory plan there for the
+    reduced-width recipe under --micro_batches=auto at world size 8 (the counts, the log lines)."""
     cuda, cards = torch.device("cuda", 0), {}
     for name, card in fake_cuda.GPUS.items():
         fake_cuda.pretend_gpu(card)
@@ -98,6 +99,11 @@ def card_decisions() -> dict:
                 seen[key] = resolve(T.parse_args(["--preset=speedrun", *flags], True))
             except T.ConfigError as e:
                 seen[key] = f"error: {e}"
+        args = T.parse_args(["--preset=speedrun", *ONE_LENGTH, "--micro_batches=auto"], True)
+        precisions = tuple(T.resolve_precision(args, cuda, flag) for flag in ("lm_head_precision", "mlp_precision"))
+        plan = T.plan_memory(args, 8, cuda, precisions, T.resolve_attention(args, cuda))
+        seen["plan"] = {"micro_batches": args.micro_batches, "lines": plan.lines,
+                        "peaks": {phase: row["peak"] for phase, row in plan.rows.items()}}
         cards[name] = seen
     fake_cuda.pretend_gpu(fake_cuda.H100)
     return {"scenario": "cards", "cards": cards}
