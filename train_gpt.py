@@ -406,7 +406,8 @@ class Schedule:
         return self.final_val_windows if final_validation else self.stage(step).windows
 
     def micro_batches(self, step: int) -> int:
-        return self.stage(step).batch_tokens // self.stage(step).micro_tokens
+        stage = self.stage(step)
+        return stage.batch_tokens // stage.micro_tokens  # (micro_tokens refuses before auto has chosen)
 
     def micro_tokens(self, step: int) -> int:
         return self.stage(step).micro_tokens
@@ -2828,9 +2829,9 @@ def schedule_flops_per_token(args: Hyperparameters, model: GPT, tokens: Tensor) 
 # --micro_batches=auto can choose and an explicit count that cannot fit is refused before step 0
 
 # The share of the device's memory the counted tensors may take. The rest is for what this count does not
-# see (the CUDA context, NCCL's buffers, the allocator's fragmentation, cuBLAS workspaces) and for the
-# compiled step's own choices: tools/preflight.py measured up to 13% above this count (record #85's first
-# Adam step, 17.61 against 15.55 GiB).
+# see: the CUDA context, NCCL's buffers, the allocator's fragmentation, cuBLAS workspaces. tools/preflight.py
+# measures the compiled steps at 84% to 97% of this count (before it took in the compiled loss chunk, at up
+# to 18% above it).
 MEMORY_MARGIN = 0.15
 GIB = 2 ** 30
 
