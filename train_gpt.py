@@ -2990,7 +2990,7 @@ class MemoryModel:
         self.buffers = tensor_bytes(self.model.buffers())
         self.muon_state, self.muon_buffers = normuon_bytes(self.muon, world_size)
         self.adam_state = dist_adam_bytes(self.adam, world_size, self.model.bigram_embed.weight, 0)[0]
-        self.counted: dict[tuple[int, int], dict[str, int]] = {}  # (micro_tokens, micro_per_rank) -> training rows
+        self.counted: dict = {}  # (micro_tokens, micro-batches per rank), or the validation's length -> its rows
 
     def state(self) -> int:
         """What a training rank holds whatever the phase: weights, buffers, gradients, optimizer state."""
@@ -3071,8 +3071,27 @@ class MemoryModel:
                 self.counted[key] = self.training(stage.micro_tokens, stage.windows, key[1])
             rows[name] = self.counted[key]
         if validation:
-            rows["validation"] = self.validation(self.args.val_seq_len, schedule.final_val_windows)
+            if self.args.val_seq_len not in self.counted:
+                self.counted[self.args.val_seq_len] = self.validation(self.args.val_seq_len, schedule.final_val_windows)
+            rows["validation"] = self.counted[self.args.val_seq_len]
         return rows
+
+
+# The memory models made in this process, by everything their counts depend on: tools/preflight.py and
+# tools/estimate_memory.py ask about the same configuration again (the trainer's start-up, the fitting flags,
+# another card), and a model's counts are kept with it.
+MEMORY_MODELS: dict[tuple, MemoryModel] = {}
+
+
+def memory_model(args: Hyperparameters, world_size: int, device: torch.device, precisions: tuple[str, str],
+                 attention_kind: str) -> MemoryModel:
+    key = (tuple((k, v) for k, v in dataclasses.asdict(args).items() if k not in RUN_CONTROL_FIELDS), world_size,
+           device.type, tuple(precisions), attention_kind)
+    if key not in MEMORY_MODELS:
+        if len(MEMORY_MODELS) >= 64:  # a long-lived process (the tests) keeps the newest
+            MEMORY_MODELS.pop(next(iter(MEMORY_MODELS)))
+        MEMORY_MODELS[key] = MemoryModel(args, world_size, device, precisions, attention_kind)
+    return MEMORY_MODELS[key]
 
 
 class DoesNotFitError(ConfigError):
@@ -3123,21 +3142,17 @@ def fit_micro_batches(args: Hyperparameters, world_size: int, device: torch.devi
                               f"split over {world_size} ranks into micro-batches of a multiple of --window_block="
                               f"{args.window_block} tokens")
     most = [options[-1] if count is None else count for count, options in zip(given, choices)]
-    state = MemoryModel(dataclasses.replace(args, micro_batches=",".join(map(str, most))), world_size, device,
-                        precisions, attention_kind).state()
+    state = memory_model(dataclasses.replace(args, micro_batches=",".join(map(str, most))), world_size, device,
+                         precisions, attention_kind).state()
     if state > budget:  # no micro-batch helps; known without the forward passes, which are slow at such sizes
         raise DoesNotFitError(f"the weights, gradients and optimizer state alone take {state / GIB:.2f} GiB per rank, "
                               f"over {within}; more GPUs share the optimizer state")
     counts = [options[0] if count is None else count for count, options in zip(given, choices)]
     searching = {i for i, count in enumerate(given) if count is None}
-    models: dict[str, MemoryModel] = {}
 
-    def model_of(counts) -> MemoryModel:  # one per set of counts: its phases are counted once
-        flag = ",".join(map(str, counts))
-        if flag not in models:
-            models[flag] = MemoryModel(dataclasses.replace(args, micro_batches=flag), world_size, device, precisions,
-                                       attention_kind)
-        return models[flag]
+    def model_of(counts) -> MemoryModel:
+        return memory_model(dataclasses.replace(args, micro_batches=",".join(map(str, counts))), world_size, device,
+                            precisions, attention_kind)
 
     while searching:
         rows = model_of(counts).phases(searching, validation=False)
@@ -3169,7 +3184,7 @@ def fitting_val_seq_len(args: Hyperparameters, world_size: int, device: torch.de
         if (length % args.window_block == 0 and args.val_tokens % length == 0
                 and (args.val_tokens // length) % world_size == 0):
             trial = dataclasses.replace(args, val_seq_len=length)
-            model = MemoryModel(trial, world_size, device, precisions, attention_kind)
+            model = memory_model(trial, world_size, device, precisions, attention_kind)
             if model.validation(length, Schedule(trial).final_val_windows)["peak"] <= budget:
                 return length
         length //= 2

@@ -67,7 +67,7 @@ def estimate_args(args: T.Hyperparameters, world_size: int, card=fake_cuda.H100)
     precisions = gpu_precisions(args, fake_cuda.has_fp8(card))
     if args.micro_batches.strip() == "auto":
         return auto_counts(args, world_size, card)[1]
-    return T.MemoryModel(args, world_size, CUDA, precisions, "flex").phases()
+    return T.memory_model(args, world_size, CUDA, precisions, "flex").phases()
 
 
 def auto_counts(args: T.Hyperparameters, world_size: int, card=fake_cuda.H100):
