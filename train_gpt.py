@@ -2853,10 +2853,7 @@ class FlexStandIn(torch.autograd.Function):
 
 
 class CountedFlexMask:
-    """A block mask in the memory model's forward pass: attention() keeps what FlexAttention would."""
-
-    def __init__(self, mask):
-        self.mask = mask
+    """Stands for a block mask in the memory model's forward pass: attention() keeps what FlexAttention would."""
 
 
 class LiveMemory(TorchDispatchMode):
@@ -3004,7 +3001,7 @@ class MemoryModel:
     def _masks(self, inputs: Tensor, windows: tuple[int, int]) -> tuple[Masks, int]:
         masks = build_masks(inputs, self.model.plans, windows, self.args.window_block, self.use_flex)
         if self.use_flex:
-            return Masks({kind: CountedFlexMask(m) for kind, m in masks.by_kind.items()}, masks.docs), mask_bytes(masks)
+            return Masks({kind: CountedFlexMask() for kind in masks.by_kind}, masks.docs), mask_bytes(masks)
         return masks, mask_bytes(masks)
 
     def training(self, micro_tokens: int, windows: tuple[int, int], micro_per_rank: int) -> dict[str, int]:

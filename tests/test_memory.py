@@ -141,6 +141,9 @@ def test_auto_choices_are_multiples_of_the_world_size_that_split_the_batch_into_
     assert T.micro_batch_choices(393216, 8, 128) == [8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024,
                                                      1536, 3072]
     assert T.micro_batch_choices(1024, 32, 64) == []
+    with pytest.raises(T.ConfigError, match="stage 1's batch of 1,024 tokens cannot split over 32 ranks into "
+                                            "micro-batches of a multiple of --window_block=64 tokens"):
+        T.fit_micro_batches(smoke_args("--micro_batches=auto"), 32, CPU, ("fp32", "fp32"), "sdpa", 2 ** 40, "")
 
 
 def stage_peak(micro_tokens: int, world_size: int = 1) -> int:
