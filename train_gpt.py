@@ -110,7 +110,7 @@ class Hyperparameters:
                                "micro-batches) that the memory model fits into the device (--memory_limit_gib)", "8")
     memory_limit_gib: float = _help("per-rank memory the run must fit, in GiB, of which the memory model's "
                                     "predicted peaks may take 85%; 0: the GPU's own memory (on CPU, checked only "
-                                    "with --micro_batches=auto, against the host's memory)", 0.0)
+                                    "with --micro_batches=auto, against the host's memory shared by its ranks)", 0.0)
     stage_max_seq_len: str = _help("per stage: a training document contributes at most its first N tokens",
                                    "896,2048,2048")
     stage_windows: str = _help("per stage: short:long attention windows in blocks of window_block tokens",
@@ -3103,8 +3103,12 @@ def memory_budget(args: Hyperparameters, device: torch.device) -> tuple[int, str
         return int(args.memory_limit_gib * GIB), f"--memory_limit_gib={args.memory_limit_gib:g}"
     if device.type == "cuda":
         return device_memory_bytes(device), f"{device} ({torch.cuda.get_device_name(device)})"
-    if args.micro_batches.strip() == "auto":
-        return device_memory_bytes(device), "this host"
+    if args.micro_batches.strip() == "auto":  # the host's memory, shared by the ranks torchrun started on it
+        text = os.environ.get("LOCAL_WORLD_SIZE", "1")
+        if not text.isdigit() or int(text) < 1:
+            raise ConfigError(f"LOCAL_WORLD_SIZE={text!r} in the environment is not a number of ranks (torchrun sets it)")
+        ranks = int(text)
+        return device_memory_bytes(device) // ranks, "this host" + (f" shared by {ranks} ranks" if ranks > 1 else "")
     return None
 
 

@@ -216,3 +216,16 @@ def test_ranks_that_chose_different_counts_are_refused_before_training(monkeypat
     proc = in_process(T.main, "--preset=smoke", "--micro_batches=4,4,8", f"--logs_dir={tmp_path}")
     one_line_error(proc, "--micro_batches: rank 0 trains 4,4,8 micro-batches a step and another rank other counts")
     assert not list(tmp_path.iterdir())
+
+
+def test_auto_on_cpu_without_a_limit_shares_the_host_among_its_ranks(monkeypatch):
+    host = T.device_memory_bytes(CPU)
+    args = smoke_args("--micro_batches=auto")
+    assert T.memory_budget(args, CPU) == (host, "this host")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert T.memory_budget(args, CPU) == (host // 4, "this host shared by 4 ranks")
+    assert T.memory_budget(smoke_args(), CPU) is None  # explicit counts on CPU: not checked without a limit
+    assert T.memory_budget(smoke_args("--memory_limit_gib=2"), CPU) == (2 * GIB, "--memory_limit_gib=2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "x")
+    with pytest.raises(T.ConfigError, match="LOCAL_WORLD_SIZE='x' in the environment"):
+        T.memory_budget(args, CPU)
