@@ -2830,7 +2830,7 @@ def schedule_flops_per_token(args: Hyperparameters, model: GPT, tokens: Tensor) 
 
 # The share of the device's memory the counted tensors may take. The rest is for what this count does not
 # see: the CUDA context, NCCL's buffers, the allocator's fragmentation, cuBLAS workspaces. tools/preflight.py
-# measures the compiled steps at 84% to 97% of this count (before it took in the compiled loss chunk, at up
+# measures the compiled steps at 82% to 97% of this count (before it took in the compiled loss chunk, at up
 # to 18% above it).
 MEMORY_MARGIN = 0.15
 GIB = 2 ** 30
