@@ -191,7 +191,7 @@ def test_auto_micro_batches_under_a_memory_limit_train_and_an_explicit_count_ove
     assert "  micro_batches = 1,2,3" in log  # the choice, as a resume or a rerun would give it
     # the same limit with one micro-batch a step: stage 2's 2,048 tokens do not fit; refused before the log
     proc = in_process(T.main, *flags, "--micro_batches=1", "--run_id=one")
-    one_line_error(proc, f"error: --micro_batches=1: stage 2's micro-batches of 2,048 tokens need ", " GiB per rank "
+    one_line_error(proc, "error: --micro_batches=1: stage 2's micro-batches of 2,048 tokens need ", " GiB per rank "
                    f"(predicted), over {budget:.2f} GiB per rank", "; --micro_batches=1,2,3 fits (what "
                    "--micro_batches=auto chooses)")
     assert not (tmp_path / "logs/one.txt").exists()

@@ -112,7 +112,7 @@ def fitting_flags(flags: list[str], world_size: int, card=fake_cuda.H100) -> Fit
         return Fit([], {}, budget, str(e).removeprefix("--micro_batches=auto: "))
     peaks = {name: row["peak"] for name, row in rows.items()}
     if peaks["validation"] > budget:
-        fitted = dataclasses.replace(args, micro_batches=",".join(map(str, counts)))
+        fitted = dataclasses.replace(args, micro_batches=T.micro_batches_flag(counts))
         length = T.fitting_val_seq_len(fitted, world_size, CUDA, precisions, "flex", budget)
         if length is None:
             return Fit([], peaks, budget, f"no validation sequence length fits {within}")

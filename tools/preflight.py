@@ -449,7 +449,7 @@ def run_steps(args: T.Hyperparameters, world_size: int, backend: str) -> Report:
 
     @contextlib.contextmanager
     def phase(name: str, what: str, stage: str | None = None, training_step: bool = False):
-        graphs, first = counter.total, gpu.phase
+        graphs = counter.total
         with gpu.running(name, training_step):
             yield
         report.phases[name] = Phase(name, what, stage, gpu.peaks[name], dict(gpu.collective_bytes[name]),
