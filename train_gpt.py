@@ -2334,10 +2334,14 @@ def rank_micro_batches(micro_batches: list[np.ndarray], env: DistEnv, bigram_buc
 
 
 def to_device(tokens: Tensor, device: torch.device) -> Tensor:
-    """uint16 host tokens to int64 on the device; pinned memory lets the copy overlap compute."""
-    if device.type == "cuda":
-        return tokens.pin_memory().to(device, non_blocking=True).long()
-    return tokens.long()
+    """uint16 host tokens to int64 on the device."""
+    return host_to_device(tokens, device).long()
+
+
+def host_to_device(t: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on the device without a host sync: a copy from pinned memory runs behind the queued
+    compute, where one from pageable memory (a plain .to(device)) makes the host wait for the device."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def check_token_ids(tokens: np.ndarray, path, vocab_size: int):
@@ -2729,7 +2733,7 @@ def train_step(model: GPT, optimizers, batch, step: int, schedule: Schedule, arg
     adam_now = adam_steps_at(step, args)
     windows = schedule.windows(step)
     device = batch[0][0].device
-    mtp = torch.tensor(schedule.mtp_weights(step)).to(device)  # built on the host, then copied (the preflight fakes copies)
+    mtp = host_to_device(torch.tensor(schedule.mtp_weights(step)), device)
     loss_sum = torch.zeros((), device=device)
     for i, (inputs, targets) in enumerate(batch):
         reduce_now = adam_now and i == len(batch) - 1

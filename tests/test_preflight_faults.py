@@ -13,7 +13,7 @@ from test_preflight import GIB, HAS_TRITON, PHASES, failed, fake_cuda, line_of, 
 @pytest.fixture(scope="module")
 def preflight_runs():
     # huge first: the worker's peak memory is read right after it
-    return run_scenarios("huge", "host_sync", "cpu_tensor", "fp8_layout", "rtx3090_too_big", "cards", "inductor",
+    return run_scenarios("huge", "host_sync", "blocking_copy", "cpu_tensor", "fp8_layout", "rtx3090_too_big", "cards", "inductor",
                          "inductor_rtx4090")
 
 
@@ -105,6 +105,14 @@ def test_every_card_is_what_the_trainer_sees_on_the_fake_device(preflight_runs):
 def test_a_host_sync_injected_into_train_step_fails_the_preflight(preflight_runs):
     failed(preflight_runs["host_sync"], "training step 0: host sync (aten::_local_scalar_dense)",
            f"in train_step at train_gpt.py:{line_of('loss_sum += loss.detach()')}")
+
+
+@pytest.mark.slow
+def test_a_blocking_copy_from_the_host_inside_train_step_fails_the_preflight(preflight_runs):
+    # torch.tensor(...).to(device) copies from pageable memory: on CUDA the host waits for the device there
+    # (torch.cuda.set_sync_debug_mode flags it). The step's multi-token weights once went that way.
+    failed(preflight_runs["blocking_copy"], "training step 0: host sync (a blocking copy from the host)",
+           f"in train_step at train_gpt.py:{line_of('mtp = host_to_device(')}")
 
 
 @pytest.mark.slow

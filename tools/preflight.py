@@ -21,7 +21,7 @@ It reports the graphs compiled for the blocks and the head; the memory of a trai
 check tools/estimate_memory.py prints in full); the bytes each kind of collective moves per step; with
 --backend=inductor the Triton kernels compiled for sm_90 and their shared memory. It fails on any
 host sync inside a training step (a value read back such as .item() or bool(t), a shape that depends
-on data such as nonzero, a copy to the host, torch.cuda.synchronize), naming the function and line
+on data such as nonzero, a copy to the host, a blocking copy from it, torch.cuda.synchronize), naming the function and line
 of train_gpt.py, and on any error the CUDA path would raise (devices, dtypes, layouts, shapes). One
 summary line and exit 0 when all is well; otherwise one `error:` line naming what failed and where,
 exit 1 (2 for bad flags, or when the fake device cannot be built).
@@ -261,6 +261,11 @@ class FakeGPU(TorchDispatchMode):
             source, target = args[0], torch.device(kwargs.get("device") or args[0].device)
             if source.device.type == "cuda" and target.type == "cpu":
                 self.host_sync("a copy to the host")
+            if source.device.type == "cpu" and target.type == "cuda" and not kwargs.get("non_blocking"):
+                # CUDA copies from pageable host memory synchronously: the host waits for the queued work
+                # (torch.cuda.set_sync_debug_mode flags it). Set-up moves the model that way, once.
+                if self.in_training_step:
+                    self.host_sync("a blocking copy from the host")
             if target.type == "cuda" and (not isinstance(source, FakeTensor) or source.constant is not None):
                 # A host tensor (or a small one fake mode keeps the value of, which it would copy for real)
                 # becomes a fake GPU tensor of its shape and dtype.

@@ -48,6 +48,10 @@ SCENARIOS = {
     # A host sync: logging each micro-batch's loss as a Python number.
     "host_sync": (["--world_size=8", "--", *ONE_LENGTH, "--compile=false"],
                   ("train_step", "loss_sum += loss.detach()", "loss_sum += loss.item()")),
+    # A blocking copy from the host (pageable memory): CUDA makes the host wait for the device.
+    "blocking_copy": (["--world_size=8", "--", *ONE_LENGTH, "--compile=false"],
+                      ("train_step", "mtp = host_to_device(torch.tensor(schedule.mtp_weights(step)), device)",
+                       "mtp = torch.tensor(schedule.mtp_weights(step)).to(device)")),
     # A CPU tensor created inside the step: harmless on CPU, a device mismatch on CUDA.
     "cpu_tensor": (["--world_size=8", "--", *ONE_LENGTH, "--compile=false"],
                    ("flex_block_mask", "blocks = torch.arange(length // block_size, device=docs.device)",

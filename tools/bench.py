@@ -1,0 +1,1162 @@
+"""Bench: what rank 0 of the 8xH100 record computes in each stage, measured on one CUDA device.
+
+    python tools/bench.py --out=bench                         # one H100 or H200: every part
+    python tools/bench.py --out=bench --parts=stage3,validation
+    python tools/bench.py --out=bench-small --small           # any CPU: every part at a toy size, < 1 minute
+    python tools/bench.py --out=bench -- --attention=flex     # train_gpt.py flags after --
+
+One GPU cannot run the 8-GPU record, but it can run rank 0's share of each step: one micro-batch of the
+stage's tokens per rank (the record deals its 8 micro-batches a step one to each rank), NorMuon's update of
+the matrices rank 0 owns and DistAdam's update of rank 0's shard. The trainer's own code runs it (GPT,
+compile_model, build_masks, train_step, NorMuon, DistAdam) on real tokens of the bundled corpus, repeated
+where a stage needs more. For the optimizers a fake process group of --world_size ranks makes the trainer
+take rank 0's path; its collectives are loopback copies (rank 0's own part, so that every buffer holds real
+values), whose bytes are counted and whose time is left to the estimate.
+
+Parts, in the order they run (the most valuable first, so that a run cut short keeps them):
+  stage3, optimizer, profile, stage2, stage1, attention, extension, validation, training, fp8, memory_model
+
+  stage3, stage2, stage1, extension  rank 0's micro-batch: the first call's compile
+      time and the graphs it made (none after it), forward+backward over --timed repetitions after
+      --untimed ones (CUDA events), the block masks' build, and train_step as rank 0 of 8 runs it, a step
+      without Adam and one with it; the loss finite at every repetition; the host syncs in those steps
+  optimizer   NorMuon's step for rank 0's share and DistAdam's for its shard (the bigram table's rows by
+      the sparse exchange), tied (stages 1, 2) and untied (3, extension)
+  profile     torch.profiler over a stage-3 step without Adam and one with it: the top 15 kernels, and the
+      shares of attention, matmuls, element-wise work, the loss, the optimizers and idle gaps
+  validation  one validation sequence at the final windows, forward only
+  attention   per kind of layer, FlexAttention as the trainer compiles it against PyTorch's FlashAttention
+      (torch.nn.attention.varlen.varlen_attn, window (W, 0)) on the same q, k, v and documents
+  training    30 optimizer steps at world size 1 on stage 1's shapes: the training loss must fall
+  fp8         the training loss with FP8 matmuls (MLP up-projection, head) against bf16, same batch and weights
+  memory_model  the trainer's memory model for the same shapes at --world_size, beside the measured peaks
+
+DIR/bench.json and DIR/bench.md are rewritten as soon as anything is measured: a run cut short keeps what
+it measured. The markdown ends with an estimated 8xH100 time (see estimate()). At the speedrun's sizes the
+bench needs CUDA and refuses in one line without it; --small runs every part on a CPU at a toy size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+import unittest.mock
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+import train_gpt as T  # noqa: E402
+
+PARTS = ("stage3", "optimizer", "profile", "stage2", "stage1", "attention", "extension", "validation", "training",
+         "fp8", "memory_model")
+STAGE_PARTS = {"stage1": 0, "stage2": 1, "stage3": 2, "extension": 3}  # part -> index into Schedule.stages
+# Record #85's ten public 8xH100 logs: ms per step in each stage (they agree to 0.1 ms), and the whole run.
+RECORD_MS = {"stage 1": 32.4, "stage 2": 58.0, "stage 3": 84.0, "extension": 85.1}
+RECORD_TOTAL_S = 75.5
+# --small: the smoke preset (the speedrun's structure at width 64), eight micro-batches a step so that rank 0
+# of 8 gets one, compiled (aot_eager on CPU) so that the graph counting runs too.
+SMALL_FLAGS = ["--preset=smoke", "--micro_batches=8", "--compile=true"]
+CORPUS = REPO / "data" / "shakespeare" / "shakespeare_train_000001.bin"
+VAL_CORPUS = REPO / "data" / "shakespeare" / "shakespeare_val_000000.bin"
+TRAINING_STEPS = 30
+SMALL_TRAINING_STEPS = 8  # on a CPU the toy model's 50,304-way head makes a step of 8 micro-batches take ~2 s
+PROFILE_TOP = 15
+GIB = 2 ** 30
+
+
+class BenchError(RuntimeError):
+    """The bench cannot run as asked; the message names the flag or file."""
+
+
+# -----------------------------------------------------------------------------
+# Measuring: device clocks, host syncs, graphs, memory
+
+class DeviceTimer:
+    """Times regions on the device's own clock: CUDA events, read after one sync at the end, so the host
+    runs ahead as in training; on CPU, where the host computes, its clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @contextlib.contextmanager
+    def region(self):
+        start = self._mark()
+        yield
+        self.marks.append((start, self._mark()))
+
+    def ms(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return [a.elapsed_time(b) if self.cuda else 1000 * (b - a) for a, b in self.marks]
+
+
+def stats(ms: list[float]) -> dict:
+    return {"median_ms": float(np.median(ms)), "min_ms": min(ms), "max_ms": max(ms), "n": len(ms)} if ms else {}
+
+
+@contextlib.contextmanager
+def host_syncs(device: torch.device, found: list[str]):
+    """torch.cuda.set_sync_debug_mode over the region, at "warn" so that one run lists every synchronizing
+    CUDA call (where in Python it came from) instead of stopping at the first; an empty list is what
+    "error" would pass. Nothing to watch on CPU."""
+    if device.type != "cuda":
+        yield
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message).lower():
+            found.append(f"{Path(w.filename).name}:{w.lineno}: {str(w.message).splitlines()[0][:120]}")
+
+
+class GraphCounter:
+    """A torch.compile backend that counts the graphs it is handed, then compiles them with inductor (CUDA)
+    or runs them as traced (CPU: the same graphs, nothing to build)."""
+
+    def __init__(self, backend: str):
+        self.backend, self.graphs = backend, 0
+
+    def __call__(self, graph_module, example_inputs):
+        self.graphs += 1
+        if self.backend == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+            return compile_fx(graph_module, example_inputs)
+        return graph_module.forward
+
+
+def memory_now(device: torch.device) -> dict:
+    """Peak allocated and reserved since the last reset_peak(), in GiB (CUDA's allocator; None on CPU)."""
+    if device.type != "cuda":
+        return {"max_allocated_gib": None, "max_reserved_gib": None}
+    return {"max_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
+            "max_reserved_gib": torch.cuda.max_memory_reserved() / GIB}
+
+
+def reset_peak(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+# -----------------------------------------------------------------------------
+# Rank 0 of W on one device: a fake process group and loopback collectives
+
+class Done:
+    """The handle of a loopback collective: its copy is queued on the stream already."""
+
+    def wait(self):
+        return True
+
+
+class RankOfMany:
+    """The trainer's optimizers as rank 0 of world_size builds and steps them. torch's fake process group
+    answers get_rank/get_world_size; the collectives the optimizers issue become copies of rank 0's own
+    part (a reduce-scatter hands rank 0 its own shard of the input, an all-gather fills every slot with
+    rank 0's part unless the slots are the parameter itself, an all-to-all sends rank 0's rows back to it,
+    onto rows it owns, with as many rows received as sent), and their buffers' bytes are counted as the
+    preflight counts them: a reduce-scatter's input, an all-gather's output, an all-to-all's send buffer."""
+
+    def __init__(self, model: T.GPT, args: T.Hyperparameters, world_size: int):
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        self.world_size = world_size
+        self.bytes: collections.Counter = collections.Counter()
+        self.patches = [unittest.mock.patch.object(T, "reduce_scatter_async", self.reduce_scatter),
+                        unittest.mock.patch.object(T, "all_gather_async", self.all_gather),
+                        unittest.mock.patch.object(dist, "all_to_all_single", self.all_to_all_single)]
+        for patch in self.patches:
+            patch.start()
+        self.optimizers = T.build_optimizers(model, args)
+        self.adam = self.optimizers[1]
+        self.tie_pair = self.adam.tie_pair
+
+    def reduce_scatter(self, output, input):
+        self.bytes["reduce-scatter"] += input.nbytes
+        output.copy_(input.view(self.world_size, -1)[0])
+        return Done()
+
+    def all_gather(self, output, input):
+        self.bytes["all-gather"] += output.nbytes
+        if input.untyped_storage().data_ptr() != output.untyped_storage().data_ptr():
+            output.view(self.world_size, -1).copy_(input.reshape(1, -1).expand(self.world_size, -1))
+        return Done()
+
+    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        self.bytes["all-to-all"] += input.nbytes
+        if output_split_sizes is not None and output.dtype == torch.int64:  # row indices: onto rank 0's rows
+            output.copy_(input.remainder(self.adam.rows_per_rank))
+        else:
+            output.copy_(input)
+        return Done() if async_op else None
+
+    def set_tied(self, tied: bool):
+        """The embedding tied to the lm_head (stages before --untie_stage) or not, as a step of that stage."""
+        source, target = self.tie_pair
+        if tied and self.adam.tied is None:
+            self.adam.tie(source, target)
+        elif not tied and self.adam.tied is not None and self.adam.state.get(target):
+            self.adam.untie()
+
+    def close(self):
+        for hook in self.adam._hooks:
+            hook.remove()
+        for patch in self.patches:
+            patch.stop()
+        dist.destroy_process_group()
+
+
+# -----------------------------------------------------------------------------
+# The bench's state: model, data, report
+
+class Corpus:
+    """Steps of micro-batches from one bundled shard, packed as the loader packs FineWeb (DocumentPieces);
+    when the shard runs out it starts over (the timings need real tokens, not new ones)."""
+
+    def __init__(self, path: Path):
+        if not path.is_file():
+            raise BenchError(f"{path}: the bundled corpus is missing (it ships with the repository)")
+        self.path, self.pieces, self.next = path, T.DocumentPieces(T.read_shard(path)), 0
+
+    def step(self, num_micro: int, micro_tokens: int, max_len: int) -> list[np.ndarray]:
+        taken = self.pieces.take_step(self.next, num_micro, micro_tokens, max_len)
+        if taken is None:
+            self.next = 0
+            taken = self.pieces.take_step(0, num_micro, micro_tokens, max_len)
+        if taken is None:
+            raise BenchError(f"{self.path}: too short for one step of {num_micro} x {micro_tokens + 1} tokens")
+        micro_batches, self.next = taken
+        return micro_batches
+
+
+class Report:
+    """What was measured, rewritten to DIR/bench.json and DIR/bench.md at every flush (each file replaced
+    whole, so a reader never sees half of one)."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.data: dict = {"header": {}, "parts": {}}
+
+    def part(self, name: str) -> dict:
+        return self.data["parts"].setdefault(name, {})
+
+    def flush(self):
+        self.out.mkdir(parents=True, exist_ok=True)
+        for name, text in (("bench.json", json.dumps(self.data, indent=1, default=str)),
+                           ("bench.md", render_markdown(self.data))):
+            tmp = self.out / f".{name}.tmp"
+            tmp.write_text(text)
+            os.replace(tmp, self.out / name)
+
+
+class Bench:
+    """The model (compiled as the trainer compiles it), its initial weights on the host, the schedule, the
+    corpus, and rank 0's optimizers once a part needs them."""
+
+    def __init__(self, args: T.Hyperparameters, options: argparse.Namespace, report: Report):
+        self.args, self.options, self.report = args, options, report
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.world_size = options.world_size
+        self.schedule = T.Schedule(args)
+        self.env1 = T.DistEnv(0, 0, 1, self.device)
+        self.env_rank0 = T.DistEnv(0, 0, self.world_size, self.device)
+        self.counter = GraphCounter("inductor" if self.device.type == "cuda" else "eager")
+        if self.device.type == "cpu":
+            T.keep_freed_cpu_memory()  # as the trainer on CPU: large freed blocks stay in the heap
+        torch._dynamo.config.fail_on_recompile_limit_hit = True  # dynamo's limit hit: an error, not a slow run
+        self.model = T.build_model(args, self.env1)
+        self.initial = {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+                        for k, v in self.model.state_dict().items()}  # on the host: no GPU memory of its own
+        self.optimizers_ws1, self.use_flex = T.prepare_training(self.model, args, self.env1, backend=self.counter)
+        self.corpus = Corpus(CORPUS)
+        self.rank: RankOfMany | None = None
+        self.batches: dict[int, T.Batch] = {}
+
+    def rank0(self) -> RankOfMany:
+        if self.rank is None:
+            self.rank = RankOfMany(self.model, self.args, self.world_size)
+        return self.rank
+
+    def close_rank0(self):
+        if self.rank is not None:
+            self.rank.close()
+            self.rank = None
+
+    def batch(self, stage_index: int) -> T.Batch:
+        """Rank 0's micro-batch(es) of one step of the stage at world_size, with their bigram rows (the host's
+        part of the sparse exchange): the step's micro-batches dealt as the loader deals them."""
+        if stage_index not in self.batches:
+            stage = self.schedule.stages[stage_index]
+            micro_batches = self.corpus.step(stage.micro_batches, stage.micro_tokens, stage.max_seq_len)
+            self.batches[stage_index] = T.rank_micro_batches(micro_batches, self.env_rank0, self.args.bigram_vocab_size)
+        return self.batches[stage_index]
+
+    def fit_rotary(self, step: int):
+        """YaRN as the run leaves it at `step`: fitted window by window from the first stage's long window."""
+        self.model.rotary.reset()
+        for stage in self.schedule.stages[:self.schedule.stage_index(step) + 1]:
+            self.model.rotary.set_window(stage.windows[1])
+
+    def restore_initial(self):
+        self.model.load_state_dict(self.initial)
+        self.model.zero_grad(set_to_none=True)
+        T.refresh_fp8(self.model)
+
+    def mtp(self, step: int) -> torch.Tensor:
+        return T.host_to_device(torch.tensor(self.schedule.mtp_weights(step)), self.device)
+
+    def no_sync(self):
+        """Backward without DistAdam's reduce-scatter hooks (a forward+backward alone, as in a step without Adam)."""
+        return self.rank.adam.no_sync() if self.rank is not None else contextlib.nullcontext()
+
+
+# -----------------------------------------------------------------------------
+# Parts
+
+def forward_backward(bench: Bench, inputs, targets, masks, windows, mtp, loss_scale: float) -> torch.Tensor:
+    bench.model.zero_grad(set_to_none=True)
+    with bench.no_sync():
+        loss = bench.model(inputs, targets, masks, windows, mtp, loss_scale=loss_scale)
+        loss.backward()
+    return loss.detach()
+
+
+def run_stage(bench: Bench, name: str, stage_index: int, row: dict, flush):
+    """One stage: compile, forward+backward, masks, and train_step as rank 0 of W."""
+    args, options, device, schedule = bench.args, bench.options, bench.device, bench.schedule
+    stage = schedule.stages[stage_index]
+    step = stage.start
+    bench.fit_rotary(step)
+    batch = bench.batch(stage_index)
+    inputs, targets = batch[0]
+    windows, mtp = schedule.windows(step), bench.mtp(step)
+    loss_scale = 1 / len(batch)
+    row.update(stage=name, steps=stage.end - stage.start, micro_tokens=stage.micro_tokens, micro_batches_per_rank=len(batch),
+               windows=list(windows), max_seq_len=stage.max_seq_len, mtp_weights=list(schedule.mtp_weights(step)),
+               attn_scale=float(bench.model.rotary.attn_scale), documents=int((inputs == T.BOS_ID).sum()))
+    masks = T.build_masks(inputs, bench.model.plans, windows, args.window_block, bench.use_flex)
+
+    graphs = bench.counter.graphs
+    start = time.perf_counter()
+    first = forward_backward(bench, inputs, targets, masks, windows, mtp, loss_scale)
+    T.sync(device)
+    row["compile_s"] = time.perf_counter() - start
+    row["graphs_compiled"] = bench.counter.graphs - graphs
+    flush()
+
+    for _ in range(options.untimed):
+        forward_backward(bench, inputs, targets, masks, windows, mtp, loss_scale)
+    reset_peak(device)
+    timer, losses, syncs = DeviceTimer(device), [first], []
+    with host_syncs(device, syncs):
+        for _ in range(options.timed):
+            with timer.region():
+                losses.append(forward_backward(bench, inputs, targets, masks, windows, mtp, loss_scale))
+    row["forward_backward"] = stats(timer.ms())
+    row["forward_backward_memory"] = memory_now(device)
+    values = torch.stack(losses).float().cpu()
+    row["loss_per_token"] = float(values[-1]) / stage.micro_tokens / loss_scale
+    row["losses_finite"] = bool(torch.isfinite(values).all())
+    row["host_syncs_forward_backward"] = syncs
+    flush()
+
+    timer = DeviceTimer(device)
+    for repetition in range(options.untimed + options.timed):
+        with timer.region():
+            T.build_masks(inputs, bench.model.plans, windows, args.window_block, bench.use_flex)
+    row["masks"] = stats(timer.ms()[options.untimed:])
+    flush()
+
+    rank_steps(bench, stage_index, row)
+    row["recompiles_after_first_call"] = bench.counter.graphs - graphs - row["graphs_compiled"]
+    flush()
+
+
+def rank_steps(bench: Bench, stage_index: int, row: dict):
+    """train_step as rank 0 of W runs it on the stage's steps: a step without Adam, then one with it,
+    alternating (the first cycle untimed; the untie happens there in stage 3). Each kind's device time,
+    the bytes its collectives move, its peak memory and any host sync."""
+    args, device, schedule = bench.args, bench.device, bench.schedule
+    rank = bench.rank0()
+    stage = schedule.stages[stage_index]
+    batch = bench.batch(stage_index)
+    first_cycle = list(range(stage.start, stage.start + 2 * args.adam_every))
+    cycle = first_cycle[args.adam_every:]
+    rank.set_tied(tied_at(schedule, first_cycle[0]))
+    timers = {"without Adam": DeviceTimer(device), "with Adam": DeviceTimer(device)}
+    bytes_by_kind: dict = {}
+    syncs: list[str] = []
+    for s in first_cycle[:args.adam_every]:
+        T.set_schedules(s, rank.optimizers, schedule, args)
+        T.train_step(bench.model, rank.optimizers, batch, s, schedule, args, bench.use_flex)
+    rank.set_tied(tied_at(schedule, cycle[0]))
+    reset_peak(device)
+    with host_syncs(device, syncs):
+        for repetition in range(bench.options.timed // 2 + 1):
+            for s in cycle:
+                kind = "with Adam" if T.adam_steps_at(s, args) else "without Adam"
+                T.set_schedules(s, rank.optimizers, schedule, args)
+                rank.bytes.clear()
+                with timers[kind].region():
+                    T.train_step(bench.model, rank.optimizers, batch, s, schedule, args, bench.use_flex)
+                bytes_by_kind[kind] = dict(rank.bytes)
+    for kind, timer in timers.items():
+        ms = timer.ms()[1:]  # the first of each kind warms the state created by the untimed cycle
+        row[f"rank_step_{kind.replace(' ', '_')}"] = stats(ms)
+    row["rank_step_bytes"] = bytes_by_kind
+    row["rank_step_memory"] = memory_now(device)
+    row["host_syncs_rank_step"] = syncs
+    row["embedding_tied"] = rank.adam.tied is not None
+
+
+def tied_at(schedule: T.Schedule, step: int) -> bool:
+    """Whether the embedding is still tied to the lm_head when `step` starts (the untie step unties it after
+    its Adam step)."""
+    return schedule.untie_step is None or step <= schedule.untie_step
+
+
+def run_optimizer(bench: Bench, row: dict, flush):
+    """NorMuon's and DistAdam's steps alone, as rank 0 of W: gradients from one backward of a stage's
+    micro-batch with DistAdam's hooks on (their reduce-scatters start during it, as in an Adam step)."""
+    args, options, device, schedule = bench.args, bench.options, bench.device, bench.schedule
+    rank = bench.rank0()
+    muon, adam = rank.optimizers
+    W = bench.world_size
+    chunks = muon.chunks(W)
+    owned = [chunk[0] for chunk in chunks]
+    row["share"] = (f"NorMuon: the {len(muon.matrices)} matrices in {len(chunks)} chunks of at most {W} of one shape; "
+                    f"rank 0 updates the first of each chunk ({len(owned)} matrices, "
+                    f"{sum(muon._view(muon.matrices[m][0], muon.matrices[m][1]).numel() for m in owned):,} weights) "
+                    f"and stacks and copies back all of them. DistAdam: {len(adam.buckets)} buckets, rank 0 updates "
+                    f"elements [0, ceil(numel / {W})) of each ({sum(b.shard_numel for b in adam.buckets):,} in all); the "
+                    f"bigram table's gradient rows travel by the sparse exchange")
+    for label, stage_index in (("tied", 0), ("untied", len(schedule.stages) - 2)):
+        if schedule.untie_step is None and label == "untied":
+            continue
+        stage = schedule.stages[stage_index]
+        step = stage.start + 1 if T.adam_steps_at(stage.start + 1, args) else stage.start
+        bench.fit_rotary(step)
+        batch = bench.batch(stage_index)
+        inputs, targets = batch[0]
+        windows, mtp = schedule.windows(step), bench.mtp(step)
+        masks = T.build_masks(inputs, bench.model.plans, windows, args.window_block, bench.use_flex)
+        T.set_schedules(step, rank.optimizers, schedule, args)
+        timers = {"NorMuon": DeviceTimer(device), "DistAdam": DeviceTimer(device)}
+        for repetition in range(options.untimed + options.timed):
+            rank.set_tied(label == "tied")
+            bench.model.zero_grad(set_to_none=True)
+            for rows in batch.bigram_rows:
+                adam.touch_rows(rows)
+            adam.start_sparse_exchange()
+            loss = bench.model(inputs, targets, masks, windows, mtp, loss_scale=1 / len(batch))
+            loss.backward()  # DistAdam's hooks start its reduce-scatters (and the sparse exchange)
+            with timers["NorMuon"].region():
+                muon.step()
+            with timers["DistAdam"].region():
+                adam.step()
+        for name, timer in timers.items():
+            row[f"{name}_{label}"] = stats(timer.ms()[options.untimed:])
+        row[f"late_reductions_{label}"] = adam.late_reductions
+        flush()
+    bench.model.zero_grad(set_to_none=True)
+
+
+def kernel_kind(name: str) -> str:
+    """Which kind of work a CUDA kernel does, by its name: inductor's templates (no max-autotune: FlexAttention
+    alone) and FlashAttention's kernels are attention; cuBLAS's and CUTLASS's are matmuls."""
+    lowered = name.lower()
+    if "triton_tem" in lowered or "flash" in lowered or "fmha" in lowered or "flex" in lowered:
+        return "attention"
+    if any(word in lowered for word in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "gemv", "wgmma")):
+        return "matmul"
+    if "memcpy" in lowered or "memset" in lowered:
+        return "copies"
+    return "element-wise and reductions"
+
+
+def summarize_kernels(kernels: list[tuple[str, float, float]], top: int = PROFILE_TOP) -> dict:
+    """kernels: (name, start_us, end_us) on one stream. The top kernels by total time; each kind's share of
+    the span from the first kernel's start to the last one's end, and the idle gaps' share (the span less
+    the union of the kernels' intervals)."""
+    if not kernels:
+        return {}
+    totals: dict = collections.defaultdict(lambda: [0.0, 0])
+    for name, start, end in kernels:
+        totals[name][0] += end - start
+        totals[name][1] += 1
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])
+    span = max(end for _, _, end in kernels) - min(start for _, start, _ in kernels)
+    busy, covered_to = 0.0, -math.inf
+    for _, start, end in sorted(kernels, key=lambda k: k[1]):
+        if end > covered_to:
+            busy += end - max(start, covered_to)
+            covered_to = end
+    by_kind: dict = collections.Counter()
+    for name, (total, _) in totals.items():
+        by_kind[kernel_kind(name)] += total
+    shares = {kind: total / span for kind, total in sorted(by_kind.items())}
+    shares["idle gaps"] = (span - busy) / span
+    return {"span_ms": span / 1000, "busy_ms": busy / 1000, "kernel_count": len(kernels),
+            "top": [{"name": name[:160], "ms": total / 1000, "calls": calls, "kind": kernel_kind(name)}
+                    for name, (total, calls) in ranked[:top]],
+            "shares_by_kind": shares}
+
+
+@contextlib.contextmanager
+def labelled(bench: Bench, rank: RankOfMany):
+    """record_function ranges around the phases of a step, for the profile: the masks, the forward (the
+    loss within it), the optimizers' steps. Backward runs on autograd's thread: what no range holds."""
+    from torch.profiler import record_function
+
+    def wrap(label, fn):
+        def call(*args, **kwargs):
+            with record_function(label):
+                return fn(*args, **kwargs)
+        return call
+
+    muon, adam = rank.optimizers
+    with unittest.mock.patch.object(T, "build_masks", wrap("bench:masks", T.build_masks)), \
+            unittest.mock.patch.object(T.SoftcappedMTPLoss, "apply", wrap("bench:loss", T.SoftcappedMTPLoss.apply)), \
+            unittest.mock.patch.object(bench.model, "forward", wrap("bench:forward", bench.model.forward)), \
+            unittest.mock.patch.object(muon, "step", wrap("bench:optimizer", muon.step)), \
+            unittest.mock.patch.object(adam, "step", wrap("bench:optimizer", adam.step)):
+        yield
+
+
+def run_profile(bench: Bench, row: dict, flush):
+    """torch.profiler over one Adam cycle of stage 3 as rank 0 of W (a step without Adam, one with it)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    args, device, schedule = bench.args, bench.device, bench.schedule
+    rank = bench.rank0()
+    stage_index = len(schedule.stages) - 2
+    stage = schedule.stages[stage_index]
+    steps = list(range(stage.start + args.adam_every, stage.start + 2 * args.adam_every))
+    bench.fit_rotary(steps[0])
+    batch = bench.batch(stage_index)
+    rank.set_tied(tied_at(schedule, stage.start))
+    for s in range(stage.start, stage.start + args.adam_every):  # warm: the optimizers' state, the untie
+        T.set_schedules(s, rank.optimizers, schedule, args)
+        T.train_step(bench.model, rank.optimizers, batch, s, schedule, args, bench.use_flex)
+    rank.set_tied(tied_at(schedule, steps[0]))
+    T.sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof, labelled(bench, rank):
+        for s in steps:
+            T.set_schedules(s, rank.optimizers, schedule, args)
+            T.train_step(bench.model, rank.optimizers, batch, s, schedule, args, bench.use_flex)
+        T.sync(device)
+    row["steps"] = steps
+    events = prof.events()
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events  # the ranges' GPU spans left out
+               if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
+               and not e.name.startswith(("bench:", "ProfilerStep"))]
+    if kernels:
+        row.update(summarize_kernels(kernels))
+        device_total = lambda e: getattr(e, "device_time_total", 0.0)  # noqa: E731
+        busy_us = row["busy_ms"] * 1000
+    else:  # CPU: the ops' own times stand in for kernels
+        ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        row["top"] = [{"name": e.key[:160], "ms": e.self_cpu_time_total / 1000, "calls": e.count, "kind": "cpu op"}
+                      for e in ops[:PROFILE_TOP] if not e.key.startswith("bench:")]
+        device_total = lambda e: e.cpu_time_total  # noqa: E731
+        busy_us = sum(e.self_cpu_time_total for e in ops if not e.key.startswith("bench:"))
+    flush()
+    phases = collections.Counter()
+    for e in events:
+        if e.name.startswith("bench:") and e.device_type == DeviceType.CPU:
+            phases[e.name.removeprefix("bench:")] += device_total(e)
+    phases["forward"] -= phases["loss"]  # the loss runs inside the forward
+    phases["backward and the rest"] = busy_us - sum(phases.values())
+    row["shares_by_phase"] = {name: total / busy_us for name, total in phases.items()} if busy_us else {}
+    row["phase_note"] = ("shares of the device's busy time: masks, forward (the loss apart), the loss (its FP8 "
+                         "matmuls and element-wise chunk, gradients included), the optimizers' steps; backward "
+                         "runs on autograd's thread, outside every range, with the fp8 refresh and copies")
+
+
+def run_validation(bench: Bench, row: dict, flush):
+    """One validation sequence (val_seq_len tokens of the bundled validation text, repeated as needed) at the
+    final windows, with YaRN as the run leaves it, forward only."""
+    args, options, device, schedule = bench.args, bench.options, bench.device, bench.schedule
+    bench.fit_rotary(args.num_iterations)
+    windows = schedule.windows(args.num_iterations, final_validation=True)
+    text = T.read_shard(VAL_CORPUS)
+    tokens = torch.from_numpy(np.tile(text, math.ceil((args.val_seq_len + 1) / len(text)))[:args.val_seq_len + 1])
+    buf = T.to_device(tokens, device)
+    inputs, targets = buf[:-1], buf[1:]
+    row.update(tokens=args.val_seq_len, windows=list(windows), attn_scale=float(bench.model.rotary.attn_scale))
+    bench.model.zero_grad(set_to_none=True)
+    bench.model.eval()
+    try:
+        with torch.no_grad():
+            graphs, start = bench.counter.graphs, time.perf_counter()
+            masks = T.build_masks(inputs, bench.model.plans, windows, args.window_block, bench.use_flex)
+            loss = bench.model(inputs, targets, masks, windows)
+            T.sync(device)
+            row["compile_s"], row["graphs_compiled"] = time.perf_counter() - start, bench.counter.graphs - graphs
+            row["loss_per_token"] = float(loss) / args.val_seq_len
+            flush()
+            reps = max(3, options.timed // 4)
+            reset_peak(device)
+            timer, mask_timer = DeviceTimer(device), DeviceTimer(device)
+            for _ in range(reps):
+                with mask_timer.region():
+                    masks = T.build_masks(inputs, bench.model.plans, windows, args.window_block, bench.use_flex)
+                with timer.region():
+                    bench.model(inputs, targets, masks, windows)
+            row["forward"], row["masks"] = stats(timer.ms()), stats(mask_timer.ms())
+            row["memory"] = memory_now(device)
+            row["recompiles_after_first_call"] = bench.counter.graphs - graphs - row["graphs_compiled"]
+    finally:
+        bench.model.train()
+
+
+def varlen_boundaries(docs: torch.Tensor, pad_to: int | None = None) -> tuple[torch.Tensor, int]:
+    """FlashAttention's cumulative document lengths (int32) for a sequence's document ids, and the longest
+    document; pad_to: that many entries, the last offset repeated (empty documents), as a fixed-shape
+    version would keep them."""
+    starts = torch.nonzero(docs[1:] != docs[:-1]).flatten() + 1
+    cu = torch.cat([docs.new_zeros(1), starts, docs.new_full((1,), docs.numel())]).to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    if pad_to is not None and pad_to > cu.numel():
+        cu = torch.cat([cu, cu[-1:].expand(pad_to - cu.numel())])
+    return cu, longest
+
+
+def attention_backends(bench: Bench, device: torch.device) -> dict:
+    """Each backend: (prepare(q, k, v, docs, window, max_len, scale) -> fn() -> output (1, H, T, D), whether it
+    has a backward here). On CUDA: FlexAttention compiled as compile_model(attention_only=True) compiles it,
+    and varlen_attn with exact and with fixed-shape boundaries; on CPU: the dense SDPA path and FlexAttention
+    forward (no CPU backward), uncompiled."""
+    block = bench.args.window_block
+
+    def flex(compiled):
+        def prepare(q, k, v, docs, window, max_len, scale):
+            mask = T.flex_block_mask(docs, window, block)
+            return lambda: compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale)
+        return prepare
+
+    def sdpa(q, k, v, docs, window, max_len, scale):
+        mask = T.dense_attention_mask(docs, window)
+        return lambda: T.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale)
+
+    def varlen(fixed: bool):
+        def prepare(q, k, v, docs, window, max_len, scale):
+            from torch.nn.attention.varlen import varlen_attn
+            cu, longest = varlen_boundaries(docs, docs.numel() // block + 1 if fixed else None)
+            length = max_len if fixed else longest
+            return lambda: varlen_attn((q[0] * scale.type_as(q)), k[0], v[0], cu, cu, length, length,
+                                       window_size=(window, 0), scale=1.0)[None].transpose(1, 2)
+        return prepare
+
+    if device.type == "cuda":
+        compiled = torch.compile(T.attention, backend=bench.counter, dynamic=False, fullgraph=True)
+        backends = {"flex": (flex(compiled), True)}
+        try:
+            import torch.nn.attention.varlen  # noqa: F401
+            backends["varlen"] = (varlen(fixed=False), True)
+            backends["varlen fixed shapes"] = (varlen(fixed=True), True)
+        except ImportError:
+            pass
+        return backends
+    return {"sdpa": (sdpa, True), "flex": (flex(T.attention), False)}
+
+
+def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def run_attention(bench: Bench, row: dict, flush):
+    """Per kind of layer of stage 3 (its micro-batch's documents and windows, YaRN's scale), each backend on
+    the same q, k, v (bf16 on CUDA, normed as QK-norm leaves them) and output gradient: forward+backward
+    time, and each output and gradient against the first backend's; every backend against an fp32 dense
+    reference over the first queries."""
+    args, options, device, schedule = bench.args, bench.options, bench.device, bench.schedule
+    stage_index = len(schedule.stages) - 2
+    stage = schedule.stages[stage_index]
+    bench.fit_rotary(stage.start)
+    inputs = bench.batch(stage_index)[0][0]
+    docs = T.document_ids(inputs)
+    scale = bench.model.rotary.attn_scale
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    heads, head_dim = bench.model.num_heads, bench.model.head_dim
+    layers = collections.Counter((p.long_window, p.paired) for p in bench.model.plans if p.attention)
+    backends = attention_backends(bench, device)
+    row.update(stage=f"stage {stage_index + 1}", micro_tokens=stage.micro_tokens, backends=list(backends), kinds={})
+    generator = torch.Generator(device=device).manual_seed(0)
+    for (long_window, paired), count in sorted(layers.items()):
+        kind = f"{'long' if long_window else 'short'} window{', paired' if paired else ''}"
+        window = args.window_block * stage.windows[1 if long_window else 0]
+        length, h = len(inputs) * (2 if paired else 1), heads // 2 if paired else heads
+        layer_docs = docs.repeat_interleave(2) if paired else docs
+        shape = (1, length, h, head_dim)  # (B, T, H, D), as the layer holds them before attention
+        q, k = (F.rms_norm(torch.randn(shape, device=device, generator=generator), (head_dim,), eps=T.NORM_EPS)
+                for _ in range(2))
+        v = torch.randn(shape, device=device, generator=generator)
+        grad = torch.randn(1, h, length, head_dim, device=device, generator=generator).to(dtype)
+        result = {"layers": count, "window": window, "positions": length, "heads": h}
+        outputs = {}
+        for name, (prepare, has_backward) in backends.items():
+            try:
+                leaves = [t.to(dtype).requires_grad_(has_backward) for t in (q, k, v)]
+                fn = prepare(*leaves, layer_docs, window, 2 * stage.max_seq_len if paired else stage.max_seq_len,
+                             scale)
+
+                def once():
+                    for t in leaves:
+                        t.grad = None
+                    out = fn()
+                    if has_backward:
+                        out.backward(grad)
+                    return out
+
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # FlexAttention uncompiled (CPU) says it is slow
+                    out = once().detach()
+                    for _ in range(options.untimed):
+                        once()
+                    timer = DeviceTimer(device)
+                    for _ in range(options.timed):
+                        with timer.region():
+                            once()
+                outputs[name] = (out, [t.grad for t in leaves] if has_backward else None)
+                result[name] = {("forward_backward" if has_backward else "forward"): stats(timer.ms())}
+            except Exception as e:  # one backend's failure (a kernel this device lacks) is its row
+                result[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+        reference_name = next(iter(outputs), None)
+        queries = min(length, 2048)
+        ref_mask = T.dense_attention_mask(layer_docs[:queries], window)
+        qr, kr, vr = ((t[:, :queries].transpose(1, 2).to(dtype).float()) for t in (q, k, v))
+        reference = F.scaled_dot_product_attention(qr * scale.float(), kr, vr, attn_mask=ref_mask, scale=1.0)
+        for name, (out, grads) in outputs.items():
+            result[name]["vs_fp32_reference_rel_l2"] = relative_l2(out[:, :, :queries], reference)
+            if name != reference_name:
+                base, base_grads = outputs[reference_name]
+                result[name][f"vs_{reference_name}"] = {
+                    "max_abs_diff": float((out.float() - base.float()).abs().max()),
+                    "rel_l2": relative_l2(out, base),
+                    "grads_rel_l2": ([relative_l2(g, b) for g, b in zip(grads, base_grads)]
+                                     if grads is not None and base_grads is not None else None)}
+        row["kinds"][kind] = result
+        flush()
+    row["verdict"] = attention_verdict(row)
+
+
+def attention_verdict(row: dict) -> dict:
+    """Per backend, the attention time of one step's layers (each kind's time times its layers) and whether
+    its outputs match the first backend's as closely as that one matches an fp32 reference (bf16 rounding)."""
+    totals, matches = collections.Counter(), {}
+    for result in row["kinds"].values():
+        for name in row["backends"]:
+            timing = result.get(name, {}).get("forward_backward")
+            if timing:
+                totals[name] += result["layers"] * timing["median_ms"]
+            else:
+                totals[name] = math.inf
+            if name != row["backends"][0] and "vs_fp32_reference_rel_l2" in result.get(name, {}):
+                base = result[row["backends"][0]]["vs_fp32_reference_rel_l2"]
+                ok = result[name]["vs_fp32_reference_rel_l2"] <= max(2 * base, 1e-2)
+                matches[name] = matches.get(name, True) and ok
+    finite = {name: ms for name, ms in totals.items() if math.isfinite(ms)}
+    fastest = min(finite, key=finite.get) if finite else None
+    return {"ms_per_micro_batch": dict(totals), "matches_within_bf16": matches, "fastest": fastest}
+
+
+def run_training(bench: Bench, row: dict, flush):
+    """--training_steps real optimizer steps at world size 1 from the initial weights, stage 1's shapes and
+    micro-batches: each step's training loss per token (the multi-token objective) and device time."""
+    args, device, schedule = bench.args, bench.device, bench.schedule
+    bench.close_rank0()
+    bench.restore_initial()
+    optimizers = T.build_optimizers(bench.model, args)
+    stage = schedule.stages[0]
+    steps = range(stage.start, min(stage.start + bench.options.training_steps, stage.end))
+    timer, losses, syncs = DeviceTimer(device), [], []
+    bench.fit_rotary(stage.start)
+    with host_syncs(device, syncs):
+        for step in steps:
+            T.set_schedules(step, optimizers, schedule, args)
+            micro_batches = bench.corpus.step(schedule.micro_batches(step), schedule.micro_tokens(step),
+                                              schedule.stage(step).max_seq_len)
+            batch = T.rank_micro_batches(micro_batches, bench.env1, args.bigram_vocab_size)
+            with timer.region():
+                losses.append(T.train_step(bench.model, optimizers, batch, step, schedule, args, bench.use_flex))
+    values = [float(loss) / schedule.stage(step).batch_tokens for loss, step in zip(losses, steps)]
+    row.update(steps=len(values), micro_batches=schedule.micro_batches(stage.start), micro_tokens=stage.micro_tokens,
+               losses=values, step=stats(timer.ms()), host_syncs=syncs)
+    head, tail = np.mean(values[:5]), np.mean(values[-5:])
+    row["falls"] = bool(np.isfinite(values).all() and tail < head)
+    row["first_five_mean"], row["last_five_mean"] = float(head), float(tail)
+
+
+def run_fp8(bench: Bench, row: dict, flush):
+    """The training loss of one stage-1 micro-batch with FP8 matmuls (MLP up-projections, head) and without
+    (bf16 on GPUs), the same weights (the model's now: after the training part, when it ran) and batch, on
+    an uncompiled copy (FlexAttention compiled alone) whose precision is switched in place."""
+    args, device, schedule = bench.args, bench.device, bench.schedule
+    with torch.device(device):
+        model = T.cast_for_device(T.GPT(args, "fp8", "fp8"), device)
+    bench.fit_rotary(0)
+    model.load_state_dict(bench.model.state_dict())  # the weights, and the rotary state of stage 1
+    T.refresh_fp8(model)
+    if bench.use_flex:
+        T.compile_model(model, backend=bench.counter, attention_only=True)
+    inputs, targets = bench.batch(0)[0]
+    windows, mtp = schedule.windows(0), bench.mtp(0)
+    masks = T.build_masks(inputs, model.plans, windows, args.window_block, bench.use_flex)
+    losses = {}
+    with torch.no_grad():
+        for precision in ("fp8", "bf16"):
+            model.head_precision = precision
+            for block in model.blocks:
+                block.mlp.precision = precision
+            losses[precision] = float(model(inputs, targets, masks, windows, mtp)) / len(inputs)
+    row["loss_per_token"] = losses
+    row["relative_difference"] = abs(losses["fp8"] - losses["bf16"]) / abs(losses["bf16"])
+    row["weights"] = "after the training part" if "training" in bench.report.data["parts"] else "initial"
+    row["other_precision"] = "bf16" if device.type == "cuda" else "fp32 (the weights' dtype on CPU)"
+
+
+def run_memory_model(bench: Bench, row: dict, flush):
+    """train_gpt.MemoryModel's phases for the same configuration at world size W (the trainer's start-up
+    check): its predicted peak per phase, and the parts of it."""
+    args, device = bench.args, bench.device
+    precisions = (bench.model.head_precision, bench.model.blocks[0].mlp.precision)
+    attention_kind = T.resolve_attention(args, device)
+    model = T.memory_model(args, bench.world_size, device, precisions, attention_kind)
+    row["world_size"] = bench.world_size
+    row["phases"] = {name: {key: value / GIB for key, value in phase.items()}
+                     for name, phase in model.phases().items()}
+
+
+# -----------------------------------------------------------------------------
+# The estimate and the markdown
+
+def estimate(data: dict, bus_gbps: float, world_size: int) -> dict:
+    """The 8xH100 time from the measured rank steps: per stage, the mean of an Adam cycle's steps (a step
+    without Adam, one with it) of rank 0's compute, plus its communication, all of it counted as not
+    overlapped (an upper bound: NorMuon's exchanges follow the backward, the all-gathers follow the
+    updates, and DistAdam's largest reduce-scatters, the value and token embeddings', are only ready at the
+    end of backward), at a bus bandwidth of bus_gbps GB/s: bytes * (W - 1) / W / bandwidth (a ring's
+    all-gather and reduce-scatter). Beside it, the lower bound with DistAdam's reduce-scatters hidden."""
+    rows, total, total_hidden = {}, 0.0, 0.0
+    for part in ("stage1", "stage2", "stage3", "extension"):
+        row = data["parts"].get(part, {})
+        steps = [row.get(f"rank_step_{kind}", {}).get("median_ms") for kind in ("without_Adam", "with_Adam")]
+        if None in steps:
+            continue
+        compute = sum(steps) / 2
+        byte_rows = [row["rank_step_bytes"].get(kind, {}) for kind in ("without Adam", "with Adam")]
+        ring_ms = lambda nbytes: nbytes * (world_size - 1) / world_size / (bus_gbps * 1e9) * 1000  # noqa: E731
+        comm = sum(ring_ms(sum(b.values())) for b in byte_rows) / 2
+        # DistAdam's reduce-scatters: what the step with Adam reduce-scatters beyond NorMuon's (the step without)
+        adam_rs = byte_rows[1].get("reduce-scatter", 0) - byte_rows[0].get("reduce-scatter", 0)
+        comm_hidden = comm - ring_ms(adam_rs) / 2
+        per_step = compute + comm
+        name = row["stage"]
+        rows[name] = {"steps": row["steps"], "compute_ms": compute, "comm_ms": comm, "ms_per_step": per_step,
+                      "ms_per_step_rs_hidden": compute + comm_hidden, "record_ms": RECORD_MS.get(name),
+                      "ratio": per_step / RECORD_MS[name] if name in RECORD_MS else None,
+                      "seconds": per_step * row["steps"] / 1000}
+        total += per_step * row["steps"] / 1000
+        total_hidden += (compute + comm_hidden) * row["steps"] / 1000
+    complete = len(rows) == 4
+    return {"stages": rows, "total_s": total if complete else None,
+            "total_s_rs_hidden": total_hidden if complete else None, "record_total_s": RECORD_TOTAL_S,
+            "bus_gbps": bus_gbps}
+
+
+def fmt(value, digits: int = 2) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def timing(cell: dict | None) -> str:
+    if not cell:
+        return "n/a"
+    return f"{cell['median_ms']:.2f} ({cell['min_ms']:.2f}–{cell['max_ms']:.2f})"
+
+
+def render_markdown(data: dict) -> str:
+    h, parts = data["header"], data["parts"]
+    lines = ["# Bench: rank 0's share of each stage", "",
+             f"Device: {h.get('device')}; torch {h.get('torch')}, Triton {h.get('triton')}, CUDA {h.get('cuda')}; "
+             f"{h.get('when')}.", f"Command: `{h.get('command')}`", ""]
+    stage_rows = [(part, parts[part]) for part in ("stage3", "stage2", "stage1", "extension") if part in parts]
+    if stage_rows:
+        lines += ["| stage | micro-batch | compile s (graphs) | forward+backward ms, median (min–max) | masks ms | "
+                  "rank step without / with Adam ms | peak GiB allocated (reserved) | recompiles | host syncs |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for part, row in stage_rows:
+            memory = row.get("rank_step_memory") or row.get("forward_backward_memory") or {}
+            syncs = len(row.get("host_syncs_forward_backward", [])) + len(row.get("host_syncs_rank_step", []))
+            lines.append(f"| {row.get('stage', part)} | {fmt(row.get('micro_tokens'))} tokens | "
+                         f"{fmt(row.get('compile_s'), 1)} ({fmt(row.get('graphs_compiled'))}) | "
+                         f"{timing(row.get('forward_backward'))} | {timing(row.get('masks'))} | "
+                         f"{timing(row.get('rank_step_without_Adam'))} / {timing(row.get('rank_step_with_Adam'))} | "
+                         f"{fmt(memory.get('max_allocated_gib'))} ({fmt(memory.get('max_reserved_gib'))}) | "
+                         f"{fmt(row.get('recompiles_after_first_call'))} | {syncs} |")
+            if row.get("error"):
+                lines.append(f"| {part}: error | {row['error']} | | | | | | | |")
+        lines.append("")
+    if "optimizer" in parts:
+        row = parts["optimizer"]
+        lines += ["## Optimizers, rank 0's share", "", row.get("share", ""), "",
+                  "| | NorMuon ms | DistAdam ms |", "| --- | --- | --- |"]
+        for label in ("tied", "untied"):
+            if f"NorMuon_{label}" in row:
+                lines.append(f"| {label} | {timing(row[f'NorMuon_{label}'])} | {timing(row[f'DistAdam_{label}'])} |")
+        lines.append("")
+    if "validation" in parts:
+        row = parts["validation"]
+        lines += ["## Validation", "", f"One sequence of {fmt(row.get('tokens'))} tokens, windows {row.get('windows')}: "
+                  f"forward {timing(row.get('forward'))} ms, masks {timing(row.get('masks'))} ms, compile "
+                  f"{fmt(row.get('compile_s'), 1)} s ({fmt(row.get('graphs_compiled'))} graphs), peak "
+                  f"{fmt((row.get('memory') or {}).get('max_allocated_gib'))} GiB.", ""]
+    if "memory_model" in parts and "phases" in parts["memory_model"]:
+        lines += ["## Memory: measured against the memory model (world size "
+                  f"{parts['memory_model'].get('world_size')})", "",
+                  "| phase | measured peak GiB (allocated) | model's predicted peak GiB |", "| --- | --- | --- |"]
+        measured = {"stage 1": "stage1", "stage 2": "stage2", "stage 3": "stage3", "extension": "extension",
+                    "validation": "validation"}
+        for name, phase in parts["memory_model"]["phases"].items():
+            row = parts.get(measured.get(name, ""), {})
+            memory = row.get("rank_step_memory") or row.get("memory") or {}
+            lines.append(f"| {name} | {fmt(memory.get('max_allocated_gib'))} | {fmt(phase.get('peak'))} |")
+        lines.append("")
+    if "attention" in parts:
+        row = parts["attention"]
+        lines += [f"## Attention backends ({row.get('stage')}, {fmt(row.get('micro_tokens'))} tokens)", "",
+                  "| kind (layers) | " + " | ".join(f"{b} ms" for b in row.get("backends", [])) + " | largest "
+                  "difference to the first | rel. L2 to an fp32 reference (first backend, others) |",
+                  "| --- | " + " | ".join("---" for _ in row.get("backends", [])) + " | --- | --- |"]
+        for kind, result in row.get("kinds", {}).items():
+            cells = []
+            for b in row["backends"]:
+                cell = result.get(b, {})
+                cells.append(cell.get("error", timing(cell.get("forward_backward") or cell.get("forward"))))
+            diffs = [f"{b}: {result[b][k]['max_abs_diff']:.2e}" for b in row["backends"] for k in result.get(b, {})
+                     if k.startswith("vs_") and isinstance(result[b][k], dict)]
+            refs = [f"{result[b]['vs_fp32_reference_rel_l2']:.1e}" for b in row["backends"]
+                    if "vs_fp32_reference_rel_l2" in result.get(b, {})]
+            lines.append(f"| {kind} ({result['layers']}) | " + " | ".join(cells) + f" | {', '.join(diffs) or 'n/a'} | "
+                         f"{', '.join(refs)} |")
+        if "verdict" in row:
+            lines += ["", f"Per micro-batch (each kind times its layers): "
+                      + ", ".join(f"{b} {fmt(ms)} ms" for b, ms in row["verdict"]["ms_per_micro_batch"].items())
+                      + f"; fastest: {row['verdict']['fastest']}; matches within bf16: {row['verdict']['matches_within_bf16']}."]
+        lines.append("")
+    if "training" in parts and "losses" in parts["training"]:
+        row = parts["training"]
+        lines += [f"## Training: {row['steps']} steps at world size 1 ({row['micro_batches']} micro-batches of "
+                  f"{fmt(row['micro_tokens'])} tokens)", "",
+                  "Loss per token: " + ", ".join(f"{x:.3f}" for x in row["losses"]),
+                  f"First five {row['first_five_mean']:.3f}, last five {row['last_five_mean']:.3f}: "
+                  f"{'falls' if row['falls'] else 'DOES NOT FALL'}; step {timing(row.get('step'))} ms; host syncs: "
+                  f"{len(row.get('host_syncs', []))}.", ""]
+    if "fp8" in parts and "loss_per_token" in parts["fp8"]:
+        row = parts["fp8"]
+        lines += ["## FP8 against " + row["other_precision"], "",
+                  f"Loss per token {row['loss_per_token']['fp8']:.5f} (FP8) and {row['loss_per_token']['bf16']:.5f}: "
+                  f"relative difference {row['relative_difference']:.2e} ({row['weights']} weights).", ""]
+    if "profile" in parts and "top" in parts["profile"]:
+        row = parts["profile"]
+        lines += [f"## Profile: steps {row.get('steps')} of stage 3 (one without Adam, one with it)", "",
+                  "| kernel | kind | ms | calls |", "| --- | --- | --- | --- |"]
+        for k in row["top"]:
+            lines.append(f"| `{k['name'][:90]}` | {k['kind']} | {k['ms']:.3f} | {k['calls']} |")
+        for key in ("shares_by_kind", "shares_by_phase"):
+            if row.get(key):
+                lines += ["", f"{key.replace('_', ' ')}: " + ", ".join(f"{k} {v:.1%}" for k, v in row[key].items())]
+        lines.append("")
+    est = data.get("estimate")
+    if est and est["stages"]:
+        lines += ["## Estimated 8×H100 time (an estimate from one GPU, not a measurement)", "",
+                  f"Per stage: rank 0's measured step (the mean of a step without Adam and one with it) plus its "
+                  f"communication, all of it counted as not overlapped, at {est['bus_gbps']:.0f} GB/s bus bandwidth "
+                  f"(assumed, not measured); beside it the same with DistAdam's reduce-scatters hidden.", "",
+                  "| stage | steps | compute ms | communication ms | ours ms per step | record's ms | ours / record | "
+                  "seconds |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for name, r in est["stages"].items():
+            lines.append(f"| {name} | {r['steps']} | {r['compute_ms']:.1f} | {r['comm_ms']:.1f} | {r['ms_per_step']:.1f} "
+                         f"({r['ms_per_step_rs_hidden']:.1f}) | {fmt(r['record_ms'], 1)} | {fmt(r['ratio'])} | "
+                         f"{r['seconds']:.1f} |")
+        lines.append(f"| **total** | | | | | | | **{fmt(est['total_s'], 1)} s** ({fmt(est['total_s_rs_hidden'], 1)} s); "
+                     f"the record: {est['record_total_s']} s |")
+        lines.append("")
+    errors = [(name, row["error"]) for name, row in parts.items() if row.get("error")]
+    if errors:
+        lines += ["## Errors", ""] + [f"- {name}: {error}" for name, error in errors] + [""]
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# main
+
+def parse_options(argv: list[str]) -> argparse.Namespace:
+    ours, flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(prog="tools/bench.py", description=__doc__.splitlines()[0],
+                                     usage="python tools/bench.py --out=DIR [--parts=...] [--small] "
+                                           "[-- train_gpt.py flags]")
+    parser.add_argument("--out", required=True, help="folder for bench.json and bench.md")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of: {', '.join(PARTS)}")
+    parser.add_argument("--small", action="store_true", help="the smoke preset's toy size: every part on a CPU")
+    parser.add_argument("--world_size", type=int, default=8, help="rank 0 of how many (default 8, the record's)")
+    parser.add_argument("--timed", type=int, help="timed repetitions (default 20; --small: 3)")
+    parser.add_argument("--untimed", type=int, help="untimed repetitions before them (default 3; --small: 1)")
+    parser.add_argument("--training_steps", type=int, help=f"steps of the training part (default {TRAINING_STEPS}; "
+                                                            f"--small: {SMALL_TRAINING_STEPS})")
+    parser.add_argument("--bus_gbps", type=float, default=360.0,
+                        help="NVLink bus bandwidth the estimate assumes, GB/s (default 360: nccl-tests' large-message "
+                             "all-gather on 8xH100 SXM; not measured here)")
+
+    def one_line_error(message: str):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    parser.error = one_line_error
+    options = parser.parse_args(ours)
+    options.flags = flags
+    for name, real, small in (("timed", 20, 3), ("untimed", 3, 1), ("training_steps", TRAINING_STEPS, SMALL_TRAINING_STEPS)):
+        if getattr(options, name) is None:
+            setattr(options, name, small if options.small else real)
+    options.parts = [p.strip() for p in options.parts.split(",") if p.strip()]
+    unknown = [p for p in options.parts if p not in PARTS]
+    if unknown or not options.parts:
+        parser.error(f"--parts={','.join(options.parts)}: choose among {', '.join(PARTS)}")
+    for name in ("world_size", "timed", "untimed", "training_steps"):
+        if getattr(options, name) < (1 if name != "untimed" else 0):
+            parser.error(f"--{name}={getattr(options, name)}: too small")
+    if options.timed < 2:
+        parser.error(f"--timed={options.timed}: at least 2 (the rank steps time one of each kind past the first)")
+    if not options.bus_gbps > 0:
+        parser.error(f"--bus_gbps={options.bus_gbps}: must be positive")
+    return options
+
+
+def header(options: argparse.Namespace, argv: list[str]) -> dict:
+    cuda = torch.cuda.is_available()
+    props = torch.cuda.get_device_properties(0) if cuda else None
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"device": (f"{props.name}, compute capability {props.major}.{props.minor}, "
+                       f"{props.total_memory / GIB:.1f} GiB, {props.multi_processor_count} SMs") if cuda
+            else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+            "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
+            "python": platform.python_version(), "host_cpus": os.cpu_count(),
+            "command": " ".join(["python tools/bench.py", *argv]), "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "world_size": options.world_size, "timed": options.timed, "untimed": options.untimed}
+
+
+def run(options: argparse.Namespace, argv: list[str]) -> Report:
+    cuda = torch.cuda.is_available()
+    if not options.small and not cuda:
+        raise BenchError("the speedrun's sizes need a CUDA device (none here); --small runs every part at a toy size "
+                         "on this CPU")
+    flags = (SMALL_FLAGS if options.small else []) + options.flags
+    args = T.parse_args(flags, cuda)
+    T.check_world_size(args, options.world_size)
+    if T.Schedule(args).stages[0].micro_batches is None:
+        raise BenchError("--micro_batches=auto: give the bench explicit counts (what auto chose, from the log)")
+    if cuda:
+        import torch._inductor.config as inductor_config
+        inductor_config.fx_graph_cache = True  # on this machine's disk: a rerun compiles little
+        inductor_config.autotune_local_cache = True
+    report = Report(Path(options.out))
+    report.data["header"] = header(options, argv)
+    report.data["header"]["flags"] = flags
+    if cuda:
+        import torch._inductor.config as inductor_config
+        report.data["header"]["compile_threads"] = inductor_config.compile_threads
+    report.flush()
+    start = time.perf_counter()
+    bench = Bench(args, options, report)
+    report.data["header"]["setup_s"] = time.perf_counter() - start
+    report.data["header"]["precisions"] = [bench.model.head_precision, bench.model.blocks[0].mlp.precision]
+    report.data["header"]["attention"] = "flex" if bench.use_flex else "sdpa"
+    report.flush()
+    runners = {"optimizer": run_optimizer, "profile": run_profile, "validation": run_validation,
+               "attention": run_attention, "training": run_training, "fp8": run_fp8, "memory_model": run_memory_model}
+    try:
+        for part in [p for p in PARTS if p in options.parts]:
+            row = report.part(part)
+            print(f"bench: {part} ...", flush=True)
+            part_start = time.perf_counter()
+            try:
+                if part in STAGE_PARTS:
+                    stage_index = STAGE_PARTS[part]
+                    if stage_index >= len(bench.schedule.stages) or T.Schedule(args).stages[stage_index].end <= \
+                            T.Schedule(args).stages[stage_index].start:
+                        row["error"] = "the schedule has no such stage"
+                        continue
+                    name = "extension" if part == "extension" else f"stage {stage_index + 1}"
+                    run_stage(bench, name, stage_index, row, report.flush)
+                else:
+                    runners[part](bench, row, report.flush)
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+                row["traceback"] = traceback.format_exc()[-4000:]
+                print(f"bench: {part} failed: {row['error']}", file=sys.stderr, flush=True)
+            row["seconds"] = time.perf_counter() - part_start
+            report.data["estimate"] = estimate(report.data, options.bus_gbps, options.world_size)
+            report.flush()
+            print(f"bench: {part} done in {row['seconds']:.1f} s", flush=True)
+    finally:
+        bench.close_rank0()
+    report.data["header"]["total_s"] = time.perf_counter() - start
+    report.flush()
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    options = parse_options(argv)
+    try:
+        report = run(options, argv)
+    except (BenchError, T.ConfigError, T.DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(render_markdown(report.data))
+    failed = [name for name, row in report.data["parts"].items() if row.get("error")]
+    if failed:
+        print(f"error: parts failed: {', '.join(failed)} (see {Path(options.out) / 'bench.json'})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
