@@ -2834,7 +2834,8 @@ def schedule_flops_per_token(args: Hyperparameters, model: GPT, tokens: Tensor) 
 # The share of the device's memory the counted tensors may take. The rest is for what this count does not
 # see: the CUDA context, NCCL's buffers, the allocator's fragmentation, cuBLAS workspaces. tools/preflight.py
 # measures the compiled steps at 82% to 102% of this count (the most: stage 3 at world size 1, 40.62 against
-# 39.70 GiB; before the count took in the compiled loss chunk, up to 118%).
+# 39.70 GiB; before the count took in the compiled loss chunk, up to 118%); on one H200, tools/bench.py
+# measured rank 0 of 8's steps at 75-76% of it (max_memory_allocated) and the validation at 62%.
 MEMORY_MARGIN = 0.15
 GIB = 2 ** 30
 

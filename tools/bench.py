@@ -1,9 +1,9 @@
 """Bench: what rank 0 of the 8xH100 record computes in each stage, measured on one CUDA device.
 
-    python tools/bench.py --out=bench                         # one H100 or H200: every part
-    python tools/bench.py --out=bench --parts=stage3,validation
-    python tools/bench.py --out=bench-small --small           # any CPU: every part at a toy size, < 1 minute
-    python tools/bench.py --out=bench -- --attention=flex     # train_gpt.py flags after --
+    python tools/bench.py --out=out/bench                     # one H100 or H200: every part, about 6 minutes
+    python tools/bench.py --out=out/bench --parts=stage3,validation
+    python tools/bench.py --out=out/bench-cpu --small         # any CPU: every part at a toy size, about a minute
+    python tools/bench.py --out=out/bench -- --attention=flex # train_gpt.py flags after --
 
 One GPU cannot run the 8-GPU record, but it can run rank 0's share of each step: one micro-batch of the
 stage's tokens per rank (the record deals its 8 micro-batches a step one to each rank), NorMuon's update of
@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -63,7 +64,7 @@ import train_gpt as T  # noqa: E402
 
 PARTS = ("stage3", "optimizer", "profile", "stage2", "stage1", "attention", "extension", "validation", "training",
          "fp8", "memory_model")
-STAGE_PARTS = {"stage1": 0, "stage2": 1, "stage3": 2, "extension": 3}  # part -> index into Schedule.stages
+STAGE_PARTS = ("stage1", "stage2", "stage3", "extension")
 # Record #85's ten public 8xH100 logs: ms per step in each stage (they agree to 0.1 ms), and the whole run.
 RECORD_MS = {"stage 1": 32.4, "stage 2": 58.0, "stage 3": 84.0, "extension": 85.1}
 RECORD_TOTAL_S = 75.5
@@ -73,7 +74,7 @@ SMALL_FLAGS = ["--preset=smoke", "--micro_batches=8", "--compile=true"]
 CORPUS = REPO / "data" / "shakespeare" / "shakespeare_train_000001.bin"
 VAL_CORPUS = REPO / "data" / "shakespeare" / "shakespeare_val_000000.bin"
 TRAINING_STEPS = 30
-SMALL_TRAINING_STEPS = 8  # on a CPU the toy model's 50,304-way head makes a step of 8 micro-batches take ~2 s
+SMALL_TRAINING_STEPS = 6  # on a CPU the toy model's 50,304-way head makes a step of 8 micro-batches take ~1.5 s
 PROFILE_TOP = 15
 GIB = 2 ** 30
 
@@ -132,8 +133,14 @@ def host_syncs(device: torch.device, found: list[str]):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     for w in caught:
-        if "synchroniz" in str(w.message).lower():
+        if is_sync_warning(str(w.message)):
             found.append(f"{Path(w.filename).name}:{w.lineno}: {str(w.message).splitlines()[0][:120]}")
+
+
+def is_sync_warning(message: str) -> bool:
+    """A warning of torch.cuda.set_sync_debug_mode("warn") about a synchronizing call; the mode's own notice,
+    given once, that it is a prototype is not one (it counted as a sync in the first run on an H200)."""
+    return "synchroniz" in message.lower() and "prototype feature" not in message
 
 
 class GraphCounter:
@@ -294,7 +301,8 @@ class Bench:
         self.model = T.build_model(args, self.env1)
         self.initial = {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
                         for k, v in self.model.state_dict().items()}  # on the host: no GPU memory of its own
-        self.optimizers_ws1, self.use_flex = T.prepare_training(self.model, args, self.env1, backend=self.counter)
+        # compiled as the run compiles it; the world-size-1 optimizers it also builds are not used
+        _, self.use_flex = T.prepare_training(self.model, args, self.env1, backend=self.counter)
         self.corpus = Corpus(CORPUS)
         self.rank: RankOfMany | None = None
         self.batches: dict[int, T.Batch] = {}
@@ -348,6 +356,15 @@ def forward_backward(bench: Bench, inputs, targets, masks, windows, mtp, loss_sc
     return loss.detach()
 
 
+def stage_of_part(part: str, schedule: T.Schedule) -> int:
+    """The index into Schedule.stages of a stage part: stageN is the N-th, extension the last."""
+    index = len(schedule.stages) - 1 if part == "extension" else int(part.removeprefix("stage")) - 1
+    if not 0 <= index < len(schedule.stages) - (part != "extension") or schedule.stages[index].end <= \
+            schedule.stages[index].start:
+        raise BenchError(f"--parts={part}: this schedule has no such stage, or it has no steps")
+    return index
+
+
 def run_stage(bench: Bench, name: str, stage_index: int, row: dict, flush):
     """One stage: compile, forward+backward, masks, and train_step as rank 0 of W."""
     args, options, device, schedule = bench.args, bench.options, bench.device, bench.schedule
@@ -358,9 +375,10 @@ def run_stage(bench: Bench, name: str, stage_index: int, row: dict, flush):
     inputs, targets = batch[0]
     windows, mtp = schedule.windows(step), bench.mtp(step)
     loss_scale = 1 / len(batch)
-    row.update(stage=name, steps=stage.end - stage.start, micro_tokens=stage.micro_tokens, micro_batches_per_rank=len(batch),
-               windows=list(windows), max_seq_len=stage.max_seq_len, mtp_weights=list(schedule.mtp_weights(step)),
-               attn_scale=float(bench.model.rotary.attn_scale), documents=int((inputs == T.BOS_ID).sum()))
+    row.update(stage=name, steps=stage.end - stage.start, micro_tokens=stage.micro_tokens,
+               micro_batches_per_rank=len(batch), windows=list(windows), max_seq_len=stage.max_seq_len,
+               mtp_weights=list(schedule.mtp_weights(step)), attn_scale=float(bench.model.rotary.attn_scale),
+               documents=int((inputs == T.BOS_ID).sum()))
     masks = T.build_masks(inputs, bench.model.plans, windows, args.window_block, bench.use_flex)
 
     graphs = bench.counter.graphs
@@ -450,13 +468,12 @@ def run_optimizer(bench: Bench, row: dict, flush):
     muon, adam = rank.optimizers
     W = bench.world_size
     chunks = muon.chunks(W)
-    owned = [chunk[0] for chunk in chunks]
-    row["share"] = (f"NorMuon: the {len(muon.matrices)} matrices in {len(chunks)} chunks of at most {W} of one shape; "
-                    f"rank 0 updates the first of each chunk ({len(owned)} matrices, "
-                    f"{sum(muon._view(muon.matrices[m][0], muon.matrices[m][1]).numel() for m in owned):,} weights) "
+    weights = sum(muon._view(*muon.matrices[chunk[0]][:2]).numel() for chunk in chunks)
+    row["share"] = (f"NorMuon: the {len(muon.matrices)} matrices in {len(chunks)} chunks of at most {W} of one "
+                    f"shape; rank 0 updates the first of each chunk ({len(chunks)} matrices, {weights:,} weights) "
                     f"and stacks and copies back all of them. DistAdam: {len(adam.buckets)} buckets, rank 0 updates "
-                    f"elements [0, ceil(numel / {W})) of each ({sum(b.shard_numel for b in adam.buckets):,} in all); the "
-                    f"bigram table's gradient rows travel by the sparse exchange")
+                    f"elements [0, ceil(numel / {W})) of each ({sum(b.shard_numel for b in adam.buckets):,} in all); "
+                    f"the bigram table's gradient rows travel by the sparse exchange")
     for label, stage_index in (("tied", 0), ("untied", len(schedule.stages) - 2)):
         if schedule.untie_step is None and label == "untied":
             continue
@@ -551,13 +568,39 @@ def labelled(bench: Bench, rank: RankOfMany):
 
 
 def run_profile(bench: Bench, row: dict, flush):
-    """torch.profiler over one Adam cycle of stage 3 as rank 0 of W (a step without Adam, one with it)."""
+    """torch.profiler over one Adam cycle (a step without Adam, one with it) as rank 0 of W, in stage 3 (the
+    longest steps) and in stage 1 (the shortest, where the host's work shows most)."""
+    schedule = bench.schedule
+    for stage_index in (len(schedule.stages) - 2, 0):
+        name = f"stage {stage_index + 1}"
+        row.setdefault("by_stage", {})[name] = profile_cycle(bench, stage_index)
+        flush()
+
+
+def kernel_intervals(events) -> list[tuple[str, float, float]]:
+    """(name, start_us, end_us) of the kernels among the profiler's events. The GPU spans of record_function
+    ranges (ours, and torch.optim's "Optimizer.step#NorMuon.step") are device events too, user annotations
+    that cover kernels: counted as kernels in the first run on an H200, they hid 24 ms of a 286 ms span."""
+    from torch.autograd import DeviceType
+    return [(e.name, e.time_range.start, e.time_range.end) for e in events
+            if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
+            and not getattr(e, "is_user_annotation", False) and not e.name.startswith(("bench:", "ProfilerStep"))]
+
+
+def kernels_under(event) -> list:
+    """The kernels an op and the ops it called launched (FunctionEvent.kernels, down its CPU children)."""
+    found = list(event.kernels)
+    for child in event.cpu_children:
+        found += kernels_under(child)
+    return found
+
+
+def profile_cycle(bench: Bench, stage_index: int) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     args, device, schedule = bench.args, bench.device, bench.schedule
     rank = bench.rank0()
-    stage_index = len(schedule.stages) - 2
     stage = schedule.stages[stage_index]
     steps = list(range(stage.start + args.adam_every, stage.start + 2 * args.adam_every))
     bench.fit_rotary(steps[0])
@@ -574,11 +617,9 @@ def run_profile(bench: Bench, row: dict, flush):
             T.set_schedules(s, rank.optimizers, schedule, args)
             T.train_step(bench.model, rank.optimizers, batch, s, schedule, args, bench.use_flex)
         T.sync(device)
-    row["steps"] = steps
+    row: dict = {"steps": steps}
     events = prof.events()
-    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events  # the ranges' GPU spans left out
-               if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
-               and not e.name.startswith(("bench:", "ProfilerStep"))]
+    kernels = kernel_intervals(events)
     if kernels:
         row.update(summarize_kernels(kernels))
         device_total = lambda e: getattr(e, "device_time_total", 0.0)  # noqa: E731
@@ -589,17 +630,21 @@ def run_profile(bench: Bench, row: dict, flush):
                       for e in ops[:PROFILE_TOP] if not e.key.startswith("bench:")]
         device_total = lambda e: e.cpu_time_total  # noqa: E731
         busy_us = sum(e.self_cpu_time_total for e in ops if not e.key.startswith("bench:"))
-    flush()
-    phases = collections.Counter()
+    phases, loss_kernels = collections.Counter(), collections.Counter()
     for e in events:
         if e.name.startswith("bench:") and e.device_type == DeviceType.CPU:
             phases[e.name.removeprefix("bench:")] += device_total(e)
+            if e.name == "bench:loss":
+                for k in kernels_under(e):
+                    loss_kernels[k.name] += k.duration
     phases["forward"] -= phases["loss"]  # the loss runs inside the forward
     phases["backward and the rest"] = busy_us - sum(phases.values())
     row["shares_by_phase"] = {name: total / busy_us for name, total in phases.items()} if busy_us else {}
+    row["loss_top"] = [{"name": name[:160], "ms": us / 1000} for name, us in loss_kernels.most_common(6)]
     row["phase_note"] = ("shares of the device's busy time: masks, forward (the loss apart), the loss (its FP8 "
                          "matmuls and element-wise chunk, gradients included), the optimizers' steps; backward "
                          "runs on autograd's thread, outside every range, with the fp8 refresh and copies")
+    return row
 
 
 def run_validation(bench: Bench, row: dict, flush):
@@ -680,12 +725,9 @@ def attention_backends(bench: Bench, device: torch.device) -> dict:
     if device.type == "cuda":
         compiled = torch.compile(T.attention, backend=bench.counter, dynamic=False, fullgraph=True)
         backends = {"flex": (flex(compiled), True)}
-        try:
-            import torch.nn.attention.varlen  # noqa: F401
+        if importlib.util.find_spec("torch.nn.attention.varlen") is not None:  # PyTorch 2.11 and later
             backends["varlen"] = (varlen(fixed=False), True)
             backends["varlen fixed shapes"] = (varlen(fixed=True), True)
-        except ImportError:
-            pass
         return backends
     return {"sdpa": (sdpa, True), "flex": (flex(T.attention), False)}
 
@@ -699,7 +741,7 @@ def run_attention(bench: Bench, row: dict, flush):
     the same q, k, v (bf16 on CUDA, normed as QK-norm leaves them) and output gradient: forward+backward
     time, and each output and gradient against the first backend's; every backend against an fp32 dense
     reference over the first queries."""
-    args, options, device, schedule = bench.args, bench.options, bench.device, bench.schedule
+    args, device, schedule = bench.args, bench.device, bench.schedule
     stage_index = len(schedule.stages) - 2
     stage = schedule.stages[stage_index]
     bench.fit_rotary(stage.start)
@@ -725,49 +767,63 @@ def run_attention(bench: Bench, row: dict, flush):
         result = {"layers": count, "window": window, "positions": length, "heads": h}
         outputs = {}
         for name, (prepare, has_backward) in backends.items():
+            leaves = [t.to(dtype).requires_grad_(has_backward) for t in (q, k, v)]
+            max_len = 2 * stage.max_seq_len if paired else stage.max_seq_len
             try:
-                leaves = [t.to(dtype).requires_grad_(has_backward) for t in (q, k, v)]
-                fn = prepare(*leaves, layer_docs, window, 2 * stage.max_seq_len if paired else stage.max_seq_len,
-                             scale)
-
-                def once():
-                    for t in leaves:
-                        t.grad = None
-                    out = fn()
-                    if has_backward:
-                        out.backward(grad)
-                    return out
-
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # FlexAttention uncompiled (CPU) says it is slow
-                    out = once().detach()
-                    for _ in range(options.untimed):
-                        once()
-                    timer = DeviceTimer(device)
-                    for _ in range(options.timed):
-                        with timer.region():
-                            once()
-                outputs[name] = (out, [t.grad for t in leaves] if has_backward else None)
-                result[name] = {("forward_backward" if has_backward else "forward"): stats(timer.ms())}
+                fn = prepare(*leaves, layer_docs, window, max_len, scale)
+                result[name], outputs[name] = time_attention(fn, leaves, grad if has_backward else None, bench)
             except Exception as e:  # one backend's failure (a kernel this device lacks) is its row
                 result[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
-        reference_name = next(iter(outputs), None)
-        queries = min(length, 2048)
-        ref_mask = T.dense_attention_mask(layer_docs[:queries], window)
-        qr, kr, vr = ((t[:, :queries].transpose(1, 2).to(dtype).float()) for t in (q, k, v))
-        reference = F.scaled_dot_product_attention(qr * scale.float(), kr, vr, attn_mask=ref_mask, scale=1.0)
-        for name, (out, grads) in outputs.items():
-            result[name]["vs_fp32_reference_rel_l2"] = relative_l2(out[:, :, :queries], reference)
-            if name != reference_name:
-                base, base_grads = outputs[reference_name]
-                result[name][f"vs_{reference_name}"] = {
-                    "max_abs_diff": float((out.float() - base.float()).abs().max()),
-                    "rel_l2": relative_l2(out, base),
-                    "grads_rel_l2": ([relative_l2(g, b) for g, b in zip(grads, base_grads)]
-                                     if grads is not None and base_grads is not None else None)}
+        reference = attention_reference(q, k, v, layer_docs, window, scale, dtype)
+        compare_attention(result, outputs, reference)
         row["kinds"][kind] = result
         flush()
     row["verdict"] = attention_verdict(row)
+
+
+def time_attention(fn, leaves: list, grad: torch.Tensor | None, bench: Bench) -> tuple[dict, tuple]:
+    """fn's forward (and backward with `grad`) timed; its row, and (output, input gradients) to compare."""
+    def once():
+        for t in leaves:
+            t.grad = None
+        out = fn()
+        if grad is not None:
+            out.backward(grad)
+        return out
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # FlexAttention uncompiled (CPU) says it is slow
+        out = once().detach()
+        for _ in range(bench.options.untimed):
+            once()
+        timer = DeviceTimer(bench.device)
+        for _ in range(bench.options.timed):
+            with timer.region():
+                once()
+    timing = {("forward_backward" if grad is not None else "forward"): stats(timer.ms())}
+    return timing, (out, [t.grad for t in leaves] if grad is not None else None)
+
+
+def attention_reference(q, k, v, docs, window: int, scale, dtype, queries: int = 2048) -> torch.Tensor:
+    """The attention of the first `queries` positions in fp32 from the inputs as the backends see them (dtype),
+    with the dense mask: they see no later key, so the slice is exact. (1, H, queries, D)."""
+    queries = min(queries, q.size(1))
+    mask = T.dense_attention_mask(docs[:queries], window)
+    qr, kr, vr = (t[:, :queries].transpose(1, 2).to(dtype).float() for t in (q, k, v))
+    return F.scaled_dot_product_attention(qr * scale.float(), kr, vr, attn_mask=mask, scale=1.0)
+
+
+def compare_attention(result: dict, outputs: dict, reference: torch.Tensor):
+    """Each backend's output against the reference, and (output, gradients) against the first backend's."""
+    first = next(iter(outputs), None)
+    for name, (out, grads) in outputs.items():
+        result[name]["vs_fp32_reference_rel_l2"] = relative_l2(out[:, :, :reference.size(2)], reference)
+        if name != first:
+            base, base_grads = outputs[first]
+            result[name][f"vs_{first}"] = {
+                "max_abs_diff": float((out.float() - base.float()).abs().max()), "rel_l2": relative_l2(out, base),
+                "grads_rel_l2": ([relative_l2(g, b) for g, b in zip(grads, base_grads)]
+                                 if grads is not None and base_grads is not None else None)}
 
 
 def attention_verdict(row: dict) -> dict:
@@ -868,7 +924,7 @@ def estimate(data: dict, bus_gbps: float, world_size: int) -> dict:
     end of backward), at a bus bandwidth of bus_gbps GB/s: bytes * (W - 1) / W / bandwidth (a ring's
     all-gather and reduce-scatter). Beside it, the lower bound with DistAdam's reduce-scatters hidden."""
     rows, total, total_hidden = {}, 0.0, 0.0
-    for part in ("stage1", "stage2", "stage3", "extension"):
+    for part in STAGE_PARTS:
         row = data["parts"].get(part, {})
         steps = [row.get(f"rank_step_{kind}", {}).get("median_ms") for kind in ("without_Adam", "with_Adam")]
         if None in steps:
@@ -908,76 +964,90 @@ def timing(cell: dict | None) -> str:
     return f"{cell['median_ms']:.2f} ({cell['min_ms']:.2f}–{cell['max_ms']:.2f})"
 
 
-def render_markdown(data: dict) -> str:
-    h, parts = data["header"], data["parts"]
-    lines = ["# Bench: rank 0's share of each stage", "",
-             f"Device: {h.get('device')}; torch {h.get('torch')}, Triton {h.get('triton')}, CUDA {h.get('cuda')}; "
-             f"{h.get('when')}.", f"Command: `{h.get('command')}`", ""]
-    stage_rows = [(part, parts[part]) for part in ("stage3", "stage2", "stage1", "extension") if part in parts]
-    if stage_rows:
-        lines += ["| stage | micro-batch | compile s (graphs) | forward+backward ms, median (min–max) | masks ms | "
-                  "rank step without / with Adam ms | peak GiB allocated (reserved) | recompiles | host syncs |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for part, row in stage_rows:
-            memory = row.get("rank_step_memory") or row.get("forward_backward_memory") or {}
-            syncs = len(row.get("host_syncs_forward_backward", [])) + len(row.get("host_syncs_rank_step", []))
-            lines.append(f"| {row.get('stage', part)} | {fmt(row.get('micro_tokens'))} tokens | "
-                         f"{fmt(row.get('compile_s'), 1)} ({fmt(row.get('graphs_compiled'))}) | "
-                         f"{timing(row.get('forward_backward'))} | {timing(row.get('masks'))} | "
-                         f"{timing(row.get('rank_step_without_Adam'))} / {timing(row.get('rank_step_with_Adam'))} | "
-                         f"{fmt(memory.get('max_allocated_gib'))} ({fmt(memory.get('max_reserved_gib'))}) | "
-                         f"{fmt(row.get('recompiles_after_first_call'))} | {syncs} |")
-            if row.get("error"):
-                lines.append(f"| {part}: error | {row['error']} | | | | | | | |")
-        lines.append("")
-    if "optimizer" in parts:
-        row = parts["optimizer"]
-        lines += ["## Optimizers, rank 0's share", "", row.get("share", ""), "",
-                  "| | NorMuon ms | DistAdam ms |", "| --- | --- | --- |"]
-        for label in ("tied", "untied"):
-            if f"NorMuon_{label}" in row:
-                lines.append(f"| {label} | {timing(row[f'NorMuon_{label}'])} | {timing(row[f'DistAdam_{label}'])} |")
-        lines.append("")
-    if "validation" in parts:
-        row = parts["validation"]
-        lines += ["## Validation", "", f"One sequence of {fmt(row.get('tokens'))} tokens, windows {row.get('windows')}: "
-                  f"forward {timing(row.get('forward'))} ms, masks {timing(row.get('masks'))} ms, compile "
-                  f"{fmt(row.get('compile_s'), 1)} s ({fmt(row.get('graphs_compiled'))} graphs), peak "
-                  f"{fmt((row.get('memory') or {}).get('max_allocated_gib'))} GiB.", ""]
-    if "memory_model" in parts and "phases" in parts["memory_model"]:
-        lines += ["## Memory: measured against the memory model (world size "
-                  f"{parts['memory_model'].get('world_size')})", "",
-                  "| phase | measured peak GiB (allocated) | model's predicted peak GiB |", "| --- | --- | --- |"]
-        measured = {"stage 1": "stage1", "stage 2": "stage2", "stage 3": "stage3", "extension": "extension",
-                    "validation": "validation"}
-        for name, phase in parts["memory_model"]["phases"].items():
-            row = parts.get(measured.get(name, ""), {})
-            memory = row.get("rank_step_memory") or row.get("memory") or {}
-            lines.append(f"| {name} | {fmt(memory.get('max_allocated_gib'))} | {fmt(phase.get('peak'))} |")
-        lines.append("")
-    if "attention" in parts:
-        row = parts["attention"]
-        lines += [f"## Attention backends ({row.get('stage')}, {fmt(row.get('micro_tokens'))} tokens)", "",
-                  "| kind (layers) | " + " | ".join(f"{b} ms" for b in row.get("backends", [])) + " | largest "
-                  "difference to the first | rel. L2 to an fp32 reference (first backend, others) |",
-                  "| --- | " + " | ".join("---" for _ in row.get("backends", [])) + " | --- | --- |"]
-        for kind, result in row.get("kinds", {}).items():
-            cells = []
-            for b in row["backends"]:
-                cell = result.get(b, {})
-                cells.append(cell.get("error", timing(cell.get("forward_backward") or cell.get("forward"))))
-            diffs = [f"{b}: {result[b][k]['max_abs_diff']:.2e}" for b in row["backends"] for k in result.get(b, {})
-                     if k.startswith("vs_") and isinstance(result[b][k], dict)]
-            refs = [f"{result[b]['vs_fp32_reference_rel_l2']:.1e}" for b in row["backends"]
-                    if "vs_fp32_reference_rel_l2" in result.get(b, {})]
-            lines.append(f"| {kind} ({result['layers']}) | " + " | ".join(cells) + f" | {', '.join(diffs) or 'n/a'} | "
-                         f"{', '.join(refs)} |")
-        if "verdict" in row:
-            lines += ["", f"Per micro-batch (each kind times its layers): "
-                      + ", ".join(f"{b} {fmt(ms)} ms" for b, ms in row["verdict"]["ms_per_micro_batch"].items())
-                      + f"; fastest: {row['verdict']['fastest']}; matches within bf16: {row['verdict']['matches_within_bf16']}."]
-        lines.append("")
-    if "training" in parts and "losses" in parts["training"]:
+def stages_markdown(parts: dict) -> list[str]:
+    rows = [(part, parts[part]) for part in ("stage3", "stage2", "stage1", "extension") if part in parts]
+    if not rows:
+        return []
+    lines = ["| stage | micro-batch | compile s (graphs) | forward+backward ms, median (min–max) | masks ms | "
+             "rank step without / with Adam ms | peak GiB allocated (reserved) | recompiles | host syncs |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for part, row in rows:
+        memory = row.get("rank_step_memory") or row.get("forward_backward_memory") or {}
+        syncs = len(row.get("host_syncs_forward_backward", [])) + len(row.get("host_syncs_rank_step", []))
+        lines.append(f"| {row.get('stage', part)} | {fmt(row.get('micro_tokens'))} tokens | "
+                     f"{fmt(row.get('compile_s'), 1)} ({fmt(row.get('graphs_compiled'))}) | "
+                     f"{timing(row.get('forward_backward'))} | {timing(row.get('masks'))} | "
+                     f"{timing(row.get('rank_step_without_Adam'))} / {timing(row.get('rank_step_with_Adam'))} | "
+                     f"{fmt(memory.get('max_allocated_gib'))} ({fmt(memory.get('max_reserved_gib'))}) | "
+                     f"{fmt(row.get('recompiles_after_first_call'))} | {syncs} |")
+    return lines + [""]
+
+
+def optimizer_markdown(parts: dict) -> list[str]:
+    if "optimizer" not in parts:
+        return []
+    row = parts["optimizer"]
+    lines = ["## Optimizers, rank 0's share", "", row.get("share", ""), "",
+             "| | NorMuon ms | DistAdam ms |", "| --- | --- | --- |"]
+    for label in ("tied", "untied"):
+        if f"NorMuon_{label}" in row:
+            lines.append(f"| {label} | {timing(row[f'NorMuon_{label}'])} | {timing(row[f'DistAdam_{label}'])} |")
+    return lines + [""]
+
+
+def validation_markdown(parts: dict) -> list[str]:
+    if "validation" not in parts:
+        return []
+    row = parts["validation"]
+    return ["## Validation", "", f"One sequence of {fmt(row.get('tokens'))} tokens, windows {row.get('windows')}: "
+            f"forward {timing(row.get('forward'))} ms, masks {timing(row.get('masks'))} ms, compile "
+            f"{fmt(row.get('compile_s'), 1)} s ({fmt(row.get('graphs_compiled'))} graphs), peak "
+            f"{fmt((row.get('memory') or {}).get('max_allocated_gib'))} GiB.", ""]
+
+
+def memory_markdown(parts: dict) -> list[str]:
+    if "phases" not in parts.get("memory_model", {}):
+        return []
+    lines = [f"## Memory: measured against the memory model (world size {parts['memory_model'].get('world_size')})",
+             "", "| phase | measured peak GiB (allocated) | model's predicted peak GiB |", "| --- | --- | --- |"]
+    measured = {"stage 1": "stage1", "stage 2": "stage2", "stage 3": "stage3", "extension": "extension",
+                "validation": "validation"}
+    for name, phase in parts["memory_model"]["phases"].items():
+        row = parts.get(measured.get(name, ""), {})
+        memory = row.get("rank_step_memory") or row.get("memory") or {}
+        lines.append(f"| {name} | {fmt(memory.get('max_allocated_gib'))} | {fmt(phase.get('peak'))} |")
+    return lines + [""]
+
+
+def attention_markdown(parts: dict) -> list[str]:
+    if "attention" not in parts:
+        return []
+    row = parts["attention"]
+    backends = row.get("backends", [])
+    lines = [f"## Attention backends ({row.get('stage')}, {fmt(row.get('micro_tokens'))} tokens)", "",
+             "| kind (layers) | " + " | ".join(f"{b} ms" for b in backends) + " | largest difference to the first | "
+             "rel. L2 to an fp32 reference (each backend) |",
+             "| --- | " + " | ".join("---" for _ in backends) + " | --- | --- |"]
+    for kind, result in row.get("kinds", {}).items():
+        cells = [result.get(b, {}).get("error") or timing(result.get(b, {}).get("forward_backward")
+                                                          or result.get(b, {}).get("forward")) for b in backends]
+        diffs = [f"{b}: {result[b][k]['max_abs_diff']:.2e}" for b in backends for k in result.get(b, {})
+                 if k.startswith("vs_") and isinstance(result[b][k], dict)]
+        refs = [f"{result[b]['vs_fp32_reference_rel_l2']:.1e}" for b in backends
+                if "vs_fp32_reference_rel_l2" in result.get(b, {})]
+        lines.append(f"| {kind} ({result['layers']}) | " + " | ".join(cells) + f" | {', '.join(diffs) or 'n/a'} | "
+                     f"{', '.join(refs)} |")
+    if "verdict" in row:
+        verdict = row["verdict"]
+        lines += ["", "Per micro-batch (each kind times its layers): "
+                  + ", ".join(f"{b} {fmt(ms)} ms" for b, ms in verdict["ms_per_micro_batch"].items())
+                  + f"; fastest: {verdict['fastest']}; matches within bf16: {verdict['matches_within_bf16']}."]
+    return lines + [""]
+
+
+def numerics_markdown(parts: dict) -> list[str]:
+    lines = []
+    if "losses" in parts.get("training", {}):
         row = parts["training"]
         lines += [f"## Training: {row['steps']} steps at world size 1 ({row['micro_batches']} micro-batches of "
                   f"{fmt(row['micro_tokens'])} tokens)", "",
@@ -985,36 +1055,59 @@ def render_markdown(data: dict) -> str:
                   f"First five {row['first_five_mean']:.3f}, last five {row['last_five_mean']:.3f}: "
                   f"{'falls' if row['falls'] else 'DOES NOT FALL'}; step {timing(row.get('step'))} ms; host syncs: "
                   f"{len(row.get('host_syncs', []))}.", ""]
-    if "fp8" in parts and "loss_per_token" in parts["fp8"]:
+    if "loss_per_token" in parts.get("fp8", {}):
         row = parts["fp8"]
         lines += ["## FP8 against " + row["other_precision"], "",
                   f"Loss per token {row['loss_per_token']['fp8']:.5f} (FP8) and {row['loss_per_token']['bf16']:.5f}: "
                   f"relative difference {row['relative_difference']:.2e} ({row['weights']} weights).", ""]
-    if "profile" in parts and "top" in parts["profile"]:
-        row = parts["profile"]
-        lines += [f"## Profile: steps {row.get('steps')} of stage 3 (one without Adam, one with it)", "",
+    return lines
+
+
+def profile_markdown(parts: dict) -> list[str]:
+    lines = []
+    for stage, row in parts.get("profile", {}).get("by_stage", {}).items():
+        lines += [f"## Profile: steps {row.get('steps')} of {stage} (one without Adam, one with it)", "",
+                  f"Span {fmt(row.get('span_ms'))} ms, kernels busy {fmt(row.get('busy_ms'))} ms.", "",
                   "| kernel | kind | ms | calls |", "| --- | --- | --- | --- |"]
-        for k in row["top"]:
+        for k in row.get("top", []):
             lines.append(f"| `{k['name'][:90]}` | {k['kind']} | {k['ms']:.3f} | {k['calls']} |")
         for key in ("shares_by_kind", "shares_by_phase"):
             if row.get(key):
                 lines += ["", f"{key.replace('_', ' ')}: " + ", ".join(f"{k} {v:.1%}" for k, v in row[key].items())]
+        if row.get("loss_top"):
+            lines += ["", "the loss's kernels: " + ", ".join(f"`{k['name'][:60]}` {k['ms']:.2f} ms"
+                                                           for k in row["loss_top"])]
         lines.append("")
-    est = data.get("estimate")
-    if est and est["stages"]:
-        lines += ["## Estimated 8×H100 time (an estimate from one GPU, not a measurement)", "",
-                  f"Per stage: rank 0's measured step (the mean of a step without Adam and one with it) plus its "
-                  f"communication, all of it counted as not overlapped, at {est['bus_gbps']:.0f} GB/s bus bandwidth "
-                  f"(assumed, not measured); beside it the same with DistAdam's reduce-scatters hidden.", "",
-                  "| stage | steps | compute ms | communication ms | ours ms per step | record's ms | ours / record | "
-                  "seconds |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for name, r in est["stages"].items():
-            lines.append(f"| {name} | {r['steps']} | {r['compute_ms']:.1f} | {r['comm_ms']:.1f} | {r['ms_per_step']:.1f} "
-                         f"({r['ms_per_step_rs_hidden']:.1f}) | {fmt(r['record_ms'], 1)} | {fmt(r['ratio'])} | "
-                         f"{r['seconds']:.1f} |")
-        lines.append(f"| **total** | | | | | | | **{fmt(est['total_s'], 1)} s** ({fmt(est['total_s_rs_hidden'], 1)} s); "
-                     f"the record: {est['record_total_s']} s |")
-        lines.append("")
+    return lines
+
+
+def estimate_markdown(est: dict | None) -> list[str]:
+    if not est or not est["stages"]:
+        return []
+    lines = ["## Estimated 8×H100 time (an estimate from one GPU, not a measurement)", "",
+             f"Per stage: rank 0's measured step (the mean of a step without Adam and one with it) plus its "
+             f"communication, all of it counted as not overlapped, at {est['bus_gbps']:.0f} GB/s bus bandwidth "
+             f"(assumed, not measured); beside it the same with DistAdam's reduce-scatters hidden.", "",
+             "| stage | steps | compute ms | communication ms | ours ms per step | record's ms | ours / record | "
+             "seconds |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, r in est["stages"].items():
+        lines.append(f"| {name} | {r['steps']} | {r['compute_ms']:.1f} | {r['comm_ms']:.1f} | {r['ms_per_step']:.1f} "
+                     f"({r['ms_per_step_rs_hidden']:.1f}) | {fmt(r['record_ms'], 1)} | {fmt(r['ratio'])} | "
+                     f"{r['seconds']:.1f} |")
+    lines.append(f"| **total** | | | | | | | **{fmt(est['total_s'], 1)} s** ({fmt(est['total_s_rs_hidden'], 1)} s); "
+                 f"the record: {est['record_total_s']} s |")
+    return lines + [""]
+
+
+def render_markdown(data: dict) -> str:
+    h, parts = data["header"], data["parts"]
+    lines = ["# Bench: rank 0's share of each stage", "",
+             f"Device: {h.get('device')}; torch {h.get('torch')}, Triton {h.get('triton')}, CUDA {h.get('cuda')}; "
+             f"{h.get('when')}.", f"Command: `{h.get('command')}`", ""]
+    for section in (stages_markdown, optimizer_markdown, validation_markdown, memory_markdown, attention_markdown,
+                    numerics_markdown, profile_markdown):
+        lines += section(parts)
+    lines += estimate_markdown(data.get("estimate"))
     errors = [(name, row["error"]) for name, row in parts.items() if row.get("error")]
     if errors:
         lines += ["## Errors", ""] + [f"- {name}: {error}" for name, error in errors] + [""]
@@ -1042,13 +1135,13 @@ def parse_options(argv: list[str]) -> argparse.Namespace:
                              "all-gather on 8xH100 SXM; not measured here)")
 
     def one_line_error(message: str):
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
+        raise BenchError(message)  # main() prints it in one line, without argparse's usage
 
     parser.error = one_line_error
     options = parser.parse_args(ours)
     options.flags = flags
-    for name, real, small in (("timed", 20, 3), ("untimed", 3, 1), ("training_steps", TRAINING_STEPS, SMALL_TRAINING_STEPS)):
+    defaults = {"timed": (20, 3), "untimed": (3, 1), "training_steps": (TRAINING_STEPS, SMALL_TRAINING_STEPS)}
+    for name, (real, small) in defaults.items():  # (the speedrun's, --small's)
         if getattr(options, name) is None:
             setattr(options, name, small if options.small else real)
     options.parts = [p.strip() for p in options.parts.split(",") if p.strip()]
@@ -1092,16 +1185,14 @@ def run(options: argparse.Namespace, argv: list[str]) -> Report:
     T.check_world_size(args, options.world_size)
     if T.Schedule(args).stages[0].micro_batches is None:
         raise BenchError("--micro_batches=auto: give the bench explicit counts (what auto chose, from the log)")
-    if cuda:
-        import torch._inductor.config as inductor_config
-        inductor_config.fx_graph_cache = True  # on this machine's disk: a rerun compiles little
-        inductor_config.autotune_local_cache = True
     report = Report(Path(options.out))
     report.data["header"] = header(options, argv)
     report.data["header"]["flags"] = flags
     if cuda:
         import torch._inductor.config as inductor_config
-        report.data["header"]["compile_threads"] = inductor_config.compile_threads
+        inductor_config.fx_graph_cache = True  # on this machine's disk: a rerun compiles little
+        inductor_config.autotune_local_cache = True
+        report.data["header"]["compile_threads"] = inductor_config.compile_threads  # parallel Triton builds
     report.flush()
     start = time.perf_counter()
     bench = Bench(args, options, report)
@@ -1118,13 +1209,9 @@ def run(options: argparse.Namespace, argv: list[str]) -> Report:
             part_start = time.perf_counter()
             try:
                 if part in STAGE_PARTS:
-                    stage_index = STAGE_PARTS[part]
-                    if stage_index >= len(bench.schedule.stages) or T.Schedule(args).stages[stage_index].end <= \
-                            T.Schedule(args).stages[stage_index].start:
-                        row["error"] = "the schedule has no such stage"
-                        continue
-                    name = "extension" if part == "extension" else f"stage {stage_index + 1}"
-                    run_stage(bench, name, stage_index, row, report.flush)
+                    index = stage_of_part(part, bench.schedule)
+                    name = "extension" if part == "extension" else f"stage {index + 1}"
+                    run_stage(bench, name, index, row, report.flush)
                 else:
                     runners[part](bench, row, report.flush)
             except Exception as e:
@@ -1144,8 +1231,8 @@ def run(options: argparse.Namespace, argv: list[str]) -> Report:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    options = parse_options(argv)
     try:
+        options = parse_options(argv)
         report = run(options, argv)
     except (BenchError, T.ConfigError, T.DataError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,223 @@
+"""tools/bench.py, the GPU bench. `--small` runs every part on this CPU at a toy size, and its report is checked
+against what the trainer's own configuration says independently (the bytes each collective moves, the stage
+shapes, FlexAttention against SDPA). The pieces only a GPU reaches are checked on made-up inputs: the kernel
+summary, which profiler events are kernels, which warnings are host syncs, the CUDA attention backends; each
+of these failed or misled in the first run on an H200 (2026-11-26)."""
+
+import collections
+import json
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from conftest import REPO, in_process, python
+
+sys.path.insert(0, str(REPO / "tools"))
+import bench  # noqa: E402
+import train_gpt as T  # noqa: E402
+
+SMALL_ARGS = T.parse_args(bench.SMALL_FLAGS, False)
+WORLD = 8
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-small")
+    proc = python(REPO / "tools" / "bench.py", "--small", f"--out={out}", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads((out / "bench.json").read_text()), (out / "bench.md").read_text()
+
+
+@pytest.mark.slow
+def test_small_runs_every_part_in_order_without_an_error(small):
+    data, markdown = small
+    assert list(data["parts"]) == list(bench.PARTS)
+    assert {name: row.get("error") for name, row in data["parts"].items() if row.get("error")} == {}
+    assert data["header"]["flags"] == bench.SMALL_FLAGS and data["header"]["world_size"] == WORLD
+    assert markdown.startswith("# Bench: rank 0's share of each stage")
+
+
+@pytest.mark.slow
+def test_each_stage_is_rank_0_of_8s_micro_batch_compiled_once(small):
+    data, _ = small
+    schedule = T.Schedule(SMALL_ARGS)
+    for part in bench.STAGE_PARTS:
+        index = bench.stage_of_part(part, schedule)
+        row, stage = data["parts"][part], schedule.stages[index]
+        assert row["micro_tokens"] == stage.batch_tokens // WORLD and row["micro_batches_per_rank"] == 1, part
+        assert row["windows"] == list(stage.windows) and row["steps"] == stage.end - stage.start, part
+        assert row["forward_backward"]["n"] == 3 and row["masks"]["n"] == 3, part
+        assert row["losses_finite"] and math.isfinite(row["loss_per_token"]), part
+        assert row["recompiles_after_first_call"] == 0, part
+        for kind in ("without_Adam", "with_Adam"):
+            assert row[f"rank_step_{kind}"]["n"] == 1, part  # --timed=3: two of each kind, the first untimed
+        # the embedding leaves the lm_head at the first Adam step of --untie_stage (stage 3)
+        assert row["embedding_tied"] == (index < SMALL_ARGS.untie_stage), part
+    # Stage 3 runs first and compiles its length; stage 2's length is new; stage 1's was compiled by the
+    # optimizer part; the extension has stage 3's length and number of multi-token weights.
+    compiled = {part: data["parts"][part]["graphs_compiled"] for part in bench.STAGE_PARTS}
+    assert compiled["stage3"] > 0 and compiled["stage2"] > 0 and compiled["stage1"] == compiled["extension"] == 0
+
+
+def normuon_bytes_per_step(model: T.GPT) -> int:
+    """A reduce-scatter (or all-gather) of every same-shape group of NorMuon's matrices, in chunks of 8,
+    each chunk a stack of 8 fp32 matrices (CPU): counted from the model's parameter shapes."""
+    shapes = collections.Counter()
+    for name, p in model.named_parameters():
+        if name.endswith(tuple(T.MUON_TABLE)):
+            matrices = [p.shape[-2:]] * (p.size(0) if p.ndim == 3 else 1)
+            for shape in matrices:
+                shapes[tuple(shape)] += 1
+    return sum(math.ceil(count / WORLD) * WORLD * rows * cols * 4 for (rows, cols), count in shapes.items())
+
+
+def adam_bytes_per_step(model: T.GPT, tied: bool) -> tuple[int, int]:
+    """(reduce-scatter, all-gather) bytes of DistAdam's Adam step: every table parameter padded to a multiple
+    of 8 elements (each is its own group, so its own bucket); the bigram table's rows go by all-to-all instead
+    of a reduce-scatter; while tied, the embedding is neither reduced nor gathered (the lm_head carries it)."""
+    reduce = gather = 0
+    for name in T.ADAM_TABLE:
+        numel = dict(model.named_parameters())[name].numel()
+        padded = math.ceil(numel / WORLD) * WORLD * 4
+        if tied and name == "embed.weight":
+            continue
+        gather += padded
+        reduce += 0 if name == "bigram_embed.weight" else padded
+    return reduce, gather
+
+
+@pytest.mark.slow
+def test_the_collectives_rank_0_issues_move_the_bytes_the_parameter_shapes_give(small):
+    data, _ = small
+    model = T.GPT(SMALL_ARGS)
+    muon = normuon_bytes_per_step(model)
+    for part in bench.STAGE_PARTS:
+        row = data["parts"][part]
+        assert row["rank_step_bytes"]["without Adam"] == {"reduce-scatter": muon, "all-gather": muon}, part
+        with_adam = row["rank_step_bytes"]["with Adam"]
+        reduce, gather = adam_bytes_per_step(model, tied=row["embedding_tied"])
+        assert with_adam["reduce-scatter"] == muon + reduce and with_adam["all-gather"] == muon + gather, part
+        assert with_adam["all-to-all"] > 0, part  # the bigram rows rank 0 does not own
+
+
+@pytest.mark.slow
+def test_the_estimate_adds_each_stages_steps_as_documented(small):
+    data, markdown = small
+    estimate = data["estimate"]
+    assert set(estimate["stages"]) == {"stage 1", "stage 2", "stage 3", "extension"}
+    for part in bench.STAGE_PARTS:
+        row = data["parts"][part]
+        r = estimate["stages"][row["stage"]]
+        compute = (row["rank_step_without_Adam"]["median_ms"] + row["rank_step_with_Adam"]["median_ms"]) / 2
+        moved = sum(sum(b.values()) for b in row["rank_step_bytes"].values()) / 2
+        assert r["compute_ms"] == pytest.approx(compute)
+        assert r["comm_ms"] == pytest.approx(moved * 7 / 8 / 360e9 * 1000)
+        assert r["ratio"] == pytest.approx(r["ms_per_step"] / bench.RECORD_MS[row["stage"]])
+        assert r["ms_per_step_rs_hidden"] < r["ms_per_step"]
+    assert estimate["total_s"] == pytest.approx(sum(r["seconds"] for r in estimate["stages"].values()))
+    assert f"**{estimate['total_s']:,.1f} s**" in markdown and "the record: 75.5 s" in markdown
+
+
+@pytest.mark.slow
+def test_training_lowers_the_loss_and_fp8_differs_from_the_other_precision_a_little(small):
+    data, _ = small
+    training = data["parts"]["training"]
+    losses = training["losses"]
+    assert len(losses) == bench.SMALL_TRAINING_STEPS and all(map(math.isfinite, losses))
+    assert training["falls"] and losses[-1] < losses[0] - 1.0, losses
+    fp8 = data["parts"]["fp8"]
+    assert 0 < fp8["relative_difference"] < 0.05 and fp8["weights"] == "after the training part"
+
+
+@pytest.mark.slow
+def test_attention_backends_agree_with_each_other_and_an_fp32_reference(small):
+    data, _ = small
+    row = data["parts"]["attention"]
+    assert row["backends"] == ["sdpa", "flex"]  # on CPU: the dense path and FlexAttention's forward
+    layers = collections.Counter((p.long_window, p.paired) for p in T.layer_plan(SMALL_ARGS) if p.attention)
+    assert sum(kind["layers"] for kind in row["kinds"].values()) == sum(layers.values())
+    for kind, result in row["kinds"].items():
+        assert result["flex"]["vs_sdpa"]["max_abs_diff"] < 1e-5, kind
+        assert result["sdpa"]["vs_fp32_reference_rel_l2"] < 1e-5 and result["flex"]["vs_fp32_reference_rel_l2"] < 1e-5
+    assert row["verdict"]["matches_within_bf16"] == {"flex": True}
+
+
+@pytest.mark.slow
+def test_profile_validation_and_memory_model_rows(small):
+    data, markdown = small
+    for stage in ("stage 3", "stage 1"):
+        profile = data["parts"]["profile"]["by_stage"][stage]
+        assert len(profile["top"]) > 5
+        assert sum(profile["shares_by_phase"].values()) == pytest.approx(1.0)
+        assert profile["shares_by_phase"]["loss"] > 0 and profile["shares_by_phase"]["optimizer"] > 0
+    validation = data["parts"]["validation"]
+    assert validation["tokens"] == SMALL_ARGS.val_seq_len and math.isfinite(validation["loss_per_token"])
+    assert validation["recompiles_after_first_call"] == 0
+    phases = data["parts"]["memory_model"]["phases"]
+    assert list(phases) == ["stage 1", "stage 2", "stage 3", "extension", "validation"]
+    assert all(phase["peak"] > 0 for phase in phases.values())
+    assert "## Memory: measured against the memory model (world size 8)" in markdown
+
+
+def test_the_speedrun_sizes_without_cuda_and_bad_options_are_refused_in_one_line(tmp_path):
+    for argv, fragment in (([f"--out={tmp_path}"], "error: the speedrun's sizes need a CUDA device (none here); "
+                                                   "--small runs every part at a toy size on this CPU"),
+                           ([f"--out={tmp_path}", "--parts=stage9"], "error: --parts=stage9: choose among stage3,"),
+                           ([f"--out={tmp_path}", "--small", "--timed=1"], "error: --timed=1: at least 2")):
+        result = in_process(bench.main, *argv)
+        assert result.returncode == 2 and result.stderr.strip().startswith(fragment), result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "bench.json").exists()
+
+
+def test_kernel_summary_counts_each_kinds_time_and_the_idle_gaps():
+    kernels = [("nvjet_sm90_gemm", 0.0, 10.0), ("triton_poi_fused_add_0", 10.0, 15.0),
+               ("flash_fwd_kernel", 20.0, 30.0), ("triton_poi_fused_add_0", 25.0, 28.0)]
+    summary = bench.summarize_kernels(kernels, top=2)
+    assert summary["span_ms"] == pytest.approx(0.030) and summary["busy_ms"] == pytest.approx(0.025)
+    assert summary["shares_by_kind"] == pytest.approx({"attention": 10 / 30, "element-wise and reductions": 8 / 30,
+                                                       "matmul": 10 / 30, "idle gaps": 5 / 30})
+    assert [k["name"] for k in summary["top"]] == ["nvjet_sm90_gemm", "flash_fwd_kernel"]
+    assert summary["top"][0]["kind"] == "matmul" and summary["kernel_count"] == 4
+
+
+def test_only_kernels_count_as_kernels_not_the_gpu_spans_of_record_function_ranges():
+    from torch.autograd import DeviceType
+
+    def event(name, device_type, start, end, annotation=False):
+        return types.SimpleNamespace(name=name, device_type=device_type, is_user_annotation=annotation,
+                                     time_range=types.SimpleNamespace(start=start, end=end))
+
+    events = [event("Optimizer.step#NorMuon.step", DeviceType.CUDA, 0, 50, annotation=True),
+              event("bench:loss", DeviceType.CUDA, 0, 40), event("aten::mm", DeviceType.CPU, 0, 5),
+              event("nvjet_sm90_gemm", DeviceType.CUDA, 1, 4), event("empty", DeviceType.CUDA, 7, 7)]
+    assert bench.kernel_intervals(events) == [("nvjet_sm90_gemm", 1, 4)]
+
+
+def test_sync_debug_modes_notice_is_not_a_host_sync():
+    notice = ("Synchronization debug mode is a prototype feature and does not yet detect all synchronizing "
+              "operations (Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:161.)")
+    assert not bench.is_sync_warning(notice)
+    assert bench.is_sync_warning("called a synchronizing CUDA operation (Triggered internally at ...)")
+
+
+def test_the_cuda_attention_backends_are_built_without_a_gpu():
+    # Both failures of the first H200 run were in building this dict: an import that made `torch` a local
+    # name, then one that hid the varlen backend's own function.
+    fake = types.SimpleNamespace(args=SMALL_ARGS, counter=bench.GraphCounter("eager"))
+    backends = bench.attention_backends(fake, torch.device("cuda"))
+    assert list(backends) == ["flex", "varlen", "varlen fixed shapes"]
+    assert all(callable(prepare) and has_backward for prepare, has_backward in backends.values())
+
+
+def test_varlen_boundaries_are_the_documents_cumulative_lengths():
+    docs = torch.tensor([1, 1, 1, 2, 2, 3])
+    cu, longest = bench.varlen_boundaries(docs)
+    assert cu.tolist() == [0, 3, 5, 6] and cu.dtype == torch.int32 and longest == 3
+    padded, _ = bench.varlen_boundaries(docs, pad_to=6)
+    assert padded.tolist() == [0, 3, 5, 6, 6, 6]
+    doubled, longest = bench.varlen_boundaries(docs.repeat_interleave(2))
+    assert doubled.tolist() == [0, 6, 10, 12] and longest == 6
