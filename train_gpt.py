@@ -37,6 +37,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 import warnings
@@ -267,6 +268,7 @@ def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:
         values[name] = _parse_value(name, text, types[name])
     args = Hyperparameters(**values)
     validate_config(args)
+    args.micro_batches = canonical_micro_batches(args)
     return args
 
 
@@ -310,6 +312,7 @@ def window_pair(args: Hyperparameters, name: str, text: str) -> tuple[int, int]:
 
 
 MAX_TIMEOUT_S = 7 * 24 * 3600  # a collective that waits longer than a week is a hang, not a slow rank
+MAX_MEMORY_GIB = 2 ** 20  # a pebibyte per rank: more is a typo (and 1e300 GiB would overflow a byte count)
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,200}")  # one file name: no separators, no way out of logs_dir
 
 
@@ -469,6 +472,14 @@ def stage_micro_batches(args: Hyperparameters, stages: int) -> tuple[int | None,
     return counts
 
 
+def canonical_micro_batches(args: Hyperparameters) -> str:
+    """--micro_batches in one spelling per meaning: auto, one count when every stage has it ("4,4,4" and " 4"
+    are "4"), else one per stage. parse_args stores it so, and logs, checkpoints and records compare the
+    setting, not how it was typed."""
+    counts = stage_micro_batches(args, len(int_list(args, "stage_batch_tokens")))
+    return "auto" if counts[0] is None else micro_batches_flag(counts)
+
+
 def skip_pair(args: Hyperparameters) -> tuple[int, int]:
     source, colon, target = args.skip_layers.partition(":")
     try:
@@ -534,8 +545,9 @@ def validate_config(args: Hyperparameters):
         raise ConfigError(f"--val_seq_len={args.val_seq_len} must be a multiple of --window_block={args.window_block}")
     if args.val_tokens % args.val_seq_len:
         raise ConfigError(f"--val_tokens={args.val_tokens} must be a multiple of --val_seq_len={args.val_seq_len}")
-    if not 0 <= args.memory_limit_gib < math.inf:
-        raise ConfigError(f"--memory_limit_gib={args.memory_limit_gib}: must be a finite number >= 0 (0: the device's)")
+    if not 0 <= args.memory_limit_gib <= MAX_MEMORY_GIB:
+        raise ConfigError(f"--memory_limit_gib={args.memory_limit_gib}: must be a number of GiB from 0 (the device's "
+                          f"memory) to {MAX_MEMORY_GIB:,}")
     if args.save_every % args.adam_every:
         raise ConfigError(f"--save_every={args.save_every} must be a multiple of --adam_every={args.adam_every}: "
                           f"a checkpoint between two Adam steps would lose the gradients accumulated so far")
@@ -697,6 +709,11 @@ def launch_ranks() -> tuple[int, int, int]:
         if not 0 <= value < world_size:
             raise ConfigError(f"{name}={value} in the environment is outside 0..{world_size - 1} "
                               f"(WORLD_SIZE={world_size})")
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if world_size > 1 and missing and not dist.is_initialized():  # (tools/preflight.py brings its own group)
+        raise ConfigError(f"WORLD_SIZE={world_size} in the environment, but {' and '.join(missing)} "
+                          f"{'is' if len(missing) == 1 else 'are'} not set: start the ranks with torchrun "
+                          f"(torchrun --standalone --nproc_per_node={world_size} train_gpt.py), which sets them")
     return rank, local_rank, world_size
 
 
@@ -2536,9 +2553,12 @@ class TrainLoader:
     def check_packing(self, state: dict):
         packing = state.get("packing", ["documents"] * len(self.scans))  # checkpoints from before --packing
         if packing != [scan.packing for scan in self.scans][:len(packing)]:
-            raise DataError(f"the checkpoint packed its training shards as {', '.join(map(str, dict.fromkeys(packing)))}"
-                            f", this run would pack them as {', '.join(dict.fromkeys(s.packing for s in self.scans))}: "
-                            f"its position in them would mean other tokens; resume with the checkpoint's --packing")
+            theirs = list(dict.fromkeys(map(str, packing)))
+            advice = (f"resume with --packing={theirs[0]}" if len(theirs) == 1 and theirs[0] in SHARD_PACKINGS else
+                      "resume on the checkpoint's shards")
+            raise DataError(f"the checkpoint packed its training shards as {', '.join(theirs)}, this run would pack "
+                            f"them as {', '.join(dict.fromkeys(s.packing for s in self.scans))}: its position in them "
+                            f"would mean other tokens; {advice}")
 
     def load_state_dict(self, state: dict):
         self.check_packing(state)
@@ -3103,10 +3123,10 @@ class DoesNotFitError(ConfigError):
 def memory_budget(args: Hyperparameters, device: torch.device) -> tuple[int, str] | None:
     """(bytes, whose) that the predicted peaks must fit, before the margin; None where nothing is checked:
     on CPU, unless --micro_batches=auto or --memory_limit_gib asks."""
-    if args.memory_limit_gib:
-        return int(args.memory_limit_gib * GIB), f"--memory_limit_gib={args.memory_limit_gib:g}"
     if device.type == "cuda":
-        return device_memory_bytes(device), f"{device} ({torch.cuda.get_device_name(device)})"
+        return card_memory(args, device_memory_bytes(device), f"{device} ({torch.cuda.get_device_name(device)})")
+    if args.memory_limit_gib:
+        return card_memory(args, 0, "")
     if args.micro_batches.strip() == "auto":  # the host's memory, shared by the ranks torchrun started on it
         text = os.environ.get("LOCAL_WORLD_SIZE", "1")
         if not text.isdigit() or int(text) < 1:
@@ -3114,6 +3134,25 @@ def memory_budget(args: Hyperparameters, device: torch.device) -> tuple[int, str
         ranks = int(text)
         return device_memory_bytes(device) // ranks, "this host" + (f" shared by {ranks} ranks" if ranks > 1 else "")
     return None
+
+
+def card_memory(args: Hyperparameters, memory: int, whose: str) -> tuple[int, str]:
+    """(bytes, whose) of a card with `memory` bytes: --memory_limit_gib replaces them when it is given. The one
+    place that decides it, for the trainer on its device and for tools/estimate_memory.py and tools/preflight.py
+    on the cards they stand in for."""
+    if not args.memory_limit_gib:
+        return memory, whose
+    limit = int(args.memory_limit_gib * GIB)
+    if memory and limit > memory:  # (memory 0: the host's, which a limit may exceed, for tests of large recipes)
+        raise ConfigError(f"--memory_limit_gib={args.memory_limit_gib:g}: more than the {memory / GIB:.2f} GiB of "
+                          f"{whose}; the limit can only lower what a run may use")
+    return limit, f"--memory_limit_gib={args.memory_limit_gib:g}"
+
+
+def within_margin(memory: int, whose: str) -> tuple[int, str]:
+    """The bytes the predicted peaks may take of `memory` (all but MEMORY_MARGIN), and that in words."""
+    budget = int(memory * (1 - MEMORY_MARGIN))
+    return budget, f"{budget / GIB:.2f} GiB per rank ({1 - MEMORY_MARGIN:.0%} of the {memory / GIB:.2f} GiB of {whose})"
 
 
 def micro_batch_choices(batch_tokens: int, world_size: int, window_block: int) -> list[int]:
@@ -3211,9 +3250,7 @@ def plan_memory(args: Hyperparameters, world_size: int, device: torch.device, pr
     budget_of = memory_budget(args, device)
     if budget_of is None:
         return None
-    memory, whose = budget_of
-    budget = int(memory * (1 - MEMORY_MARGIN))
-    within = f"{budget / GIB:.2f} GiB per rank ({1 - MEMORY_MARGIN:.0%} of the {memory / GIB:.2f} GiB of {whose})"
+    budget, within = within_margin(*budget_of)
     auto = args.micro_batches.strip() == "auto"
     counts, rows = fit_micro_batches(args, world_size, device, precisions, attention_kind, budget, within)
     stages = len(counts)
@@ -3265,7 +3302,7 @@ def code_hash(source: str) -> str:
 
 
 def config_for_checkpoint(args: Hyperparameters) -> dict:
-    return {k: v for k, v in dataclasses.asdict(args).items() if k not in RUN_CONTROL_FIELDS}
+    return {k: v for k, v in dataclasses.asdict(args).items() if k not in RUN_CONTROL_FIELDS and k != "packing"}
 
 
 def first_line(error: BaseException) -> str:
@@ -3313,25 +3350,58 @@ class _RecordingWriter:
 
 
 def write_file(path: Path, content) -> dict:
-    """Writes a new file: bytes as they are, anything else with torch.save. Returns its size and sha256
-    (for meta.json); a failed write raises a TrainingError that names the file and the cause."""
+    """Writes a file atomically: into a temporary file beside it, fsynced, then renamed over `path`, so that no
+    reader ever sees part of one and a failure (a full disk, an error, a signal) leaves no temporary behind.
+    Bytes as they are, anything else with torch.save. Returns its size and sha256 (for meta.json); a failed
+    write raises a TrainingError that names the file and the cause. Every file the trainer, sample.py and
+    tools/ write goes through here (the log, written line by line, excepted)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     writer = None
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            writer = _RecordingWriter(fd)
-            if isinstance(content, bytes):
-                writer.write(content)
-            else:
-                torch.save(content, writer)
-        finally:
-            os.close(fd)
-    except Exception as e:
+        with terminate_as_exception():
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                writer = _RecordingWriter(fd)
+                if isinstance(content, bytes):
+                    writer.write(content)
+                else:
+                    torch.save(content, writer)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         cause = writer.error if writer is not None and writer.error is not None else e
-        if not isinstance(cause, OSError):
-            raise
-        raise write_error(path, cause) from None
+        if isinstance(cause, OSError):
+            raise write_error(path, cause) from None
+        stop = e
+        while stop is not None and not isinstance(stop, (SystemExit, KeyboardInterrupt)):
+            stop = stop.__context__  # torch.save's zip writer reports an exit raised inside it as a RuntimeError
+        raise stop or e
     return {"bytes": writer.size, "sha256": writer.sha256.hexdigest()}
+
+
+@contextlib.contextmanager
+def terminate_as_exception():
+    """SIGTERM raised as SystemExit(143) for the duration, where nothing else handles it (a tool, not the
+    trainer, whose main() turns signals into exceptions itself): its default would end the process on the
+    spot, before a write could remove its temporary file."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def remove_unfinished(tmp: Path, what: str = "") -> str:
@@ -3602,6 +3672,18 @@ def read_checkpoint_file(path: Path, name: str, meta: dict):
         raise TrainingError(f"--resume={path}: cannot load {name} safely ({first_line(e)})") from None
 
 
+def comparable_config(saved: dict, args: Hyperparameters) -> dict:
+    """A checkpoint's config as this run's is compared with it: --micro_batches in its canonical spelling (older
+    checkpoints may hold "4,4,4" for "4"), and --packing left to check_resume_shards, which compares what it
+    resolved to for each shard (auto on a shard of documents is documents)."""
+    saved = {k: v for k, v in saved.items() if k != "packing"}
+    if isinstance(saved.get("micro_batches"), (str, int)):
+        with contextlib.suppress(ConfigError):
+            saved["micro_batches"] = canonical_micro_batches(dataclasses.replace(args, micro_batches=str(
+                saved["micro_batches"])))
+    return saved
+
+
 def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: str) -> Resume:
     """Everything about a checkpoint that can be wrong, checked before the run creates anything:
     meta.json's shape; that the checkpoint belongs to this run (world size, config, code); and that
@@ -3631,8 +3713,8 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
                             f"{env.world_size}; DistAdam and NorMuon state are sharded per rank, so resume with "
                             f"{meta['world_size']} ranks")
     if not args.force_resume:
-        ours = config_for_checkpoint(args)
-        differ = sorted(k for k in set(ours) | set(meta["config"]) if ours.get(k) != meta["config"].get(k))
+        ours, theirs = config_for_checkpoint(args), comparable_config(meta["config"], args)
+        differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
         if differ:
             raise TrainingError(f"--resume={path}: config differs in {', '.join(differ)} "
                                 f"(use --force_resume=true to resume anyway)")
@@ -3640,6 +3722,11 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
             raise TrainingError(f"--resume={path}: written by a different train_gpt.py "
                                 f"(use --force_resume=true to resume anyway)")
     model_state = read_checkpoint_file(path, "model.pt", meta)
+    with torch.device("meta"):  # the model this config builds, without memory
+        mismatch = state_dict_mismatch(model_state, GPT(args).state_dict())
+    if mismatch:
+        raise TrainingError(f"--resume={path}: its model.pt does not fit the model this config builds ({mismatch})"
+                            + ("; --force_resume cannot change the architecture" if args.force_resume else ""))
     rank_state = read_checkpoint_file(path, f"rank_{env.rank}.pt", meta)
     saved_at = rank_state.get("step") if isinstance(rank_state, dict) else None
     if saved_at != meta["step"]:
@@ -3913,6 +4000,9 @@ def train(args: Hyperparameters, env: DistEnv):
         if args.resume:
             resume = check_checkpoint(resolve_checkpoint(args.resume, args), args, env, source)
         init_state = read_init_weights(args) if args.init_from and not args.resume else None
+        if args.init_from and args.resume and not (Path(args.init_from) / "model.pt").is_file():
+            raise DataError(f"--init_from={args.init_from}: not a final-weights folder (no model.pt); a resumed run "
+                            f"continues from its checkpoint's weights and does not read it: drop --init_from")
         if env.is_main and log_path.exists():
             raise ConfigError(f"--run_id={run_id}: {log_path} already exists; choose another run id")
         # A run id names one run, its log and its checkpoint folder, whichever --logs_dir and --checkpoint_dir
@@ -3960,6 +4050,16 @@ def train(args: Hyperparameters, env: DistEnv):
             release_folders(made)
 
 
+def clock_mark(cuda: bool):
+    """Now, on the clock that times device work: a CUDA event recorded on the stream (its time is read after a
+    sync, so the host runs ahead meanwhile), or on CPU, where the host computes, the host's clock."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 class StepTimer:
     """Per-step times without a per-step device sync. On CUDA an event is recorded after each step and
     the events are read only where the loop synchronises anyway (validation, checkpoints, the end), so
@@ -3974,11 +4074,7 @@ class StepTimer:
         self._tokens: list[int] = []
 
     def _mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return clock_mark(self.cuda)
 
     def start(self):
         """Call after a device sync: the next step starts now."""
@@ -4060,6 +4156,8 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, l
         if not all_ranks_ok(error is None, env.device):  # one rank's bad file stops them all
             raise error or TrainingError("another rank could not load the checkpoint")
         log(f"resumed from {resume.path} at step {start_step}")
+        if args.init_from:
+            log(f"note: --init_from={args.init_from} is not read: a resumed run continues from its checkpoint's weights")
 
     # The host runs ahead of the device: the loop synchronises only where the clock stops (validation,
     # checkpoints, the end) and where the train loss is logged (every train_loss_every steps).
@@ -4218,8 +4316,8 @@ def report_error(line: str, exit_code: int, print_it: bool = True) -> int:
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
-        with contextlib.suppress(OSError):
-            Path(error_file).write_text(json.dumps(record))
+        with contextlib.suppress(OSError, TrainingError):
+            write_file(Path(error_file), json.dumps(record).encode())
     return exit_code
 
 

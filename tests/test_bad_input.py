@@ -77,8 +77,12 @@ FLAG_CASES = [
     (["--micro_batches=many"], ["--micro_batches=many: expected auto, a count, or one count per stage"]),
     (["--micro_batches=auto", "--stage_batch_tokens=1000,2048,3072"], ["--stage_batch_tokens=1000,2048,3072: each "
                                                                        "batch must split into --micro_batches=auto"]),
-    (["--memory_limit_gib=-1"], ["--memory_limit_gib=-1.0: must be a finite number >= 0"]),
+    (["--memory_limit_gib=-1"], ["--memory_limit_gib=-1.0: must be a number of GiB from 0 (the device's memory) "
+                                 "to 1,048,576"]),
     (["--memory_limit_gib=inf"], ["--memory_limit_gib=inf"]),
+    (["--memory_limit_gib=1e300"], ["--memory_limit_gib=1e+300: must be a number of GiB from 0"]),  # was an OverflowError
+    (["--memory_limit_gib=1e299"], ["--memory_limit_gib=1e+299: must be a number of GiB from 0"]),  # was accepted
+    (["--memory_limit_gib=nan"], ["--memory_limit_gib=nan"]),
     (["--preset=nope"], ["--preset=nope: unknown preset"]),
     (["--packing=bos"], ["--packing=bos: choose auto, documents, stream"]),
     (["--val_seq_len=1048576", "--val_tokens=1048576"], ["--attention=sdpa: the dense attention mask of a "
@@ -110,11 +114,19 @@ ENV_CASES = [
     ({"WORLD_SIZE": "2", "RANK": "2"}, ["RANK=2 in the environment is outside 0..1 (WORLD_SIZE=2)"]),
     ({"RANK": "-1"}, ["RANK=-1 in the environment is outside 0..0 (WORLD_SIZE=1)"]),
     ({"LOCAL_RANK": "1"}, ["LOCAL_RANK=1 in the environment is outside 0..0"]),
+    # a world size without the rendezvous torchrun sets up (was a ValueError traceback from init_process_group)
+    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"},
+     ["WORLD_SIZE=2 in the environment, but MASTER_ADDR and MASTER_PORT are not set: start the ranks with torchrun "
+      "(torchrun --standalone --nproc_per_node=2 train_gpt.py), which sets them"]),
+    ({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"},
+     ["WORLD_SIZE=4 in the environment, but MASTER_PORT is not set"]),
 ]
 
 
 @pytest.mark.parametrize("env, fragments", ENV_CASES, ids=[" ".join(f"{k}={v}" for k, v in e.items()) for e, _ in ENV_CASES])
 def test_launch_variables_that_cannot_be_meant_are_refused(tmp_path, monkeypatch, env, fragments):
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     proc = run_main(*TINY, f"--logs_dir={tmp_path}/logs", f"--checkpoint_dir={tmp_path}/ck")
@@ -225,6 +237,14 @@ RESUME_CASES = [
                                        "to train"], ["--force_resume=true"]),
     ("forced past the end", None, ["at step 2, at or past --num_iterations=1"],
      ["--force_resume=true", "--num_iterations=1", "--extension_steps=0"]),
+    # --force_resume into another architecture: once load_state_dict's "(Error(s) in loading state_dict for GPT:)",
+    # after the log was made
+    ("forced into a wider model", None, ["its model.pt does not fit the model this config builds (",
+                                         "shape mismatch(es): lm_head: checkpoint (64, 50304), model (128, 50304)",
+                                         "; --force_resume cannot change the architecture"],
+     ["--force_resume=true", "--model_dim=128"]),
+    ("forced into narrower MLPs", None, ["blocks.0.mlp.fc: checkpoint (256, 64), model (128, 64)"],
+     ["--force_resume=true", "--mlp_ratio=2"]),
 ]
 
 
@@ -242,17 +262,23 @@ def test_a_checkpoint_that_does_not_match_its_meta_json_is_refused(checkpoint, t
     assert not (tmp_path / "logs").exists() and not (tmp_path / "ck").exists()
 
 
+def untrained_checkpoint(flags: list[str]):
+    """A checkpoint at step 1 of a run with these flags, saved without training: what a case checks is the
+    data it was made on."""
+    args = T.parse_args(flags, False)
+    env = T.DistEnv(0, 0, 1, torch.device("cpu"))
+    model = T.build_model(args, env)
+    return T.save_checkpoint(1, 10.0, model, T.build_optimizers(model, args), T.TrainLoader(args, env), args, env,
+                             TRAIN.read_text(), "before")
+
+
 def test_a_resume_on_changed_training_shards_is_refused(tmp_path):
-    # A checkpoint of a run on a copy of the bundled shard (saved untrained: what is checked is the data).
+    # A checkpoint of a run on a copy of the bundled shard.
     shard = tmp_path / "data/copy_train_000001.bin"
     shard.parent.mkdir()
     shard.write_bytes((REPO / "data/shakespeare/shakespeare_train_000001.bin").read_bytes())
     flags = [*TINY, f"--train_files={tmp_path}/data/copy_train_*.bin", f"--checkpoint_dir={tmp_path}/ck"]
-    args = T.parse_args(flags, False)
-    env = T.DistEnv(0, 0, 1, torch.device("cpu"))
-    model = T.build_model(args, env)
-    saved = T.save_checkpoint(1, 10.0, model, T.build_optimizers(model, args), T.TrainLoader(args, env), args, env,
-                              TRAIN.read_text(), "before")
+    saved = untrained_checkpoint(flags)
     # The shard is then rewritten: the same size, one token of its first document another.
     data = bytearray(shard.read_bytes())
     data[1024 + 2 * 100] ^= 1
@@ -262,6 +288,60 @@ def test_a_resume_on_changed_training_shards_is_refused(tmp_path):
     one_line(proc, 1, f"--resume={saved}: training shard 1, {shard} (2,846,636 bytes), is not the one the "
                       f"checkpoint's run read", "another fingerprint")
     assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.slow  # the fixture trains two steps
+def test_init_from_beside_resume_is_checked_and_said_not_to_be_read(checkpoint, tmp_path):
+    # it was ignored without a word, even for a folder that does not exist
+    flags = [*TINY, f"--resume={checkpoint}", f"--logs_dir={tmp_path}/logs"]
+    proc = run_main(*flags, f"--init_from={tmp_path}/nowhere", "--run_id=a")
+    one_line_error(proc, f"--init_from={tmp_path}/nowhere: not a final-weights folder (no model.pt); a resumed run "
+                         f"continues from its checkpoint's weights and does not read it: drop --init_from")
+    assert not (tmp_path / "logs").exists()
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final/model.pt").write_bytes(b"")  # only its presence is checked: it is not read
+    proc = run_main(*flags, f"--init_from={tmp_path}/final", "--run_id=b")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"note: --init_from={tmp_path}/final is not read: a resumed run continues from its checkpoint's weights" \
+        in (tmp_path / "logs/b.txt").read_text()
+
+
+@pytest.mark.slow  # the fixture trains two steps
+def test_micro_batches_is_one_setting_however_it_is_spelled(checkpoint, tmp_path):
+    # "1,1,1" and " 1" mean what "1" means: stored, logged, checkpointed and compared as "1" (a resume across the
+    # spellings was refused with "config differs in micro_batches")
+    for text in ("1,1,1", " 1", "1"):
+        assert T.parse_args([*TINY, f"--micro_batches={text}"], False).micro_batches == "1"
+    assert T.parse_args([*TINY, "--micro_batches=1,1,2", "--stage_batch_tokens=256,256,512"], False).micro_batches \
+        == "1,1,2"
+    assert T.parse_args(["--preset=smoke", "--micro_batches= auto"], False).micro_batches == "auto"
+    older = {"micro_batches": "1,1,1", "packing": "auto", "seed": 1337}  # a checkpoint of before: packing recorded too
+    assert T.comparable_config(older, T.parse_args(TINY, False)) == {"micro_batches": "1", "seed": 1337}
+    proc = run_main(*TINY, "--micro_batches=1,1,1", f"--resume={checkpoint}", f"--logs_dir={tmp_path}/logs",
+                    "--run_id=spelled")
+    assert proc.returncode == 0, proc.stderr[-2000:]  # (at its last step: only the final validation runs)
+    assert "  micro_batches = 1\n" in (tmp_path / "logs/spelled.txt").read_text()
+
+
+def test_a_resume_across_a_packing_change_gets_advice_that_works(tmp_path):
+    # The same tokens with another packing in the shard header: auto packs them otherwise, so the checkpoint's
+    # position would mean other tokens. The advice once named no value, and following it was refused again
+    # ("config differs in packing": the checkpoint had recorded the flag, auto, not what it resolved to).
+    sys.path.insert(0, str(REPO / "data"))
+    import shards
+    tokens = T.read_shard(REPO / "data/shakespeare/shakespeare_train_000001.bin")
+    shard = tmp_path / "t_train_000001.bin"
+    shards.write_shard(shard, tokens, packing="documents")
+    flags = [*TINY, f"--train_files={tmp_path}/t_train_*.bin", f"--checkpoint_dir={tmp_path}/ck"]
+    saved = untrained_checkpoint(flags)
+    shards.write_shard(shard, tokens, packing="stream")  # retokenized for the stream packing
+    stream = [*flags, f"--resume={saved}", f"--logs_dir={tmp_path}/logs"]
+    proc = run_main(*stream, "--run_id=refused")
+    one_line(proc, 1, f"--resume={saved}: the checkpoint packed its training shards as documents, this run would pack "
+                      f"them as stream: its position in them would mean other tokens; resume with --packing=documents")
+    proc = run_main(*stream, "--packing=documents", "--run_id=advised")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "resumed from" in (tmp_path / "logs/advised.txt").read_text()
 
 
 @pytest.mark.slow  # the fixture trains two steps

@@ -13,6 +13,7 @@ from conftest import REPO, in_process, one_line_error
 
 sys.path.insert(0, str(REPO / "tools"))
 import estimate_memory  # noqa: E402
+import fake_cuda  # noqa: E402  (its table of GPUs; nothing is loaded)
 
 GIB = 2 ** 30
 D, VOCAB, BIGRAM = 768, 50304, 377280
@@ -71,7 +72,26 @@ def test_the_command_prints_a_table_that_fits_an_h100():
     assert len(values) == 5 and all(1 < v < 79.6 for v in values)
 
 
+def test_estimate_memory_and_the_trainer_fit_the_same_budget():
+    # tools/estimate_memory.py (and so the preflight's advice) once fitted the card and ignored
+    # --memory_limit_gib after `--`: auto "chose" 2,4,4 where the trainer chooses 32,64,96. Both now ask
+    # train_gpt.card_memory.
+    limited = T.parse_args(["--preset=speedrun", "--memory_limit_gib=20"], True)
+    assert estimate_memory.card_budget(limited, fake_cuda.H100) == T.within_margin(*T.memory_budget(limited, CPU)) \
+        == (int(17 * GIB), "17.00 GiB per rank (85% of the 20.00 GiB of --memory_limit_gib=20)")
+    plain = T.parse_args(["--preset=speedrun"], True)
+    assert estimate_memory.card_budget(plain, fake_cuda.GPUS['rtx4090'])[1] == \
+        "20.39 GiB per rank (85% of the 23.99 GiB of an RTX 4090)"
+    # a limit can only lower what a run may use: above the card it cannot be meant
+    with pytest.raises(T.ConfigError, match=r"--memory_limit_gib=40: more than the 23.99 GiB of an RTX 4090; the "
+                                            r"limit can only lower what a run may use"):
+        estimate_memory.card_budget(T.parse_args(["--memory_limit_gib=40"], True), fake_cuda.GPUS['rtx4090'])
+
+
 @pytest.mark.parametrize("flags, message", [
+    (["--", "--memory_limit_gib=1e300"], "error: --memory_limit_gib=1e+300: must be a number of GiB from 0"),
+    (["--gpu=rtx4090", "--", "--memory_limit_gib=30"], "error: --memory_limit_gib=30: more than the 23.99 GiB of an "
+                                                       "RTX 4090"),
     (["--world_sizes", "3"], "error: world size 3 cannot split"),
     (["--world_sizes", "0"], "error: --world_sizes: 0 is not a world size (at least 1)"),
     (["--world_sizes", "-8"], "error: --world_sizes: -8 is not a world size (at least 1)"),

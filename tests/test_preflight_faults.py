@@ -50,12 +50,15 @@ def test_a_recipe_larger_than_the_host_is_never_built_on_it_and_cannot_fit(prefl
 @pytest.mark.slow
 def test_a_card_a_step_cannot_fit_gets_the_flags_that_do_checked_by_a_second_run(preflight_runs):
     # 262,144 tokens in one micro-batch at width 128 on an RTX 3090 (24 GiB, no FP8): the first step needs
-    # about 30 GiB. tools/estimate_memory.py finds two micro-batches of 131,072 tokens (the same batch), the
-    # preflight runs again with them and passes; its report is printed, the error line gives the command.
+    # about 30 GiB. The trainer's start-up check refuses it; tools/estimate_memory.py, from the same budget,
+    # finds two micro-batches of 131,072 tokens (the same batch), the preflight runs again with them and
+    # passes; its report is printed, the error line gives the command.
     run = preflight_runs["rtx3090_too_big"]
-    failed(run, "training step 0: does not fit an RTX 3090: peak ", "GiB per rank (live tensors) > 24.00 GiB; it fits "
-           "with --micro_batches=2 (the same batches and validation tokens; the report above): python "
-           "tools/preflight.py --gpu=rtx3090 --world_size=1 -- ", " --micro_batches=2")
+    failed(run, "error: --micro_batches=1: stage 1's micro-batches of 262,144 tokens need ", " GiB per rank "
+           "(predicted), over 20.40 GiB per rank (85% of the 24.00 GiB of cuda:0 (NVIDIA GeForce RTX 3090)); "
+           "--micro_batches=2 fits (what --micro_batches=auto chooses); it fits with --micro_batches=2 (the same "
+           "batches and validation tokens; the report above): python tools/preflight.py --gpu=rtx3090 "
+           "--world_size=1 -- ", " --micro_batches=2")
     assert passed_on_second_run(run)["gpu"] == "rtx-3090"
     report = run["stdout"].splitlines()
     peaks = [float(m) for m in re.findall(r": memory (\S+) GiB", run["stdout"])]

@@ -70,12 +70,17 @@ def estimate_args(args: T.Hyperparameters, world_size: int, card=fake_cuda.H100)
     return T.memory_model(args, world_size, CUDA, precisions, "flex").phases()
 
 
+def card_budget(args: T.Hyperparameters, card) -> tuple[int, str]:
+    """What the trainer would fit on the card, in bytes and in words: (1 - MEMORY_MARGIN) of its memory, or of
+    --memory_limit_gib when the flags give it (train_gpt.card_memory decides which, for both)."""
+    return T.within_margin(*T.card_memory(args, card.total_memory, f"an {card.short_name}"))
+
+
 def auto_counts(args: T.Hyperparameters, world_size: int, card=fake_cuda.H100):
     """(counts per stage, rows) that --micro_batches=auto chooses on world_size of the card."""
-    budget = int(card.total_memory * (1 - T.MEMORY_MARGIN))
+    budget, within = card_budget(args, card)
     return T.fit_micro_batches(dataclasses.replace(args, micro_batches="auto"), world_size, CUDA,
-                               gpu_precisions(args, fake_cuda.has_fp8(card)), "flex", budget,
-                               f"{budget / GIB:.2f} GiB ({1 - T.MEMORY_MARGIN:.0%} of an {card.short_name})")
+                               gpu_precisions(args, fake_cuda.has_fp8(card)), "flex", budget, within)
 
 
 # -----------------------------------------------------------------------------
@@ -88,17 +93,17 @@ class Fit:
     flags: list[str]
     peaks: dict[str, float]
     budget: float
+    within: str  # the budget in words: of the card, or of --memory_limit_gib
     reason: str = ""
 
 
 def fitting_flags(flags: list[str], world_size: int, card=fake_cuda.H100) -> Fit:
     """The trainer's own choice (train_gpt.fit_micro_batches, as --micro_batches=auto makes it) when a
-    training phase does not fit (1 - MEMORY_MARGIN) of `memory`: per stage, the fewest micro-batches (the
-    same global batch) that fit; then, if the validation does not fit, the longest --val_seq_len that does
-    (the same validation tokens)."""
-    budget = int(card.total_memory * (1 - T.MEMORY_MARGIN))
-    within = f"{budget / GIB:.2f} GiB ({1 - T.MEMORY_MARGIN:.0%} of the card)"
+    training phase does not fit (1 - MEMORY_MARGIN) of the card's memory (of --memory_limit_gib, when the
+    flags give it): per stage, the fewest micro-batches (the same global batch) that fit; then, if the
+    validation does not fit, the longest --val_seq_len that does (the same validation tokens)."""
     args = T.parse_args(flags, True)
+    budget, within = card_budget(args, card)
     T.check_world_size(args, world_size)
     precisions = gpu_precisions(args, fake_cuda.has_fp8(card))
     try:
@@ -109,17 +114,17 @@ def fitting_flags(flags: list[str], world_size: int, card=fake_cuda.H100) -> Fit
                                                precisions, "flex", budget, within)
             extra.append(f"--micro_batches={T.micro_batches_flag(counts)}")
     except T.DoesNotFitError as e:
-        return Fit([], {}, budget, str(e).removeprefix("--micro_batches=auto: "))
+        return Fit([], {}, budget, within, str(e).removeprefix("--micro_batches=auto: "))
     peaks = {name: row["peak"] for name, row in rows.items()}
     if peaks["validation"] > budget:
         fitted = dataclasses.replace(args, micro_batches=T.micro_batches_flag(counts))
         length = T.fitting_val_seq_len(fitted, world_size, CUDA, precisions, "flex", budget)
         if length is None:
-            return Fit([], peaks, budget, f"no validation sequence length fits {within}")
+            return Fit([], peaks, budget, within, f"no validation sequence length fits {within}")
         extra.append(f"--val_seq_len={length}")
         peaks = estimate_args(T.parse_args([*flags, *extra], True), world_size, card)
         peaks = {name: row["peak"] for name, row in peaks.items()}
-    return Fit(extra, peaks, budget)
+    return Fit(extra, peaks, budget, within)
 
 
 def main(argv=None) -> int:
@@ -160,9 +165,8 @@ def main(argv=None) -> int:
                   f"(micro-batches a step, per stage)")
         print(f"{card.short_name} x {world_size}: " + (
             f"cannot fit: {fit.reason}" if fit.reason else
-            f"fits within {1 - T.MEMORY_MARGIN:.0%} of its memory as given" if not fit.flags else
-            f"fits within {1 - T.MEMORY_MARGIN:.0%} of its memory with {' '.join(fit.flags)} (peak "
-            f"{max(fit.peaks.values()) / GIB:.2f} GiB)"))
+            f"fits within {fit.within} as given" if not fit.flags else
+            f"fits within {fit.within} with {' '.join(fit.flags)} (peak {max(fit.peaks.values()) / GIB:.2f} GiB)"))
     return 0
 
 

@@ -641,8 +641,8 @@ def fitting_command(options: argparse.Namespace, card, said: bool = False) -> st
     if fit.reason:
         return f"cannot fit on {options.world_size} {card.short_name}" + ("" if said else f": {fit.reason}")
     if not fit.flags:
-        return (f"tools/estimate_memory.py puts every phase within {1 - T.MEMORY_MARGIN:.0%} of the card "
-                f"({fit.budget / GIB:.2f} GiB), so the difference is the compiled step's; try more --micro_batches")
+        return (f"tools/estimate_memory.py puts every phase within {fit.within}, so the difference is the compiled "
+                f"step's; try more --micro_batches")
     try:
         report = run_preflight([*options.flags, *fit.flags], options.world_size, options.backend)
     except PreflightFailure as e:
