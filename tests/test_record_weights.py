@@ -4,14 +4,19 @@ pairs' query blocks then their key blocks; vo_bank the value then the output mat
 up-projection (fc) and the down-projection (proj); each bank padded (qk and vo to multiples of 8 matrices, mlp
 to 12 layers)."""
 
-import json
+import datetime
+import errno
+import io
+import os
+import pickle
 import sys
+import zipfile
 
 import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, in_process
+from conftest import REPO, in_process, one_line_error
 
 sys.path.insert(0, str(REPO / "tools"))
 import record_weights as W  # noqa: E402
@@ -90,12 +95,21 @@ def test_the_rotary_state_follows_the_schedule():
     assert W.rotary_state(SMOKE, 0)["_extra_state"]["window"] == 2
 
 
-def test_command_line_both_ways(tmp_path):
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """A record-like state, its checkpoint file (the record's layout: key "model") and the final-weights
+    folder that to-ours made of it."""
+    folder = tmp_path_factory.mktemp("converted")
     record = record_like(SMOKE)
-    torch.save({"model": record, "step": 30}, tmp_path / "state_step000030.pt")  # the record's checkpoint layout
-    out = tmp_path / "final"
-    proc = in_process(W.main, "to-ours", tmp_path / "state_step000030.pt", out, *SMOKE_FLAGS)
+    torch.save({"model": record, "step": 30}, folder / "state_step000030.pt")
+    out = folder / "final"
+    proc = in_process(W.main, "to-ours", folder / "state_step000030.pt", out, *SMOKE_FLAGS)
     assert proc.returncode == 0, proc.stderr
+    return record, folder / "state_step000030.pt", out
+
+
+def test_command_line_both_ways(converted, tmp_path):
+    record, source, out = converted
     model, args, info = T.load_final_weights(out, torch.device("cpu"))
     assert info["converted_from"].endswith("state_step000030.pt") and args.num_layers == 6
     ours = W.record_to_ours(record, SMOKE)
@@ -106,14 +120,186 @@ def test_command_line_both_ways(tmp_path):
     assert back.returncode == 0, back.stderr
     saved = torch.load(tmp_path / "back.pt", weights_only=True)
     assert all(torch.equal(saved[k], v) for k, v in W.ours_to_record(ours, SMOKE).items())
-    # refusals, one line each
-    again = in_process(W.main, "to-ours", tmp_path / "state_step000030.pt", out, *SMOKE_FLAGS)
-    assert again.returncode == 2 and again.stderr.strip() == f"error: {out}: already exists; choose a new folder"
-    (tmp_path / "junk.pt").write_bytes(b"not a pickle")
-    junk = in_process(W.main, "to-ours", tmp_path / "junk.pt", tmp_path / "f2", *SMOKE_FLAGS)
-    assert junk.returncode == 2 and junk.stderr.startswith("error: ") and len(junk.stderr.strip().splitlines()) == 1
-    partial = {k: v for k, v in record.items() if "mudd_w1" not in k}
-    torch.save(partial, tmp_path / "partial.pt")
-    missing = in_process(W.main, "to-ours", tmp_path / "partial.pt", tmp_path / "f3", *SMOKE_FLAGS)
-    assert missing.returncode == 2 and "missing 'mudd_w1'" in missing.stderr
-    assert not (tmp_path / "f2").exists() and not (tmp_path / "f3").exists()
+    again = in_process(W.main, "to-ours", source, out, *SMOKE_FLAGS)
+    assert one_line_error(again) == f"error: {out}: already exists; choose a new folder"
+    again = in_process(W.main, "to-record", out, tmp_path / "back.pt")
+    assert one_line_error(again) == f"error: {tmp_path / 'back.pt'}: already exists; choose a new file"
+
+
+# Files that to-ours refuses. Most are the record's state for the smoke config, edited, with every tensor one
+# value broadcast to its shape (stride 0): the file is a few kB, and each is refused before a value is read.
+K = W.COMPILED_PREFIX
+
+
+def tiny_record(dtype=torch.bfloat16) -> dict:
+    return {K + name: torch.zeros((), dtype=dtype).expand(shape) for name, shape in W.record_shapes(SMOKE).items()}
+
+
+def saved(*edits, dtype=torch.bfloat16, wrap=None):
+    """Writes tiny_record, edited in order (a key -> a value; None deletes it); `wrap` puts it in a checkpoint."""
+    def make(path):
+        state = tiny_record(dtype)
+        for key, value in edits:
+            if value is None:
+                del state[key]
+            else:
+                state[key] = value
+        torch.save(state if wrap is None else wrap(state), path)
+    return make
+
+
+def cast(name: str, dtype) -> tuple:
+    return K + name, torch.zeros((), dtype=dtype).expand(W.record_shapes(SMOKE)[name])
+
+
+def shaped(name: str, *shape) -> tuple:
+    return K + name, torch.zeros(()).expand(shape)
+
+
+def raw(data: bytes):
+    return lambda path: path.write_bytes(data)
+
+
+def truncated_zip(path):
+    buffer = io.BytesIO()
+    torch.save(tiny_record(), buffer)
+    path.write_bytes(buffer.getvalue()[:len(buffer.getvalue()) // 2])
+
+
+def zip_without_data_pkl(path):
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("weights/notes.txt", "hello")
+
+
+REFUSED = [  # id, the input file, to-ours's own flags, the fragments of its error line
+    # #7: an integer or complex copy of a state was converted (into zeros, or real parts)
+    ("int64_state", saved(dtype=torch.int64), [],
+     ["'embed.weight' has dtype int64, expected a floating one (bfloat16, float16, float32 or float64)",
+      "; and 19 more key(s) wrong"]),
+    ("complex_state", saved(dtype=torch.complex64), [], ["'embed.weight' has dtype complex64, expected a floating"]),
+    ("bf16_state_with_an_int32_tensor", saved(cast("scalars", torch.int32)), [],
+     ["'scalars' has dtype int32, expected a floating one"]),
+    ("bool_sign_table", saved(cast("bigram_sign_table", torch.bool)), [], ["'bigram_sign_table' has dtype bool"]),
+    # #9: a key that is not a string
+    ("int_key", saved((3, torch.zeros(1))), [], ["key 3 (int) is not a parameter name"]),
+    ("bytes_key", saved((b"qk_bank", torch.zeros(1))), [], ["key b'qk_bank' (bytes) is not a parameter name"]),
+    # #10 and #13: banks of the wrong rank or shape, named with both shapes
+    ("mlp_bank_one_matrix_per_layer", saved(shaped("mlp_bank", 12, 1, 256, 64)), [],
+     ["'mlp_bank' has shape (12, 1, 256, 64), expected (6 or more, 2, 256, 64)"]),
+    ("qk_bank_0d", saved((K + "qk_bank", torch.tensor(1.0))), [],
+     ["'qk_bank' has shape (), expected (20 or more, 32, 64)"]),
+    ("qk_bank_wrong_head_dim", saved(shaped("qk_bank", 24, 24, 64)), [],
+     ["'qk_bank' has shape (24, 24, 64), expected (20 or more, 32, 64)"]),
+    ("qk_bank_too_few_rows", saved(shaped("qk_bank", 16, 32, 64)), [],
+     ["'qk_bank' has shape (16, 32, 64), expected (20 or more, 32, 64)"]),
+    ("vo_bank_wrong_shape", saved(shaped("vo_bank", 16, 64, 63)), [],
+     ["'vo_bank' has shape (16, 64, 63), expected (10 or more, 64, 64)"]),
+    ("lm_head_transposed", saved(shaped("lm_head.weight", 50304, 64)), [],
+     ["'lm_head.weight' has shape (50304, 64), expected (64, 50304)"]),
+    # every tensor, and no other
+    ("missing_key", saved((K + "mudd_w1", None), wrap=lambda state: {"model": state, "step": 30}), [],
+     ["missing 'mudd_w1' (expected shape (2, 64, 64))"]),
+    ("key_with_and_without_prefix", saved(("scalars", torch.zeros(14))), [],
+     ["'scalars' is there twice, with and without '_orig_mod.'"]),
+    # #14: not a PyTorch file (and no advice to use --trust), or a damaged one
+    ("text_file", raw(b"hello, world\n"), [],
+     ["not a PyTorch file (neither a zip archive, torch.save's format, nor its legacy pickle)"]),
+    ("empty_file", raw(b""), [], ["not a PyTorch file (it is empty)"]),
+    ("plain_pickle", raw(pickle.dumps({"embed.weight": 1.0}, protocol=4)), [],
+     ["not a PyTorch file (neither a zip archive, torch.save's format, nor its legacy pickle)"]),
+    ("zip_without_data_pkl", zip_without_data_pkl, [], ["not a PyTorch file (a zip archive without data.pkl)"]),
+    ("truncated_zip", truncated_zip, [], ["a truncated or damaged zip archive, not a complete PyTorch file"]),
+    # --trust is advised where the safe loader refused a Python object, and only there
+    ("python_object", saved(wrap=lambda state: {"model": state, "saved": datetime.date(2025, 1, 1)}), [],
+     ["the safe loader refused datetime.date", "--trust loads it, if you trust the file"]),
+    # #17: a step the schedule does not have
+    ("negative_step", saved(), ["--step=-1"],
+     ["error: --step=-1: the schedule's steps are 0 to --num_iterations=30"]),
+    ("step_past_the_end", saved(), [f"--step={SMOKE.num_iterations + 1}"],
+     ["error: --step=31: the schedule's steps are 0 to --num_iterations=30"]),
+]
+
+
+@pytest.mark.parametrize("make, flags, fragments", [row[1:] for row in REFUSED], ids=[row[0] for row in REFUSED])
+def test_to_ours_refuses_in_one_line_and_writes_nothing(tmp_path, make, flags, fragments):
+    make(tmp_path / "state.pt")
+    proc = in_process(W.main, "to-ours", tmp_path / "state.pt", tmp_path / "out", *flags, *SMOKE_FLAGS)
+    line = one_line_error(proc, *fragments)
+    assert line.startswith(f"error: {tmp_path / 'state.pt'}: ") or line.startswith("error: --step=")
+    assert ("--trust" in line) == ("datetime" in line)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.pt"]
+
+
+def test_the_stride_0_state_passes_the_checks():
+    # the control for REFUSED: unedited, the file that those rows edit is the record's GPT for the smoke config
+    assert W.check_record_state(tiny_record(), SMOKE).keys() == W.record_shapes(SMOKE).keys()
+    assert W.schedule_step(None, SMOKE) == W.schedule_step(30, SMOKE) == 30 and W.schedule_step(0, SMOKE) == 0
+
+
+def test_a_tensor_the_conversion_does_not_use_is_left_out_and_named(tmp_path):
+    # (a buffer the record's file may hold: refusing it would refuse a real file for nothing)
+    state = {**tiny_record(), K + "unknown": torch.zeros(2)}
+    torch.save(state, tmp_path / "state.pt")
+    proc = in_process(W.main, "to-ours", tmp_path / "state.pt", tmp_path / "out", *SMOKE_FLAGS)
+    assert proc.returncode == 0, proc.stderr
+    assert f"note: 1 tensor(s) of {tmp_path / 'state.pt'} are not weights of train_gpt.py's model and were left " \
+           f"out: 'unknown'" in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.pt"]
+
+
+def test_a_converted_state_that_does_not_fit_is_named(tmp_path):
+    ours = W.record_to_ours(tiny_record(dtype=torch.float32), SMOKE)
+    ours["blocks.2.mlp.fc"] = torch.zeros(256, 63)
+    with pytest.raises(W.WeightsError, match=r"1 shape mismatch\(es\): blocks.2.mlp.fc: checkpoint \(256, 63\), "
+                                             r"model \(256, 64\)"):
+        W.write_final_folder(ours, SMOKE, tmp_path / "out", 30, "test")
+    assert not any(tmp_path.iterdir())
+
+
+class FullDisk:
+    """os.write on a disk with `free` bytes left, then ENOSPC; or os.fsync failing (a file system that reports
+    a lost write only then); or SIGTERM while the file is synced, as terminate_as_exception raises it (not
+    mid-torch.save: there torch's zip writer replaces the SystemExit with its own RuntimeError). The tests' own
+    output (file descriptors 0-2) is let through."""
+
+    def __init__(self, monkeypatch, how: str, free: int = 1 << 16):
+        self.real_write, self.free, self.how = os.write, free, how
+        if how == "write":
+            monkeypatch.setattr(os, "write", self.write)
+        else:
+            monkeypatch.setattr(os, "fsync", self.fail)
+
+    def fail(self, fd):
+        if self.how == "sigterm":
+            raise SystemExit(143)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def write(self, fd, data):
+        if fd <= 2:
+            return self.real_write(fd, data)
+        if self.free <= 0:
+            self.fail(fd)
+        n = self.real_write(fd, memoryview(data).cast("B")[:self.free])
+        self.free -= n
+        return n
+
+
+@pytest.mark.parametrize("how", ["write", "fsync", "sigterm"])
+@pytest.mark.parametrize("command", ["to-ours", "to-record"])
+def test_a_failed_write_leaves_nothing(converted, tmp_path, monkeypatch, command, how):
+    """#3: to-record wrote its .pt in place, and a full disk left a truncated one that blocked the rerun."""
+    _, source, folder = converted
+    out = tmp_path / ("out" if command == "to-ours" else "out.pt")
+    argv = (source, out, *SMOKE_FLAGS) if command == "to-ours" else (folder, out)
+    FullDisk(monkeypatch, how)
+    if how == "sigterm":
+        with pytest.raises(SystemExit) as stopped:
+            in_process(W.main, command, *argv)
+        assert stopped.value.code == 143
+    else:
+        written = tmp_path / ".out.partial" / "model.pt" if command == "to-ours" else out
+        one_line_error(in_process(W.main, command, *argv),
+                       f"cannot write {written}: the disk is full ({os.strerror(errno.ENOSPC)})")
+    assert not any(tmp_path.iterdir()), sorted(p.name for p in tmp_path.rglob("*"))
+    monkeypatch.undo()
+    assert in_process(W.main, command, *argv).returncode == 0  # and the rerun goes through

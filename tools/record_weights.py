@@ -15,6 +15,12 @@ record_to_ours(ours_to_record(s)) == s, and ours_to_record(record_to_ours(r), li
 supplies the record's padding (zeros, and the unused 12th MLP's initial fc, otherwise). The rotary state,
 which the record does not save, is the one after the schedule's window changes up to `step` (default: the
 end of training).
+
+Before converting, record_to_ours checks that the state dict is the record's GPT for the config: string keys,
+every tensor there and no other, floating dtypes, and each tensor's shape (a bank's rank and matrix shape, and
+at least the rows in use). The command line refuses, with one `error:` line and exit code 2 and before writing
+anything, a file that is not a PyTorch file, a --step the schedule does not have, and an output that exists;
+what it writes goes through train_gpt.write_file (atomic), so a full disk leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -22,8 +28,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import pickle
+import re
 import shutil
 import sys
+import warnings
+import zipfile
 from pathlib import Path
 
 import torch
@@ -34,6 +44,14 @@ import train_gpt as T  # noqa: E402
 COMPILED_PREFIX = "_orig_mod."  # the record's model is torch.compile'd: its state_dict keys carry this
 RECORD_MLP_LAYERS = 12  # the record's mlp_bank always has 12 (11 used)
 RECORD_WORLD_SIZE = 8
+# The dtypes a weight may be stored in. Loading copies (casts) into our float parameters without a word, so an
+# integer copy of a record state became all-zero weights, and a complex one lost its imaginary parts.
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+BANKS = ("qk_bank", "vo_bank", "mlp_bank")  # their first size is the record's padded row count: at least ours
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since PyTorch 1.6
+# The legacy format (a pickle) starts with torch's magic number, pickled (LONG1 of 10 bytes) after the protocol
+# and, from protocol 4, a frame header.
+LEGACY_MAGIC = b"\x8a\x0a" + torch.serialization.MAGIC_NUMBER.to_bytes(10, "little")
 
 # Tensors with the same shape and meaning on both sides: record name -> ours.
 SAME = {
@@ -84,18 +102,88 @@ def _take(state: dict, name: str):
     return state[name]
 
 
-def record_to_ours(state: dict, args: T.Hyperparameters | None = None, step: int | None = None) -> dict:
-    """Our model's state dict from the record's (compiled or not: the '_orig_mod.' prefix is optional)."""
-    args = args or speedrun_args()
-    state = {k.removeprefix(COMPILED_PREFIX): v for k, v in state.items()}
-    heads = args.model_dim // args.head_dim
-    ours = {mine: _take(state, theirs) for theirs, mine in SAME.items()}
-    qk, vo, mlp = _take(state, "qk_bank"), _take(state, "vo_bank"), _take(state, "mlp_bank")
+def _banks(state: dict, args: T.Hyperparameters) -> dict[str, torch.Tensor]:
+    """Our per-layer matrices gathered into the record's banks, without its padding: qk_bank
+    (heads * attention layers, ...), vo_bank (2 * attention layers, ...), mlp_bank (layers, 2, ...)."""
     layers = _attention_layers(args)
-    if qk.size(0) < heads * len(layers) or vo.size(0) < 2 * len(layers) or mlp.size(0) < args.num_layers:
-        raise WeightsError(f"banks too small for {len(layers)} attention layers of {heads} heads and "
-                           f"{args.num_layers} MLPs: qk_bank {tuple(qk.shape)}, vo_bank {tuple(vo.shape)}, "
-                           f"mlp_bank {tuple(mlp.shape)}")
+    return {
+        "qk_bank": torch.cat([_take(state, f"blocks.{layer}.attn.qk") for layer in layers]),
+        "vo_bank": torch.cat([_take(state, f"blocks.{layer}.attn.vo") for layer in layers]),
+        "mlp_bank": torch.stack([torch.stack([_take(state, f"blocks.{layer}.mlp.fc"),
+                                              _take(state, f"blocks.{layer}.mlp.proj")])
+                                 for layer in range(args.num_layers)]),
+    }
+
+
+def record_shapes(args: T.Hyperparameters) -> dict[str, tuple[int, ...]]:
+    """The shape of each of the record's tensors (named without '_orig_mod.') for this architecture. A bank's
+    first size is the rows in use; the record's file holds at least as many (the rest is its padding)."""
+    with torch.device("meta"):  # shapes only: no memory, even for the speedrun's model
+        ours = T.GPT(args).state_dict()
+    shapes = {theirs: tuple(ours[mine].shape) for theirs, mine in SAME.items()}
+    shapes.update({name: tuple(bank.shape) for name, bank in _banks(ours, args).items()})
+    return shapes
+
+
+def _shape_problem(name: str, found: tuple, expected: tuple) -> str | None:
+    if name in BANKS:
+        fits = len(found) == len(expected) and found[1:] == expected[1:] and found[0] >= expected[0]
+        wanted = "(" + ", ".join([f"{expected[0]} or more", *map(str, expected[1:])]) + ")"
+    else:
+        fits, wanted = found == expected, str(expected)
+    return None if fits else f"{name!r} has shape {found}, expected {wanted}"
+
+
+def check_record_state(state: dict, args: T.Hyperparameters) -> dict:
+    """The record's state dict without the '_orig_mod.' prefix, once it is record #85's GPT for this config:
+    string keys; every tensor there; floating dtypes; the shapes of record_shapes. Otherwise a WeightsError,
+    one line naming the first key that is wrong and how many more are. Tensors the conversion does not use (a
+    buffer the record's file may hold) are left out, and unused_keys names them."""
+    odd = [k for k in state if not isinstance(k, str)]
+    if odd:
+        more = f"; and {len(odd) - 1} more such key(s)" if len(odd) > 1 else ""
+        raise WeightsError(f"key {odd[0]!r} ({type(odd[0]).__name__}) is not a parameter name (the keys of a state "
+                           f"dict are strings){more}")
+    plain = {k.removeprefix(COMPILED_PREFIX): v for k, v in state.items()}
+    if len(plain) != len(state):
+        twice = next(k for k in state if k.startswith(COMPILED_PREFIX) and k.removeprefix(COMPILED_PREFIX) in state)
+        raise WeightsError(f"{twice.removeprefix(COMPILED_PREFIX)!r} is there twice, with and without "
+                           f"{COMPILED_PREFIX!r}")
+    expected = record_shapes(args)
+    problems = []
+    for name, shape in expected.items():
+        value = plain.get(name)
+        if value is None:
+            problems.append(f"missing {name!r} (expected shape {shape})")
+        elif not isinstance(value, torch.Tensor):
+            problems.append(f"{name!r} is a {type(value).__name__}, not a tensor")
+        elif value.dtype not in FLOAT_DTYPES:
+            problems.append(f"{name!r} has dtype {str(value.dtype).removeprefix('torch.')}, expected a floating "
+                            f"one (bfloat16, float16, float32 or float64)")
+        else:
+            problems.append(_shape_problem(name, tuple(value.shape), shape))
+    problems = [p for p in problems if p is not None]
+    if problems:
+        more = f"; and {len(problems) - 1} more key(s) wrong" if len(problems) > 1 else ""
+        raise WeightsError(problems[0] + more)
+    return plain
+
+
+def unused_keys(state: dict, args: T.Hyperparameters) -> list[str]:
+    """The record's tensors (named without '_orig_mod.') that the conversion does not read."""
+    expected = record_shapes(args)
+    return [k for k in (str(k).removeprefix(COMPILED_PREFIX) for k in state) if k not in expected]
+
+
+def record_to_ours(state: dict, args: T.Hyperparameters | None = None, step: int | None = None) -> dict:
+    """Our model's state dict from the record's (compiled or not: the '_orig_mod.' prefix is optional),
+    checked first (check_record_state)."""
+    args = args or speedrun_args()
+    state = check_record_state(state, args)
+    heads = args.model_dim // args.head_dim
+    ours = {mine: state[theirs] for theirs, mine in SAME.items()}
+    qk, vo, mlp = state["qk_bank"], state["vo_bank"], state["mlp_bank"]
+    layers = _attention_layers(args)
     for a, layer in enumerate(layers):
         ours[f"blocks.{layer}.attn.qk"] = qk[heads * a:heads * (a + 1)]
         ours[f"blocks.{layer}.attn.vo"] = vo[2 * a:2 * a + 2]
@@ -117,13 +205,9 @@ def ours_to_record(state: dict, args: T.Hyperparameters | None = None, like: dic
         prefix = COMPILED_PREFIX if any(k.startswith(COMPILED_PREFIX) for k in like) else ""
         like = {k.removeprefix(COMPILED_PREFIX): v for k, v in like.items()}
     prefix = COMPILED_PREFIX if prefix is None else prefix
-    heads = args.model_dim // args.head_dim
     record = {theirs: _take(state, mine) for theirs, mine in SAME.items()}
-    layers = _attention_layers(args)
-    qk = torch.cat([_take(state, f"blocks.{layer}.attn.qk") for layer in layers])
-    vo = torch.cat([_take(state, f"blocks.{layer}.attn.vo") for layer in layers])
-    mlp = torch.stack([torch.stack([_take(state, f"blocks.{layer}.mlp.fc"), _take(state, f"blocks.{layer}.mlp.proj")])
-                       for layer in range(args.num_layers)])
+    banks = _banks(state, args)
+    qk, vo, mlp = banks["qk_bank"], banks["vo_bank"], banks["mlp_bank"]
 
     def padded(used: torch.Tensor, name: str, rows: int) -> torch.Tensor:
         if like is not None:
@@ -141,16 +225,51 @@ def ours_to_record(state: dict, args: T.Hyperparameters | None = None, like: dic
     return {prefix + k: v for k, v in record.items()}
 
 
-def load_state(path: Path, trust: bool) -> dict:
-    """A state dict from a file: the record's model.state_dict(), or its checkpoint (key "model")."""
+def check_torch_file(path: Path):
+    """Refuses, in words and without unpickling anything, a file that is not one torch.save writes: a zip
+    archive holding data.pkl, or (the legacy format) a pickle that starts with torch's magic number.
+    torch.load's own message for a text file is `(101)`."""
     try:
-        data = torch.load(path, map_location="cpu", weights_only=not trust)
+        with open(path, "rb") as f:
+            head = f.read(32)
     except FileNotFoundError:
         raise WeightsError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise WeightsError(f"{path}: a folder, not the record's state dict (.pt)") from None
+    except OSError as e:
+        raise WeightsError(f"{path}: cannot read it ({e.strerror})") from None
+    if not head:
+        raise WeightsError(f"{path}: not a PyTorch file (it is empty)")
+    if head.startswith(ZIP_MAGIC):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                names = archive.namelist()
+        except (zipfile.BadZipFile, OSError):  # most often a copy cut short: its central directory is at the end
+            raise WeightsError(f"{path}: a truncated or damaged zip archive, not a complete PyTorch file; copy it "
+                               f"again") from None
+        if not any(name.split("/")[-1] == "data.pkl" for name in names):
+            raise WeightsError(f"{path}: not a PyTorch file (a zip archive without data.pkl)")
+    elif not (head.startswith(b"\x80") and LEGACY_MAGIC in head):
+        raise WeightsError(f"{path}: not a PyTorch file (neither a zip archive, torch.save's format, nor its legacy "
+                           f"pickle)")
+
+
+def load_state(path: Path, trust: bool) -> dict:
+    """A state dict from a file: the record's model.state_dict(), or its checkpoint (key "model"). The safe
+    loader (weights_only) unless `trust`; --trust is suggested only where it refused a Python object."""
+    check_torch_file(path)
+    try:
+        with warnings.catch_warnings():  # one line on stderr: no note from torch on, e.g., the pickle protocol
+            warnings.simplefilter("ignore")
+            data = torch.load(path, map_location="cpu", weights_only=not trust)
     except Exception as e:
-        hint = " (the record's checkpoints hold its optimizer's Python objects: --trust loads them, if you " \
-               "trust the file)" if not trust else ""
-        raise WeightsError(f"{path}: cannot load ({T.first_line(e)}){hint}") from None
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        if isinstance(e, pickle.UnpicklingError) and refused and not trust:
+            raise WeightsError(f"{path}: the safe loader refused {refused[1]}, a Python object beside the tensors "
+                               f"(the record's checkpoints hold its optimizer's): --trust loads it, if you trust "
+                               f"the file") from None
+        why = re.search(r"WeightsUnpickler error:\s*([^\n]+)", str(e))  # the cause, below torch's paragraph
+        raise WeightsError(f"{path}: cannot load this PyTorch file ({why[1] if why else T.first_line(e)})") from None
     if isinstance(data, dict) and isinstance(data.get("model"), dict):
         data = data["model"]
     if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
@@ -158,15 +277,32 @@ def load_state(path: Path, trust: bool) -> dict:
     return data
 
 
+def schedule_step(step: int | None, args: T.Hyperparameters) -> int:
+    """--step, or the end of training where it is not given; a step the schedule does not have is refused."""
+    last = T.Schedule(args).total
+    if step is None:
+        return last
+    if not 0 <= step <= last:
+        raise WeightsError(f"--step={step}: the schedule's steps are 0 to --num_iterations={last}; leave --step out "
+                           f"for the end of training")
+    return step
+
+
+def refuse_existing(out: Path, what: str):
+    """An output is never written over (publish_folder would replace a folder): checked before anything is loaded."""
+    if out.exists() or out.is_symlink():
+        raise WeightsError(f"{out}: already exists; choose a new {what}")
+
+
 def write_final_folder(state: dict, args: T.Hyperparameters, out: Path, step: int, source: str):
-    """A final-weights folder (model.pt, config.json) as train_gpt.py --save_final=true writes one."""
-    if out.exists():
-        raise WeightsError(f"{out}: already exists; choose a new folder")
+    """A final-weights folder (model.pt, config.json) as train_gpt.py --save_final=true writes one: into a
+    temporary folder beside it, renamed at the end, and removed if a write fails or SIGTERM comes."""
+    refuse_existing(out, "folder")
     model = T.GPT(args)
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:
-        raise WeightsError(f"the converted weights do not fit train_gpt.py's model ({T.first_line(e)})") from None
+    mismatch = T.state_dict_mismatch(state, model.state_dict())
+    if mismatch:
+        raise WeightsError(f"the converted weights do not fit train_gpt.py's model: {mismatch}")
+    model.load_state_dict(state)
     info = {"format": T.FINAL_WEIGHTS_FORMAT, "config": dataclasses.asdict(args), "step": step, "val_loss": None,
             "windows": list(T.Schedule(args).windows(args.num_iterations, final_validation=True)),
             "code_sha256": None, "converted_from": source}
@@ -174,12 +310,19 @@ def write_final_folder(state: dict, args: T.Hyperparameters, out: Path, step: in
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
-        T.write_file(tmp / "model.pt", model.state_dict())
-        T.write_file(tmp / "config.json", json.dumps(info, indent=1).encode())
-        T.publish_folder(tmp, out)
+    except OSError as e:  # nothing was made, so nothing is said to be removed
+        raise WeightsError(str(T.write_error(tmp, e))) from None
+    try:
+        with T.terminate_as_exception():
+            T.write_file(tmp / "model.pt", model.state_dict())
+            T.write_file(tmp / "config.json", json.dumps(info, indent=1).encode())
+            T.publish_folder(tmp, out)
     except (OSError, T.TrainingError) as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise WeightsError(f"cannot write {out}: {T.first_line(e)}") from None
+        why = T.write_error(out, e) if isinstance(e, OSError) else e
+        raise WeightsError(f"{why}; {T.remove_unfinished(tmp)}") from None
+    except BaseException:  # SIGTERM (as SystemExit) or Ctrl-C mid-write
+        T.remove_unfinished(tmp)
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     to_ours = sub.add_parser("to-ours", help="a record state dict (or its checkpoint) -> a final-weights folder")
     to_ours.add_argument("state")
     to_ours.add_argument("out", help="the final-weights folder to create")
-    to_ours.add_argument("--step", type=int, default=None, help="schedule step of the weights (default: the end): "
-                                                                  "fixes the rotary state")
+    to_ours.add_argument("--step", type=int, default=None, help="schedule step of the weights, 0 to --num_iterations "
+                                                                  "(default: the end): fixes the rotary state")
     to_ours.add_argument("--trust", action="store_true", help="load a full pickle (the record's checkpoints)")
     to_record = sub.add_parser("to-record", help="a final-weights folder -> the record's state dict (.pt)")
     to_record.add_argument("folder")
@@ -198,16 +341,24 @@ def main(argv: list[str] | None = None) -> int:
     flags = argv[argv.index("--") + 1:] if "--" in argv else []
     options = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     try:
+        out = Path(options.out)
         if options.command == "to-ours":
             args = T.parse_args(["--preset=speedrun", *flags], cuda_available=True)
-            state = record_to_ours(load_state(Path(options.state), options.trust), args, options.step)
-            step = args.num_iterations if options.step is None else options.step
-            write_final_folder(state, args, Path(options.out), step, str(options.state))
-            print(f"wrote {options.out} (sample.py {options.out}; train_gpt.py --init_from={options.out})")
+            step = schedule_step(options.step, args)
+            refuse_existing(out, "folder")
+            record = load_state(Path(options.state), options.trust)
+            try:
+                state = record_to_ours(record, args, step)
+            except WeightsError as e:
+                raise WeightsError(f"{options.state}: {e}") from None
+            write_final_folder(state, args, out, step, str(options.state))
+            unused = unused_keys(record, args)
+            if unused:
+                print(f"note: {len(unused)} tensor(s) of {options.state} are not weights of train_gpt.py's model and "
+                      f"were left out: {', '.join(map(repr, unused[:5]))}{' ...' if len(unused) > 5 else ''}")
+            print(f"wrote {out} (sample.py {out}; train_gpt.py --init_from={out})")
         else:
-            out = Path(options.out)
-            if out.exists():
-                raise WeightsError(f"{out}: already exists; choose a new file")
+            refuse_existing(out, "file")
             model, args, _ = T.load_final_weights(options.folder, torch.device("cpu"))
             state = ours_to_record({k: v for k, v in model.state_dict().items()}, args)
             T.write_file(out, state)
