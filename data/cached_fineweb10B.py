@@ -15,8 +15,9 @@ how many shards to fetch) unless --repeat_data=true.
 Every shard is 200,001,024 bytes on disk (1 KiB header + 2 bytes per token).
 
 Shards already present and valid are skipped. A download goes to a hidden staging folder and is
-moved into place only after its header and size check out, so an interrupted run never leaves a
-file that looks complete.
+fsynced and moved into place only after its header and size check out, so an interrupted run never
+leaves a file that looks complete. A run claims its folder (safe_write.FolderLock): a second download
+into the same folder is refused in one line while the first lasts.
 """
 
 import argparse
@@ -25,6 +26,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import safe_write
 import shards
 
 REPO_ID = "kjj0/fineweb10B-gpt2"
@@ -98,8 +100,25 @@ def fetch(name: str, out_dir: Path) -> str:
     except shards.ShardError as e:
         path.unlink(missing_ok=True)  # so that the next run downloads it afresh
         raise DownloadError(f"downloaded {name} is damaged ({e}); it was deleted, run again to retry") from None
-    os.replace(path, final)
+    try:
+        safe_write.commit(path, final)  # fsynced, then renamed; removed if that fails
+    except OSError as e:
+        raise DownloadError(f"cannot write {final}: {e.strerror or e}; run again to retry") from None
     return f"downloaded, {final.stat().st_size:,} bytes"
+
+
+def fetch_all(names: list[str], out_dir: Path):
+    """Fetches each shard in turn; prints one line per shard. The staging folder is removed at the end, and
+    after a failure too unless it holds a partial download that the next run resumes from."""
+    staging = out_dir / STAGING
+    try:
+        for i, name in enumerate(names, 1):
+            print(f"[{i}/{len(names)}] {name}: {fetch(name, out_dir)}", flush=True)
+    except BaseException:
+        if staging.is_dir() and not any(p.suffix in (".bin", ".incomplete") for p in staging.rglob("*")):
+            shutil.rmtree(staging, ignore_errors=True)  # no partial download worth resuming from
+        raise
+    shutil.rmtree(staging, ignore_errors=True)  # only hub metadata is left there
 
 
 def parse_args(argv=None):
@@ -131,18 +150,19 @@ def main(argv=None) -> int:
         if args.out.exists() and not args.out.is_dir():
             raise DownloadError(f"--out {args.out}: exists and is not a folder")
         args.out.mkdir(parents=True, exist_ok=True)
-        for i, name in enumerate(names, 1):
-            print(f"[{i}/{len(names)}] {name}: {fetch(name, args.out)}", flush=True)
-        shutil.rmtree(args.out / STAGING, ignore_errors=True)  # only hub metadata is left there
-    except (DownloadError, KeyboardInterrupt) as e:
-        staging = args.out / STAGING
-        if staging.is_dir() and not any(p.suffix in (".bin", ".incomplete") for p in staging.rglob("*")):
-            shutil.rmtree(staging, ignore_errors=True)  # no partial download worth resuming from
+        with safe_write.FolderLock(args.out, f"--out {args.out}"):  # one downloader per folder
+            fetch_all(names, args.out)
+    except (DownloadError, safe_write.FolderBusy, OSError, KeyboardInterrupt, SystemExit) as e:
         if created_out and args.out.is_dir() and not any(args.out.iterdir()):
             args.out.rmdir()  # a failed first run leaves no trace
+        if isinstance(e, SystemExit):  # SIGTERM, while the lock is held (safe_write.sigterm_exits)
+            print("error: terminated; finished shards are kept, run again to resume", file=sys.stderr)
+            raise
         if isinstance(e, KeyboardInterrupt):
             print("error: interrupted; finished shards are kept, run again to resume", file=sys.stderr)
             return 130
+        if isinstance(e, OSError):  # the hub's are DownloadErrors by now: this is the folder (mkdir, its lock)
+            e = f"--out {args.out}: cannot write there ({e.strerror or e})"
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"{len(names)} shards in {args.out}")

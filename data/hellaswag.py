@@ -14,8 +14,9 @@ Reference, GPT-2 small (124M, OpenAI's weights), all 10,042 examples, this proto
 acc_norm 0.2955, from the docstring of llm.c's dev/data/hellaswag.py (github.com/karpathy/llm.c).
 
 The file comes from the dataset's public source, the HellaSwag authors' GitHub repository
-(rowanz/hellaswag, data/hellaswag_val.jsonl). It is written to a `.partial` file and renamed only after
-all 10,042 examples parse, so an interrupted or failed download never leaves a file that looks complete.
+(rowanz/hellaswag, data/hellaswag_val.jsonl). It is written to a temporary file beside --out, fsynced and
+renamed only after all 10,042 examples parse (data/safe_write.py's atomic_file), so an interrupted or failed
+download never leaves a file that looks complete, nor the temporary.
 Offline it fails at once with one line and exit code 1.
 """
 
@@ -23,12 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+import safe_write  # data/, beside this file
 
 SOURCE_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 DEFAULT_PATH = Path(__file__).resolve().parent / "hellaswag" / "hellaswag_val.jsonl"
@@ -192,54 +194,61 @@ def download(out: Path = DEFAULT_PATH, url: str = SOURCE_URL, expected_examples:
     if out.exists() and not out.is_file():
         raise HellaSwagError(f"--out {out}: exists and is not a file")
     created_dir = not out.parent.exists()
-    partial = out.with_name(out.name + ".partial")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        partial.touch()
-    except OSError as e:
-        if created_dir and out.parent.is_dir() and not any(out.parent.iterdir()):
-            out.parent.rmdir()
-        raise HellaSwagError(f"--out {out}: cannot write there ({e.strerror})") from None
     try:
         try:
-            response = urllib.request.urlopen(url, timeout=NETWORK_TIMEOUT_S)
-        except urllib.error.HTTPError as e:
-            raise HellaSwagError(f"could not download {url}: the server answered HTTP {e.code} {e.reason}") from None
-        except OSError as e:  # URLError, refused connections and timeouts are all OSErrors
-            reason = str(getattr(e, "reason", None) or e).splitlines()
-            raise HellaSwagError(f"could not download {url}: no network connection? Retry when online "
-                                 f"({type(e).__name__}: {reason[0] if reason else 'no details'})") from None
-        with response, open(partial, "wb") as f:
-            try:
-                _copy_with_progress(response, f)
-            except OSError as e:
-                raise HellaSwagError(f"downloading {url} failed midway ({type(e).__name__}: {e}); "
-                                     f"run again to retry") from None
-        try:
-            found = len(read_examples(partial))
-        except UnicodeDecodeError:
-            raise HellaSwagError(f"downloaded {url} is not UTF-8 text; run again to retry") from None
-        except HellaSwagError as e:
-            raise HellaSwagError(f"downloaded file is damaged ({e}); run again to retry") from None
-        if found != expected_examples:
-            raise HellaSwagError(f"downloaded {url} holds {found} examples, expected {expected_examples}; "
-                                 f"run again to retry")
-        os.replace(partial, out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with safe_write.atomic_file(out) as f:  # renamed to out only if the block ends without an error
+                found = _download_into(f, url, expected_examples)
+        except OSError as e:  # the network's errors are HellaSwagErrors by now: this is the disk
+            raise HellaSwagError(f"--out {out}: cannot write there ({e.strerror or e})") from None
     except BaseException:
-        partial.unlink(missing_ok=True)
-        if created_dir and not any(out.parent.iterdir()):
+        if created_dir and out.parent.is_dir() and not any(out.parent.iterdir()):
             out.parent.rmdir()  # a failed first run leaves no trace
         raise
     return f"downloaded, {found:,} examples, {out.stat().st_size:,} bytes"
 
 
-def _copy_with_progress(response, f):
+def _download_into(f, url: str, expected_examples: int) -> int:
+    """Writes url's file to f and checks it: returns its number of examples, which must be expected_examples."""
+    try:
+        response = urllib.request.urlopen(url, timeout=NETWORK_TIMEOUT_S)
+    except urllib.error.HTTPError as e:
+        raise HellaSwagError(f"could not download {url}: the server answered HTTP {e.code} {e.reason}") from None
+    except OSError as e:  # URLError, refused connections and timeouts are all OSErrors
+        reason = str(getattr(e, "reason", None) or e).splitlines()
+        raise HellaSwagError(f"could not download {url}: no network connection? Retry when online "
+                             f"({type(e).__name__}: {reason[0] if reason else 'no details'})") from None
+    with response:
+        _copy_with_progress(response, f, url)
+    f.flush()
+    try:
+        found = len(read_examples(Path(f.name)))
+    except UnicodeDecodeError:
+        raise HellaSwagError(f"downloaded {url} is not UTF-8 text; run again to retry") from None
+    except HellaSwagError as e:
+        raise HellaSwagError(f"downloaded file is damaged ({e}); run again to retry") from None
+    if found != expected_examples:
+        raise HellaSwagError(f"downloaded {url} holds {found} examples, expected {expected_examples}; "
+                             f"run again to retry")
+    return found
+
+
+def _copy_with_progress(response, f, url: str):
+    """Copies the response into f. A failed read is the network's (a HellaSwagError); a failed write, an
+    OSError, is the disk's."""
     from tqdm import tqdm
 
     size = response.headers.get("Content-Length")
     with tqdm(total=int(size) if size else None, unit="B", unit_scale=True, desc="hellaswag_val.jsonl",
               disable=not sys.stderr.isatty()) as bar:
-        for block in iter(lambda: response.read(1 << 16), b""):
+        while True:
+            try:
+                block = response.read(1 << 16)
+            except OSError as e:
+                raise HellaSwagError(f"downloading {url} failed midway ({type(e).__name__}: {e}); "
+                                     f"run again to retry") from None
+            if not block:
+                return
             f.write(block)
             bar.update(len(block))
 

@@ -6,11 +6,11 @@ zero -- followed by that many little-endian uint16 token ids. This is the layout
 GPT-2 shards (whose [3] is 0), so both kinds of data read the same way.
 """
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+import safe_write
 
 MAGIC = 20240520
 VERSION = 1
@@ -35,8 +35,8 @@ def write_shard(path, tokens, packing: str = "documents") -> int:
     """Write tokens (ints in 0..65535) as a shard at path, atomically, marked for `packing` (PACKINGS);
     returns the token count.
 
-    The data goes to a temporary file in the same folder, is fsynced, and only then renamed over
-    path, so a crash never leaves a half-written file under the final name.
+    Written with safe_write.atomic_file: a temporary file in the same folder, fsynced, then renamed over
+    path, so a crash, a full disk or a signal never leaves a half-written file, nor the temporary.
     """
     path = Path(path)
     array = np.asarray(tokens)
@@ -55,26 +55,11 @@ def write_shard(path, tokens, packing: str = "documents") -> int:
     body = array.astype("<u2", copy=False)
 
     try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as e:
-        raise ShardError(f"{path}: cannot write shard: {e.strerror}") from None
-    try:
-        os.chmod(tmp_name, 0o644)  # mkstemp makes it private; shards are ordinary data files
-        with os.fdopen(fd, "wb") as f:
+        with safe_write.atomic_file(path) as f:
             f.write(header.tobytes())
             f.write(body.tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_name, path)
-    except BaseException as e:
-        # Leave no temporary file behind, whatever stopped us (errors, Ctrl-C).
-        try:
-            os.unlink(tmp_name)
-        except FileNotFoundError:
-            pass
-        if isinstance(e, OSError):  # disk full, permissions: an expected failure, not a bug
-            raise ShardError(f"{path}: cannot write shard: {e.strerror or e}") from None
-        raise
+    except OSError as e:  # disk full, permissions: an expected failure, not a bug
+        raise ShardError(f"{path}: cannot write shard: {e.strerror or e}") from None
     return int(array.size)
 
 

@@ -14,22 +14,27 @@ is written as several, cut at paragraphs, else at line ends, else anywhere, so t
 Output: PREFIX_val_000000.bin (more val shards count up) and PREFIX_train_000001.bin, ... in --out.
 Shards hold whole documents; only a document longer than --shard-tokens is split across shards.
 The output depends only on the inputs and their order, never on --workers.
+A run claims --out for itself (safe_write.FolderLock): a second run into the same folder is refused in
+one line while the first lasts, and a finished run leaves exactly its own PREFIX shards there.
 """
 
 import argparse
 import codecs
+import contextlib
 import hashlib
 import itertools
 import json
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
+import safe_write
 import shakespeare_docs
 import shards
 
@@ -117,6 +122,9 @@ _ENCODING = None  # per process: set in the main process, or by _init_worker in 
 
 def _init_worker(bpe_file):
     global _ENCODING
+    # A forked worker inherits the SIGTERM handler of the parent's write (safe_write.sigterm_exits); the pool
+    # stops its workers with SIGTERM, which should end them at once, as it does by default.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if _ENCODING is None:  # forked workers inherit the parent's; spawned ones load their own
         _ENCODING = load_encoding(bpe_file)
 
@@ -354,6 +362,70 @@ def remove_empty(folders):
             return
 
 
+@contextlib.contextmanager
+def claimed_staging(out_dir: Path, prefix: str, overwrite: bool):
+    """A staging folder in out_dir, which is made if missing and claimed for this run until the block ends
+    (safe_write.FolderLock): a second run into the same folder is refused in one line while this one lasts, so
+    two runs never mix their shards. Old PREFIX shards there are refused unless overwrite; the check runs under
+    the claim. The staging folder is removed at the end; if the block fails, so are the folders made for it."""
+    created = list(itertools.takewhile(lambda folder: not folder.exists(), [out_dir, *out_dir.parents]))
+    lock = safe_write.FolderLock(out_dir, f"--out {out_dir}")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        lock.__enter__()
+    except OSError as e:
+        remove_empty(created)
+        raise TokenizeError(f"--out {out_dir}: cannot write there ({e.strerror or e})", code=2) from None
+    except safe_write.FolderBusy as e:
+        raise TokenizeError(str(e)) from None
+    stage, finished = None, False
+    try:
+        try:
+            old = existing_shards(out_dir, prefix)
+        except OSError as e:
+            raise TokenizeError(f"--out {out_dir}: cannot read it ({e.strerror or e})", code=2) from None
+        if old and not overwrite:
+            raise TokenizeError(f"--out {out_dir} already holds {len(old)} {prefix} shard(s) (e.g. {old[0].name}); "
+                                f"pass --overwrite to replace them")
+        remove_leftover_staging(out_dir)
+        try:
+            stage = Path(tempfile.mkdtemp(prefix=f".{prefix}-staging-", dir=out_dir))
+        except OSError as e:
+            raise TokenizeError(f"--out {out_dir}: cannot write there ({e.strerror or e})", code=2) from None
+        yield stage
+        finished = True
+    finally:
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
+        lock.__exit__(None, None, None)  # after the staging folder, before the folders: its file is in out_dir
+        if not finished:
+            remove_empty(created)
+
+
+def remove_leftover_staging(out_dir: Path):
+    """Staging folders exist only while a run holds out_dir's lock; one found by the holder was left by a run
+    that was killed (kill -9, a power cut). They can hold gigabytes: removed, and said so."""
+    leftovers = [p for p in out_dir.glob(".*-staging-*") if p.is_dir()]
+    for folder in leftovers:
+        shutil.rmtree(folder, ignore_errors=True)
+    if leftovers:
+        print(f"note: --out {out_dir}: removed {len(leftovers)} staging folder(s) left by a run that was killed",
+              file=sys.stderr)
+
+
+def swap_in(out_dir: Path, prefix: str, written: list[Path]):
+    """Moves the finished shards from the staging folder into out_dir, then removes out_dir's other PREFIX
+    shards, so that it holds exactly this set. Ctrl-C and SIGTERM wait for these few renames to end."""
+    names = {path.name for path in written}
+    with safe_write.signals_deferred():
+        for path in written:
+            os.replace(path, out_dir / path.name)
+        for path in existing_shards(out_dir, prefix):
+            if path.name not in names:
+                path.unlink()
+    safe_write.fsync_folder(out_dir)
+
+
 def _batches(docs, max_chars=BATCH_CHARS):
     batch, chars = [], 0
     for doc in docs:
@@ -366,6 +438,24 @@ def _batches(docs, max_chars=BATCH_CHARS):
         yield batch
 
 
+def check_settings(prefix: str, shard_tokens: int, val_tokens: int, has_val_docs: bool, workers: int,
+                   max_doc_tokens: int):
+    """write_dataset's settings, each refused in one line that names its flag."""
+    if not re.fullmatch(PREFIX_PATTERN, prefix):
+        raise TokenizeError(f"--prefix {prefix!r}: use letters, digits, '.', '_' and '-' only")
+    if not 1 <= shard_tokens <= shards.MAX_TOKENS:
+        raise TokenizeError(f"--shard-tokens {shard_tokens}: must be between 1 and {shards.MAX_TOKENS}")
+    if val_tokens < 0:
+        raise TokenizeError(f"--val-tokens {val_tokens}: must not be negative")
+    if has_val_docs and val_tokens:
+        raise TokenizeError("use either held-out validation documents (--val-files) or --val-tokens, not both")
+    if workers < 1:
+        raise TokenizeError(f"--workers {workers}: must be at least 1")
+    if max_doc_tokens < 0 or max_doc_tokens == 1:
+        raise TokenizeError(f"--max-doc-tokens {max_doc_tokens}: must be 0 (keep documents whole) or at least 2 "
+                            f"(the BOS and one token)")
+
+
 def write_dataset(out_dir, prefix, train_docs, val_docs=None, val_tokens=0, *, bpe_file=None,
                   shard_tokens=DEFAULT_SHARD_TOKENS, max_doc_tokens=DEFAULT_MAX_DOC_TOKENS, workers=1,
                   overwrite=False, progress=None, bpe_flag: str | None = "--bpe-file", packing="stream") -> dict:
@@ -375,105 +465,76 @@ def write_dataset(out_dir, prefix, train_docs, val_docs=None, val_tokens=0, *, b
     first documents of train_docs until they hold at least val_tokens tokens. A document longer than
     max_doc_tokens is written as several (split_document; 0 keeps it whole), all in the same split.
     The shards' headers ask train_gpt.py for `packing` (shards.PACKINGS).
-    All shards are written into a staging folder and moved into out_dir only once everything
-    succeeded. progress, if given, is called after each batch of documents.
+    The run claims out_dir for itself from the check for old shards to the end (claimed_staging). All shards are
+    written into a staging folder and moved into out_dir only once everything succeeded; then out_dir holds
+    exactly this run's PREFIX shards. progress, if given, is called after each batch of documents.
     """
     out_dir = Path(out_dir)
-    if not re.fullmatch(PREFIX_PATTERN, prefix):
-        raise TokenizeError(f"--prefix {prefix!r}: use letters, digits, '.', '_' and '-' only")
-    if not 1 <= shard_tokens <= shards.MAX_TOKENS:
-        raise TokenizeError(f"--shard-tokens {shard_tokens}: must be between 1 and {shards.MAX_TOKENS}")
-    if val_tokens < 0:
-        raise TokenizeError(f"--val-tokens {val_tokens}: must not be negative")
-    if val_docs is not None and val_tokens:
-        raise TokenizeError("use either held-out validation documents (--val-files) or --val-tokens, not both")
-    if workers < 1:
-        raise TokenizeError(f"--workers {workers}: must be at least 1")
-    if max_doc_tokens < 0 or max_doc_tokens == 1:
-        raise TokenizeError(f"--max-doc-tokens {max_doc_tokens}: must be 0 (keep documents whole) or at least 2 "
-                            f"(the BOS and one token)")
+    check_settings(prefix, shard_tokens, val_tokens, val_docs is not None, workers, max_doc_tokens)
     try:
         if out_dir.exists() and not out_dir.is_dir():
             raise TokenizeError(f"--out {out_dir}: exists and is not a folder", code=2)
-        old = existing_shards(out_dir, prefix)
     except OSError as e:
         raise TokenizeError(f"--out {out_dir}: cannot read it ({e.strerror or e})", code=2) from None
-    if old and not overwrite:
-        raise TokenizeError(f"--out {out_dir} already holds {len(old)} {prefix} shard(s) (e.g. {old[0].name}); "
-                            f"pass --overwrite to replace them")
 
     global _ENCODING
     _ENCODING = load_encoding(bpe_file, bpe_flag)  # loads here first so that a bad --bpe-file fails before any work
-    created = []  # the folders this run makes, deepest first: a failed run removes them again
-    try:
-        created = list(itertools.takewhile(lambda folder: not folder.exists(), [out_dir, *out_dir.parents]))
-        out_dir.mkdir(parents=True, exist_ok=True)
-        stage = Path(tempfile.mkdtemp(prefix=f".{prefix}-staging-", dir=out_dir))
-    except OSError as e:
-        remove_empty(created)
-        raise TokenizeError(f"--out {out_dir}: cannot write there ({e.strerror or e})", code=2) from None
-    pool, finished = None, False
-    try:
-        val = ShardSequence(stage, prefix, "val", 0, shard_tokens, packing)
-        train = ShardSequence(stage, prefix, "train", 1, shard_tokens, packing)
-        split = {"documents": 0, "pieces": 0}  # documents longer than max_doc_tokens, and what they became
-        if workers > 1:
-            import multiprocessing
-            pool = multiprocessing.get_context().Pool(workers, initializer=_init_worker, initargs=(bpe_file,))
+    with claimed_staging(out_dir, prefix, overwrite) as stage:
+        pool = None
+        try:
+            val = ShardSequence(stage, prefix, "val", 0, shard_tokens, packing)
+            train = ShardSequence(stage, prefix, "train", 1, shard_tokens, packing)
+            split = {"documents": 0, "pieces": 0}  # documents longer than max_doc_tokens, and what they became
+            if workers > 1:
+                import multiprocessing
+                pool = multiprocessing.get_context().Pool(workers, initializer=_init_worker,
+                                                          initargs=(bpe_file,))
 
-        def encode_all(docs):
-            """Each document's pieces (one list per document, usually of one)."""
-            for batch in _batches(docs):
-                if pool is None:
-                    encoded = [encode_document(d) for d in batch]
-                else:  # map keeps the input order, so the result does not depend on the worker count
-                    encoded = pool.map(encode_document, batch, chunksize=max(1, len(batch) // (4 * workers)))
-                for doc in encoded:
-                    pieces = split_document(doc, max_doc_tokens)
-                    if len(pieces) > 1:
-                        split["documents"] += 1
-                        split["pieces"] += len(pieces)
-                    yield pieces
-                if progress:
-                    progress()
+            def encode_all(docs):
+                """Each document's pieces (one list per document, usually of one)."""
+                for batch in _batches(docs):
+                    if pool is None:
+                        encoded = [encode_document(d) for d in batch]
+                    else:  # map keeps the input order, so the result does not depend on the worker count
+                        encoded = pool.map(encode_document, batch, chunksize=max(1, len(batch) // (4 * workers)))
+                    for doc in encoded:
+                        pieces = split_document(doc, max_doc_tokens)
+                        if len(pieces) > 1:
+                            split["documents"] += 1
+                            split["pieces"] += len(pieces)
+                        yield pieces
+                    if progress:
+                        progress()
 
-        if val_docs is not None:
-            for pieces in encode_all(val_docs):
+            if val_docs is not None:
+                for pieces in encode_all(val_docs):
+                    for piece in pieces:
+                        val.add(piece)
+                if not val.documents:
+                    raise TokenizeError("the validation inputs hold no text")
+            for pieces in encode_all(train_docs):
+                sequence = val if val.tokens < val_tokens else train  # a split document stays in one split
                 for piece in pieces:
-                    val.add(piece)
-            if not val.documents:
-                raise TokenizeError("the validation inputs hold no text")
-        for pieces in encode_all(train_docs):
-            sequence = val if val.tokens < val_tokens else train  # a split document stays in one split
-            for piece in pieces:
-                sequence.add(piece)
-        if val.tokens < val_tokens:
-            raise TokenizeError(f"--val-tokens {val_tokens}: the inputs hold only {val.tokens} tokens "
-                                f"({val.documents} documents); ask for fewer")
-        if not train.documents:
-            if not val.documents:
-                raise TokenizeError("the inputs hold no text (every file is empty or blank)")
-            raise TokenizeError("no text left for training" + (f" after the {val_tokens} validation tokens"
-                                                                 if val_tokens else ""))
-        val.flush()
-        train.flush()
-
-        # Every shard is complete: move the new set in, then drop old shards that it did not replace.
-        new_names = set()
-        for path, _ in val.written + train.written:
-            os.replace(path, out_dir / path.name)
-            new_names.add(path.name)
-        for path in old:
-            if path.name not in new_names:
-                path.unlink()
-        finished = True
-    finally:
-        if pool is not None:
-            pool.terminate()
-            pool.join()
-        shutil.rmtree(stage, ignore_errors=True)
-        if not finished:
-            remove_empty(created)  # a failed run leaves no trace
+                    sequence.add(piece)
+            if val.tokens < val_tokens:
+                raise TokenizeError(f"--val-tokens {val_tokens}: the inputs hold only {val.tokens} tokens "
+                                    f"({val.documents} documents); ask for fewer")
+            if not train.documents:
+                if not val.documents:
+                    raise TokenizeError("the inputs hold no text (every file is empty or blank)")
+                raise TokenizeError("no text left for training" + (f" after the {val_tokens} validation tokens"
+                                                                     if val_tokens else ""))
+            val.flush()
+            train.flush()
+            try:
+                swap_in(out_dir, prefix, [path for path, _ in val.written + train.written])
+            except OSError as e:
+                raise TokenizeError(f"--out {out_dir}: cannot move the new shards in ({e.strerror or e})",
+                                    code=2) from None
+        finally:
+            if pool is not None:
+                pool.terminate()
+                pool.join()
 
     def listing(seq):
         return [(out_dir / p.name, n) for p, n in seq.written]

@@ -1,0 +1,252 @@
+"""How every script in data/ writes files: one writer per folder, and no file under its final name until it is
+complete. Kept apart from train_gpt.py, like the rest of data/.
+
+  atomic_file(path): the data goes to a temporary file in path's folder, is fsynced, and only then renamed over
+      path (and the folder fsynced, so that the rename survives a power cut). Any error or signal removes the
+      temporary instead: a full disk, a crash or Ctrl-C never leaves a half-written file, under the final name
+      or beside it. commit(tmp, path) does the last two steps for a file someone else wrote (a download).
+  FolderLock(folder): a folder that one run fills with several files (a tokenized data set, downloaded shards)
+      is claimed for the whole write, so that two runs never interleave their files. The claim is an flock on
+      FOLDER/.writing.lock, which holds the holder's pid; a second writer is refused in one line (FolderBusy).
+      The kernel drops an flock when its holder dies, however it dies (kill -9 too), so a lock file whose flock
+      is free was left by a run that is gone: the next writer says so in one line and takes the folder over.
+      Forked children (a tokenizer's worker pool) do not keep the claim alive after their parent is gone.
+
+SIGTERM's default action ends Python without running finally blocks or except clauses. While either helper is
+in use, a process that has no SIGTERM handler of its own gets one that raises SystemExit(143) (sigterm_exits),
+so that the cleanup runs and the process still exits with the code a shell gives a SIGTERM.
+"""
+
+import contextlib
+import errno
+import fcntl
+import os
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+LOCK_NAME = ".writing.lock"
+SIGTERM_EXIT = 128 + signal.SIGTERM  # 143: what a shell reports for a process ended by SIGTERM
+FILE_MODE = 0o644  # mkstemp makes files private; what data/ writes is ordinary data
+
+
+class FolderBusy(Exception):
+    """Another live run holds the folder's lock; the message is one line naming it."""
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
+
+
+@contextlib.contextmanager
+def sigterm_exits():
+    """For the block, SIGTERM raises SystemExit(143) instead of ending the process on the spot, so that the
+    block's cleanup runs. A process with its own SIGTERM handler (or one that ignores SIGTERM) keeps it."""
+    if not _in_main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def exit_143(signum, frame):
+        raise SystemExit(SIGTERM_EXIT)
+
+    signal.signal(signal.SIGTERM, exit_143)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """For a block that must happen whole or not at all (a few renames): SIGINT and SIGTERM that arrive during
+    it take effect when it ends, through the handlers that were there before."""
+    watched = (signal.SIGINT, signal.SIGTERM)
+    previous = {signum: signal.getsignal(signum) for signum in watched}
+    if not _in_main_thread() or None in previous.values():  # None: a handler Python cannot restore
+        yield
+        return
+    caught = []
+    for signum in watched:
+        signal.signal(signum, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(caught):
+            signal.raise_signal(signum)
+
+
+def fsync_folder(folder) -> None:
+    """Makes the renames and removals in folder durable. A file system that cannot fsync a folder is let be."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _remove(path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def commit(tmp, path) -> None:
+    """Renames tmp, a finished file written by someone else (a download) on path's file system, over path,
+    after fsyncing it. On any failure, or a signal, tmp is removed and the error goes on."""
+    with sigterm_exits():
+        try:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            _remove(tmp)
+            raise
+        fsync_folder(Path(path).parent)
+
+
+@contextlib.contextmanager
+def atomic_file(path):
+    """Yields a binary file, open for writing, that becomes path when the block ends without an error (see the
+    module docstring). Its name, for a check of what was written before it is kept: Path(f.name). An error
+    inside the block, or in the fsync and rename, removes the temporary and goes on; OSErrors are the caller's
+    to word."""
+    path = Path(path)
+    with sigterm_exits():
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            try:
+                os.fchmod(fd, FILE_MODE)
+            finally:
+                os.close(fd)
+            with open(tmp, "wb") as f:  # by name, so that f.name is the path
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            _remove(tmp)
+            raise
+        fsync_folder(path.parent)
+
+
+# The descriptors of the locks this process holds, closed in forked children: an flock lives as long as any
+# descriptor of it is open, and a worker left behind by a killed parent must not keep the folder claimed.
+_HELD = set()
+_AT_FORK = []
+
+
+def _close_held_in_child():
+    for fd in _HELD:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+def _program() -> str:
+    """This process's script, for the lock file's second word (a refused run names it)."""
+    script = sys.argv[0] if sys.argv else ""
+    return Path(script).name if script not in ("", "-c", "-m") else "python"
+
+
+class FolderLock:
+    """`with FolderLock(folder, name):` claims folder (which must exist) for this run; see the module docstring.
+    name is how messages call the folder, e.g. "--out data/mine". Raises FolderBusy if a live run holds it.
+    After entering, stale_holder is the pid line of a gone run whose lock file was found, else None."""
+
+    def __init__(self, folder, name: str | None = None):
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_NAME
+        self.name = name or str(self.folder)
+        self.stale_holder = None
+        self._fd = None
+        self._owner = None
+        self._signals = None
+
+    def __enter__(self):
+        self._signals = sigterm_exits()
+        self._signals.__enter__()
+        try:
+            self._acquire()
+        except BaseException:
+            self._signals.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self._release()
+        finally:
+            self._signals.__exit__(None, None, None)
+
+    def _acquire(self):
+        if not _AT_FORK:
+            os.register_at_fork(after_in_child=_close_held_in_child)
+            _AT_FORK.append(True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                # The holder removes the file before it lets go: if we locked a removed file, lock the new one.
+                current = os.stat(self.path)
+                locked = os.fstat(fd)
+                if (current.st_dev, current.st_ino) == (locked.st_dev, locked.st_ino):
+                    break
+            except BlockingIOError:
+                holder = self._describe(os.pread(fd, 256, 0))
+                os.close(fd)
+                raise FolderBusy(f"{self.name} is being written by another run ({holder}); wait for it to finish "
+                                 f"(its lock file: {self.path})") from None
+            except FileNotFoundError:
+                pass  # removed between our flock and stat: try again
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+        self._fd, self._owner = fd, os.getpid()
+        _HELD.add(fd)
+        left = os.pread(fd, 256, 0)
+        if left.strip():
+            self.stale_holder = self._describe(left)
+            print(f"note: {self.name}: the run that claimed it ({self.stale_holder}) {self._fate(left)}; "
+                  f"taking over its stale lock file {self.path}", file=sys.stderr)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {_program()}\n".encode(), 0)
+
+    def _release(self):
+        if self._fd is None or os.getpid() != self._owner:  # a forked child never removes its parent's lock
+            return
+        try:
+            _remove(self.path)  # before letting go, so that a waiting open() sees the file gone (see _acquire)
+        finally:
+            _HELD.discard(self._fd)
+            os.close(self._fd)
+            self._fd = None
+
+    @staticmethod
+    def _describe(raw: bytes) -> str:
+        words = raw.decode(errors="replace").split()
+        if not words:
+            return "pid not written yet"
+        return f"pid {words[0]}" + (f", {' '.join(words[1:])}" if len(words) > 1 else "")
+
+    @staticmethod
+    def _fate(raw: bytes) -> str:
+        """What became of a stale lock's holder (the free flock already says it is gone)."""
+        try:
+            os.kill(int(raw.split()[0]), 0)
+        except ProcessLookupError:
+            return "is no longer running"
+        except (ValueError, OverflowError):
+            return "is gone"
+        except PermissionError:  # a process of another user took its pid
+            pass
+        return "no longer holds it"
