@@ -20,6 +20,7 @@ installed, and an exact-to-rounding fallback is used when it is not. See records
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime as dt
 import errno
 import hashlib
@@ -33,6 +34,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import urllib.parse
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +49,14 @@ RULE = "=" * 100                 # separates embedded source, header and step li
 DEFAULT_TARGET = 3.28            # the speedrun's val-loss target
 ALPHA = 0.01                     # significance level of every claim the tool checks
 RECORDS_DIR = Path(__file__).resolve().parent
+# Read (never imported) for the names of its Hyperparameters when a log's own source is stripped.
+TRAINER = RECORDS_DIR.parent / "train_gpt.py"
+# A trainer writes header and step lines of at most a few hundred characters (the longest are nvidia-smi's
+# rows and hyperparameters holding file globs). A longer line after the first RULE is refused, with its file
+# and line number, rather than truncated: a log that holds one was not written by a trainer, and no part of
+# it is then parsed. The embedded source before the RULE is only hashed and read with ast, so its lines
+# are not bounded.
+MAX_LINE_CHARS = 10_000
 RECORD_DIR_RE = re.compile(r"^(\d{4}-\d{2}-\d{2})_(.+)$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 BEGIN_MARK = "<!-- records:begin -->"
@@ -58,21 +68,74 @@ class ToolError(Exception):
 
 
 # =============================================================================
+# Log text in the files this tool writes
+# =============================================================================
+# Text from a log (run ids, file names, versions, GPU names, notes, presets and other hyperparameter values)
+# reaches the files this tool writes only through these, each at the point of output: a log cannot add
+# markdown, HTML, shell or plot syntax to a record. Hyperparameter names and code_sha256 are not escaped but
+# checked when the log is read (read_log): a log with a bad one is refused.
+MD_SPECIAL_RE = re.compile(r"([\\`*_\[\]<>|&~$])")
+
+
+def visible(text: str) -> str:
+    """text with each character that is not printable (control characters, line and bidi marks) written as
+    a Python string literal writes it (`\\x1b`, `\\u202e`): one line that shows what it holds."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def md_text(text: str) -> str:
+    """text as literal markdown inline text: `|` cannot end a table cell, nor `<` start HTML, `[` a link,
+    a backtick code, `$` math, `*`, `_` or `~` emphasis; unprintable characters are shown (visible)."""
+    return MD_SPECIAL_RE.sub(r"\\\1", visible(text))
+
+
+def sh_quote(word: str) -> str:
+    """One bash word that reads back as `word`: shlex.quote's single quotes, or for a word holding characters
+    that are not printable, bash's $'...' with those escaped (raw, a carriage return would end the README's
+    line, and so the code block the command is in)."""
+    if word.isprintable():
+        return shlex.quote(word)
+
+    def escaped(c: str) -> str:
+        if c in "\\'":
+            return "\\" + c
+        if c.isprintable():
+            return c
+        code = ord(c)
+        return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+    return "$'" + "".join(map(escaped, word)) + "'"
+
+
+def plot_text(text: str) -> str:
+    """text as literal matplotlib text: a `$` would start mathtext (and a malformed formula fail the plot)."""
+    return visible(text).replace("$", r"\$")
+
+
+# =============================================================================
 # Reading logs
 # =============================================================================
 # A log is: [embedded source] RULE header RULE step lines [end-of-run lines].
 # The public logs have the source stripped and end with `peak memory ...`;
 # this repo's logs add explicit header fields and end with a `summary:` line.
 
+# Every pattern over log text runs in time linear in the line: none can restart inside a run of characters
+# it has already scanned (a lookbehind pins each start to the run's beginning) or rescan a run of blanks once
+# per character before it (no lazy `.*?` followed by blanks). tests/test_records.py times each on 1 MB lines.
 RULE_RE = re.compile(r"^={100}[ \t\r]*$", re.MULTILINE)
+# The step line's groups are split one way only: blanks, then a key up to its ':', then a value up to blanks.
 STEP_RE = re.compile(r"^step:(\d+)/(\d+)((?:[ \t]+[^\s:]+:\S*)*)[ \t]*$")
-FIELD_RE = re.compile(r"([^\s:]+):(\S*)")
-# `|   0  NVIDIA H100 80GB HBM3          On  |   00000000:61:00.0 Off |` (a GPU row of nvidia-smi)
-GPU_ROW_RE = re.compile(r"^\|\s*\d+\s+(.+?)\s+(?:On|Off)\s+\|\s+[0-9A-Fa-f]+:[0-9A-Fa-f:.]+\s")
+FIELD_RE = re.compile(r"(?<![^\s:])([^\s:]+):(\S*)")
+HEADER_FIELD_RE = re.compile(r"(code_sha256|run_id|note):[ \t]*(.*)")   # the value less its trailing blanks
+BUS_ID_RE = re.compile(r"\s+[0-9A-Fa-f]+:[0-9A-Fa-f:.]+\s")   # `   00000000:61:00.0 ` of an nvidia-smi row
+SHA256_RE = re.compile(r"[0-9a-f]{64}")
 # `Sat Nov 15 15:50:24 2025` (nvidia-smi's clock line)
 SMI_DATE_RE = re.compile(r"^(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) ([A-Z][a-z]{2}) +(\d{1,2}) \d\d:\d\d:\d\d (\d{4})\s*$")
-# `device: cpu  world_size: 2  backend: gloo  date: 2026-11-22 03:40:12 UTC` (values may hold single spaces)
-DEVICE_FIELD_RE = re.compile(r"(\w+):[ \t]*(.*?)(?=[ \t]{2,}\w+:|[ \t]*$)")
+# `device: cpu  world_size: 2  backend: gloo  date: 2026-11-22 03:40:12 UTC`: fields are split at two or more
+# blanks before a `name:`, so a value may hold single blanks.
+DEVICE_SPLIT_RE = re.compile(r"(?<![ \t])[ \t]{2,}(?=\w+:)")
+DEVICE_KEYS = ("device", "world_size", "backend", "date")
 
 
 @dataclass
@@ -138,8 +201,31 @@ def parse_step_line(line: str) -> tuple[int, int, dict[str, str]] | None:
     return int(m.group(1)), int(m.group(2)), fields
 
 
+def parse_device_fields(line: str) -> dict[str, str]:
+    """The known fields of a `device: cpu  world_size: 2  backend: gloo  date: ...` line; others are ignored."""
+    fields = {}
+    for part in DEVICE_SPLIT_RE.split(line):
+        key, _, value = part.partition(":")
+        if key in DEVICE_KEYS:
+            fields[key] = value.strip(" \t")
+    return fields
+
+
+def parse_gpu_row(line: str) -> str | None:
+    """The GPU name of an nvidia-smi GPU row, else None:
+    `|   0  NVIDIA H100 80GB HBM3          On  |   00000000:61:00.0 Off |` -> `NVIDIA H100 80GB HBM3`."""
+    cells = line.split("|", 2)
+    if len(cells) < 3 or cells[0] or not cells[1][-1:].isspace() or not BUS_ID_RE.match(cells[2]):
+        return None
+    words = cells[1].split()   # index, name, persistence mode
+    if len(words) < 3 or not words[0].isdecimal() or words[-1] not in ("On", "Off"):
+        return None
+    return " ".join(words[1:-1])
+
+
 def parse_header(lines: list[str]) -> dict:
-    """Fields of the lines between the two RULE lines (both formats)."""
+    """Fields of the lines between the two RULE lines (both formats). Hyperparameter names are kept as
+    written: read_log checks them."""
     h: dict = {"hyperparameters": {}, "gpus": []}
     in_hparams = False
     for line in lines:
@@ -154,12 +240,12 @@ def parse_header(lines: list[str]) -> dict:
             h["torch"] = m.group(1)
         elif line.startswith("hyperparameters:"):
             in_hparams = True
-        elif m := re.match(r"(code_sha256|run_id|note):[ \t]*(.*?)\s*$", line):
-            h[m.group(1)] = m.group(2)
+        elif m := HEADER_FIELD_RE.match(line):
+            h[m.group(1)] = m.group(2).rstrip()
         elif line.startswith("device:"):
-            h.update(DEVICE_FIELD_RE.findall(line))
-        elif m := GPU_ROW_RE.match(line):
-            h["gpus"].append(m.group(1))
+            h.update(parse_device_fields(line))
+        elif gpu := parse_gpu_row(line):
+            h["gpus"].append(gpu)
         elif m := SMI_DATE_RE.match(line):
             h.setdefault("smi_date", dt.datetime.strptime(" ".join(m.groups()), "%b %d %Y").date())
     return h
@@ -209,6 +295,11 @@ def read_log(path: str | Path) -> Log:
 
     # Everything after the text's last newline is a line the writer never finished.
     lines = [ln.rstrip("\r") for ln in text[rule.end():].split("\n")[1:]]
+    if lines and max(map(len, lines)) > MAX_LINE_CHARS:
+        at = next(i for i, ln in enumerate(lines) if len(ln) > MAX_LINE_CHARS)
+        number = text.count("\n", 0, rule.start()) + 2 + at   # in the file, the RULE line's number + 1 + at
+        raise ToolError(f"{path}: not a speedrun log (line {number} has {len(lines[at]):,} characters; a log's "
+                        f"lines have at most {MAX_LINE_CHARS:,})")
     cut = lines.pop() if lines else ""
     second = next((i for i, ln in enumerate(lines) if ln.rstrip() == RULE), None)
     if second is None:  # tolerate a missing second RULE: the header ends at the first step line
@@ -223,11 +314,16 @@ def read_log(path: str | Path) -> Log:
 
     source = text[:rule.start()] or None
     declared = h.get("code_sha256")
+    early = []   # problems found before the Log exists
+    if declared is not None and not SHA256_RE.fullmatch(declared):
+        early.append(f"code_sha256 line holds {shorten(declared)}, not a sha256 (64 hex digits)")
+        declared = None
     # A writer that print()s a source ending in a newline adds one more: accept it when the hash says so.
     if source and declared and sha256_text(source) != declared and source.endswith("\n") \
             and sha256_text(source[:-1]) == declared:
         source = source[:-1]
     hparams = h["hyperparameters"]
+    early += hyperparameter_name_problems(hparams, source)   # and drops the names it refuses
     summary = body["summary"] or {}
     extended = bool(body["summary"] or hparams or {"device", "run_id", "code_sha256"} & h.keys())
 
@@ -265,12 +361,75 @@ def read_log(path: str | Path) -> Log:
               world_size=world_size, date=date, preset=hparams.get("preset"), note=h.get("note"),
               hyperparameters=hparams, total_steps=total, last_step=max((s for s, _, _ in steps), default=0),
               vals=vals, final_val_loss=final, train_time_ms=train_time)
-    log.problems = find_problems(log, body, cut, extended, totals)
+    log.problems = early + find_problems(log, body, cut, extended, totals)
     log.file_id = (st.st_dev, st.st_ino)
     # Only timed steps identify a run: two runs that stopped after step 0 can print the same line.
     if log.last_step > 0:
         log.steps_digest = sha256_text("\n".join(body["step_lines"]))
     return log
+
+
+def shorten(text: str, limit: int = 60) -> str:
+    """repr of text, cut to about `limit` characters: names a value in a one-line message."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text):,} characters)"
+
+
+_fields_of: dict[str, frozenset[str] | None] = {}   # sha256 of a source -> hyperparameter_fields(source)
+
+
+def hyperparameter_fields(source: str) -> frozenset[str] | None:
+    """The fields of the `Hyperparameters` dataclass of a train_gpt.py source: the names its log header
+    lists (the trainer logs dataclasses.asdict). Read with ast, so nothing is imported or run; None when
+    the source does not parse or defines no such class."""
+    key = sha256_text(source)
+    if key not in _fields_of:
+        _fields_of[key] = None
+        try:
+            tree = ast.parse(source)
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return None
+        for node in tree.body:   # the last definition is the one Python keeps
+            if isinstance(node, ast.ClassDef) and node.name == "Hyperparameters":
+                _fields_of[key] = frozenset(
+                    stmt.target.id for stmt in node.body
+                    if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                    and not re.search(r"\b(?:ClassVar|InitVar)\b", ast.unparse(stmt.annotation)))
+    return _fields_of[key]
+
+
+def defined_hyperparameters(source: str | None) -> tuple[frozenset[str] | None, str]:
+    """(the hyperparameter names the code behind a log defines, which code that is, in words): the log's
+    embedded source, else (stripped, or a stand-in without the class) the repository's train_gpt.py.
+    Without names, the words say why."""
+    if source is not None and (fields := hyperparameter_fields(source)) is not None:
+        return fields, "its embedded train_gpt.py"
+    why = "its source is stripped" if source is None else "its embedded source has no Hyperparameters"
+    code = f"{TRAINER} ({why})"
+    try:
+        fields = hyperparameter_fields(TRAINER.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"{code} cannot be read ({getattr(e, 'strerror', None) or e})"
+    return fields, code if fields is not None else f"{code} defines no Hyperparameters"
+
+
+def hyperparameter_name_problems(hparams: dict[str, str], source: str | None) -> list[str]:
+    """A problem for header names that are not identifiers, and one for names the log's code does not
+    define; both kinds are removed from hparams, so that no later step (the README's rerun command above
+    all) sees them."""
+    if not hparams:
+        return []
+    fields, code = defined_hyperparameters(source)
+    if fields is None:
+        return [f"cannot check the header's hyperparameter names: {code}"]
+    problems = []
+    for kind, bad in (("which is not an identifier", [k for k in hparams if not k.isidentifier()]),
+                      (f"which {code} does not define", [k for k in hparams if k.isidentifier() and k not in fields])):
+        if bad:
+            more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
+            problems.append(f"header names hyperparameter {shorten(bad[0])}{more}, {kind}")
+        for k in bad:
+            del hparams[k]
+    return problems
 
 
 def _int(value) -> int | None:
@@ -405,7 +564,26 @@ FREE_FIELDS = {"seed", "run_id", "logs_dir", "checkpoint_dir", "resume", "force_
                "save_final", "pg_timeout_s", "device"}
 # Shown first: the fields that most change what a run computes.
 KEY_FIELDS = ["num_iterations", "world_size", "train_files", "val_files", "val_tokens", "val_seq_len",
-              "repeat_data", "batch_tokens", "micro_batch_tokens", "train_max_seq_len"]
+              "repeat_data", "stage_batch_tokens", "micro_batches", "stage_max_seq_len",
+              "batch_tokens", "micro_batch_tokens", "train_max_seq_len"]   # the last three: older trainers'
+
+
+def canonical_micro_batches(value: str) -> str:
+    """--micro_batches in one spelling per meaning, as train_gpt.py now logs it (this mirrors
+    train_gpt.micro_batches_flag applied to the counts stage_micro_batches reads): one count when every
+    stage has the same ("4,4,4" and " 4" -> "4"), else one per stage ("8,8,16"); "auto" and what the trainer
+    would refuse are only stripped. Older logs wrote the setting as typed."""
+    text = value.strip()
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        return text
+    return str(counts[0]) if len(set(counts)) == 1 else ",".join(map(str, counts))
+
+
+def experiment_value(name: str, value: str | None) -> str | None:
+    """A hyperparameter's value as experiments are compared: settings that train identically are equal."""
+    return canonical_micro_batches(value) if name == "micro_batches" and value is not None else value
 
 
 def experiment_fields(logs: list[Log]) -> dict[str, list[str | None]]:
@@ -419,7 +597,7 @@ def experiment_fields(logs: list[Log]) -> dict[str, list[str | None]]:
         fields["world_size"] = [None if lg.world_size is None else str(lg.world_size) for lg in logs]
     names = set().union(*(lg.hyperparameters for lg in logs)) - FREE_FIELDS - fields.keys()
     for name in sorted(names, key=lambda n: (KEY_FIELDS.index(n) if n in KEY_FIELDS else len(KEY_FIELDS), n)):
-        fields[name] = [lg.hyperparameters.get(name) for lg in logs]
+        fields[name] = [experiment_value(name, lg.hyperparameters.get(name)) for lg in logs]
     return fields
 
 
@@ -435,11 +613,13 @@ def experiment_differences(logs: list[Log]) -> dict[str, dict[str | None, list[L
     return out
 
 
-def differs_text(name: str, groups: dict[str | None, list[Log]], name_of=lambda lg: lg.name) -> str:
-    """`batch_tokens is 2048 in a.txt, b.txt; 4096 in c.txt`"""
+def differs_text(name: str, groups: dict[str | None, list[Log]], name_of=lambda lg: lg.name, text=visible) -> str:
+    """`batch_tokens is 2048 in a.txt, b.txt; 4096 in c.txt`; `text` renders each name and value (md_text
+    for a README)."""
     def shown(v):
-        return "not logged" if v is None else (repr(v) if v == "" else v)
-    return f"{name} is " + "; ".join(f"{shown(v)} in {', '.join(map(name_of, lgs))}" for v, lgs in groups.items())
+        return "not logged" if v is None else text(repr(v) if v == "" else v)
+    return f"{text(name)} is " + "; ".join(f"{shown(v)} in {', '.join(text(name_of(lg)) for lg in lgs)}"
+                                         for v, lgs in groups.items())
 
 
 def parse_allowed(values: list[str] | None, logs: list[Log]) -> set[str]:
@@ -496,11 +676,14 @@ def default_track(log: Log) -> str:
     return hardware_label(log) + (f" {log.preset}" if log.note and log.preset else "")
 
 
+COUNT_RE = re.compile(r"(?<!\d)(\d+)\s*[x×]")   # `8x`, `8 ×`; a run of digits is tried once, from its start
+
+
 def track_conflict(track: str, log: Log) -> str | None:
     """Why a track name claims hardware the logs did not run on, or None."""
     words = track.lower()
-    counts = re.findall(r"(\d+)\s*[x×]", words)
-    rest = re.sub(r"\d+\s*[x×]", " ", words)
+    counts = COUNT_RE.findall(words)
+    rest = COUNT_RE.sub(" ", words)
     where = f"the logs ran on {hardware_label(log)}"
     if re.search(r"\bcpu\b", rest) and log.device != "cpu":
         return f"track {track!r} names CPU but {where}"
@@ -998,7 +1181,8 @@ def cmd_plot(args) -> int:
             continue
         g = groups.index(lg.code_hash)
         n = sum(1 for other in logs if other.code_hash == lg.code_hash)
-        label = None if g in labelled else f"code {lg.code_hash[:8] if lg.code_hash else 'not embedded'} ({n} run{'s' * (n != 1)})"
+        code = lg.code_hash[:8] if lg.code_hash else "not embedded"
+        label = None if g in labelled else plot_text(f"code {code} ({n} run{'s' * (n != 1)})")
         labelled.add(g)
         style = dict(color=colours[g % len(colours)], marker=".", linewidth=1, alpha=0.8)
         ax_time.plot([t / 1000 for _, _, t in points], [v for _, v, _ in points], label=label, **style)
@@ -1011,7 +1195,7 @@ def cmd_plot(args) -> int:
         ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
         ax.grid(True, which="both", alpha=0.3)
     ax_time.legend()
-    fig.suptitle("val loss, " + "; ".join(sorted({hardware_label(lg) for lg in logs})))
+    fig.suptitle(plot_text("val loss, " + "; ".join(sorted({hardware_label(lg) for lg in logs}))))
     fig.tight_layout()
     out = Path(args.output)
     png = io.BytesIO()
@@ -1032,42 +1216,47 @@ def record_readme(name: str, date: str, track: str, target: float, logs: list[Lo
     st = group_stats(logs, target)
     first = logs[0]
     headers, rows = run_rows(logs)
-    lines = [f"# {name} ({date})", "",
-             f"Track: **{track}**. Hardware, from the logs: {hardware_long(first)}; "
-             f"PyTorch {first.torch or 'unknown'}, Python {first.python or 'unknown'}.", ""]
+    rows = [[md_text(cell) for cell in row] for row in rows]
+    lines = [f"# {md_text(name)} ({md_text(date)})", "",
+             f"Track: **{md_text(track)}**. Hardware, from the logs: {md_text(hardware_long(first))}; "
+             f"PyTorch {md_text(first.torch or 'unknown')}, Python {md_text(first.python or 'unknown')}.", ""]
     if differ := experiment_differences(logs):
         lines += [f"**Not one experiment**: filed with `--allow-differences={','.join(differ)}`; the statistics "
                   "below pool runs whose settings differ:", ""]
-        lines += [f"- {differs_text(k, g, lambda lg: lg.path.name)}" for k, g in differ.items()] + [""]
-    if first.note:
-        lines += [f"> {first.note}", ""]
+        lines += [f"- {differs_text(k, g, lambda lg: lg.path.name, md_text)}" for k, g in differ.items()] + [""]
+    if first.note:   # after a word of ours: a note cannot start a heading or a list
+        lines += [f"> Note: {md_text(first.note)}", ""]
     lines += ["## Runs", "", md_table(headers, rows), "",
               "## Statistics", "",
               f"- {val_line(st)}", f"- {target_rule(st)}", f"- {time_line(st)}",
               f"- {code_line(logs)}", "",
               "Final val loss is the val_loss at the last step; train time is the train_time the log "
-              "reports for the whole run (its summary line, else the last step). The p-value is a one-sided one-sample t-test "
-              f"(df = n - 1) of H1: mean < target; the target counts as met at p < {ALPHA:g} "
+              "reports for the whole run (its summary line, else the last step). The p-value is a one-sided "
+              f"one-sample t-test (df = n - 1) of H1: mean < target; the target counts as met at p < {ALPHA:g} "
               "(for a single run: its final val loss <= target).", "",
               "## Reproduce", ""]
-    log_path = f"{folder}/{first.path.name}"
+    log_path = sh_quote(f"{folder}/{first.path.name}")
     if first.source is None:
         lines += ["These logs carry no embedded source (it was stripped before they were published), "
                   "so this record cannot be re-run from this folder.", ""]
     else:
         script = f"train_gpt_{first.code_hash[:8]}.py"
+        # Every word is quoted (sh_quote): names and values come from the log. The names are ones its
+        # train_gpt.py defines (read_log refuses others), and the folder and script name are ours.
         lines += ["Every log embeds the exact train_gpt.py that produced it. From the repository root:", "",
-                  "```bash", f"python records/records.py verify {folder}/*.txt --target {target:g}",
+                  "```bash", f"python records/records.py verify {sh_quote(folder)}/*.txt --target {target:g}",
                   f"python records/records.py extract {log_path} -o {script} && \\",
                   f"  torchrun --standalone --nproc_per_node={first.world_size or 1} {script}"
-                  + "".join(f" \\\n    --{k}={shlex.quote(v)}" for k, v in run_flags(first)), "```", ""]
-        differ = sorted(k for k in first.hyperparameters if len({lg.hyperparameters.get(k) for lg in logs}) > 1)
+                  + "".join(f" \\\n    {sh_quote(f'--{k}={v}')}" for k, v in run_flags(first)), "```", ""]
+        differ = sorted(k for k in first.hyperparameters
+                        if len({experiment_value(k, lg.hyperparameters.get(k)) for lg in logs}) > 1)
         if first.hyperparameters:
             lines += ["The flags are the hyperparameters in the first run's log header, less those that only "
                       "name where a run writes its files."
-                      + (f" These differ between the runs: {', '.join(differ)} (see each log's header)."
+                      + (f" These differ between the runs: {md_text(', '.join(differ))} (see each log's header)."
                          if differ else ""), ""]
-    lines += [f"Regenerate the numbers: `python records/records.py summarize {folder}/*.txt --target {target:g}`", ""]
+    lines += [f"Regenerate the numbers: `python records/records.py summarize {sh_quote(folder)}/*.txt "
+              f"--target {target:g}`", ""]
     return "\n".join(lines)
 
 
@@ -1076,8 +1265,10 @@ RUN_FILE_FIELDS = {"run_id", "logs_dir", "checkpoint_dir", "resume", "force_resu
 
 
 def run_flags(log: Log) -> list[tuple[str, str]]:
-    """`--name=value` pairs that rerun a log's configuration: preset first, then every field it printed."""
-    hp = {k: v for k, v in log.hyperparameters.items() if k not in RUN_FILE_FIELDS and v != ""}
+    """`--name=value` pairs that rerun a log's configuration: preset first, then every field it printed.
+    read_log has dropped the names its train_gpt.py does not define; one that is no identifier is left out."""
+    hp = {k: v for k, v in log.hyperparameters.items()
+          if k not in RUN_FILE_FIELDS and v != "" and k.isidentifier()}
     return sorted(hp.items(), key=lambda kv: kv[0] != "preset")
 
 
@@ -1102,6 +1293,10 @@ def scan_records(records_dir: Path) -> list[Record]:
                 meta = json.loads((folder / "record.json").read_text())
             except (OSError, ValueError) as e:
                 warn(f"{folder}/record.json: unreadable ({e}): left out of the table")
+                continue
+            texts = ("name", "date", "track")
+            if not isinstance(meta, dict) or any(not isinstance(meta.get(k, ""), str) for k in texts):
+                warn(f"{folder}/record.json: not an object whose name, date and track are text: left out of the table")
                 continue
         logs = []
         for path in sorted(folder.glob("*.txt")):
@@ -1155,15 +1350,15 @@ def records_markdown(records: list[Record], link_base: Path, level: str) -> str:
         rows = []
         for r in sorted(by_hw[hw], key=lambda r: (r.date, r.name)):
             st = group_stats(r.logs, r.target)
-            link = Path(os.path.relpath(r.folder / "README.md", link_base)).as_posix()
+            link = urllib.parse.quote(Path(os.path.relpath(r.folder / "README.md", link_base)).as_posix())
             sd = f" ± {st.val_std:.4f}" if st.n > 1 else ""
             tsd = f" ± {statistics.stdev(st.times):.2f}" if st.n > 1 else ""
             p = fmt_p(st.test[2]) if st.test else "n/a (1 run)"
             code = Counter(lg.code_hash for lg in r.logs).most_common(1)[0][0]
-            rows.append([r.date, f"[{r.name}]({link})", r.track, str(st.n), f"{st.val_mean:.4f}{sd}",
-                         f"{st.target:g}", p + ("" if st.met else " (not met)"),
+            rows.append([md_text(r.date), f"[{md_text(r.name)}]({link})", md_text(r.track), str(st.n),
+                         f"{st.val_mean:.4f}{sd}", f"{st.target:g}", p + ("" if st.met else " (not met)"),
                          f"{statistics.fmean(st.times):.2f} s{tsd}", f"`{code[:12]}`" if code else "not embedded"])
-        out += [f"{level} {hw[1]}", "", md_table(headers, rows), ""]
+        out += [f"{level} {md_text(hw[1])}", "", md_table(headers, rows), ""]
     return "\n".join(out).rstrip()
 
 
@@ -1211,7 +1406,8 @@ def cmd_new(args) -> int:
         raise ToolError("no record filed: the logs ran on different hardware")
     track = args.track or default_track(logs[0])
     if "|" in track or not track.isprintable():
-        raise ToolError(f"track {track!r}: no '|' or control characters")
+        origin = "" if args.track else f" (from {logs[0].name}'s preset: --track to name one)"
+        raise ToolError(f"track {shorten(track)}{origin}: no '|' or control characters")
     if conflict := track_conflict(track, logs[0]):
         raise ToolError(conflict)
     names = [lg.path.name for lg in logs]

@@ -12,9 +12,11 @@ import importlib.util
 import math
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -623,6 +625,11 @@ def test_help_documents_every_subcommand(capsys):
 # ---------------------------------------------------------------------------------------
 # Records integrity: distinct runs of one experiment, finite targets, readable files
 
+def md(text: str) -> str:
+    """text as the record files write log text: markdown's inline syntax characters backslash-escaped."""
+    return re.sub(r"([\\`*_\[\]<>|&~$])", r"\\\1", text)
+
+
 def with_hparams(text: str, **fields) -> str:
     """The log text with these `  name = value` hyperparameter lines set (replaced, or added to the section)."""
     for name, value in fields.items():
@@ -712,8 +719,8 @@ EXPERIMENT_CASES = [   # (field, its value in two logs, in the third)
     ("val_tokens", "10485760", "1048576"),
     ("val_seq_len", "262144", "65536"),
     ("repeat_data", "False", "True"),
-    ("batch_tokens", "262144", "131072"),
-    ("micro_batch_tokens", "32768", "16384"),
+    ("stage_batch_tokens", "131072,262144,393216", "131072,262144,524288"),
+    ("micro_batches", "8", "8,8,16"),
 ]
 
 
@@ -740,7 +747,7 @@ def test_verify_and_new_refuse_runs_of_different_experiments(capsys, tmp_path, r
     folder = repo / "2026-11-22_mixed"
     readme = (folder / "README.md").read_text()
     assert f"**Not one experiment**: filed with `--allow-differences={field}`" in readme
-    assert f"- {field} is {same} in b-cpu-run1.txt, b-cpu-run2.txt; {other} in b-cpu-run3.txt\n" in readme
+    assert f"- {md(field)} is {md(same)} in b-cpu-run1.txt, b-cpu-run2.txt; {md(other)} in b-cpu-run3.txt\n" in readme
     assert rec.json.loads((folder / "record.json").read_text())["allowed_differences"] == [field]
     assert "[mixed](" in (repo / "RECORDS.md").read_text()   # the table keeps a record that declares it
 
@@ -868,3 +875,383 @@ def test_written_files_are_readable_whatever_the_umask(capsys, repo, tmp_path, p
         assert oct(path.stat().st_mode & 0o777) == "0o644", path
     code, _, _ = run(capsys, "extract", SAME_CODE[0], "-o", tmp_path / "train.py")
     assert code == 0 and oct((tmp_path / "train.py").stat().st_mode & 0o777) == "0o644"
+
+
+# ---------------------------------------------------------------------------------------
+# Hostile logs: hyperparameter names, text that reaches the record's files, long lines
+
+def header_lines(text: str, *lines: str) -> str:
+    """The log text with these lines first in its hyperparameters section (added before the second RULE
+    line when it has none). Plain string edits: the lines may hold anything."""
+    block = "".join(line + "\n" for line in lines)
+    if "hyperparameters:\n" in text:
+        at = text.index("hyperparameters:\n") + len("hyperparameters:\n")
+        return text[:at] + block + text[at:]
+    at = text.index(RULE, text.index(RULE) + len(RULE))
+    return text[:at] + "hyperparameters:\n" + block + text[at:]
+
+
+def copies(tmp_path, sources, edit, names=None) -> list[Path]:
+    """Edited copies of the source logs in tmp_path/in/: edit(text, i) for the i-th (1-based)."""
+    folder = tmp_path / "in"
+    folder.mkdir(exist_ok=True)
+    paths = []
+    for i, (src, name) in enumerate(zip(sources, names or [src.name for src in sources]), 1):
+        path = folder / name
+        path.write_text(edit(src.read_text(), i))
+        paths.append(path)
+    return paths
+
+
+def written_files(repo: Path) -> list[Path]:
+    return sorted(p for p in repo.parent.rglob("*") if p.is_file() and p.parent.name != "in")
+
+
+REFUSED_HEADERS = [   # (case, logs, header line or edit, the reason after `FAIL <log>: `); cwd is tmp_path
+    ("shell command in a name (the issue's)", SAME_CODE, "  x $(touch pwned) y = 1",
+     "header names hyperparameter 'x $(touch pwned) y', which is not an identifier"),
+    ("semicolon in a name", SAME_CODE, "  a;touch pwned = 1",
+     "header names hyperparameter 'a;touch pwned', which is not an identifier"),
+    ("space in a name", SAME_CODE, "  num iterations = 6",
+     "header names hyperparameter 'num iterations', which is not an identifier"),
+    ("backticks in a name", SAME_CODE, "  `touch pwned` = 1",
+     "header names hyperparameter '`touch pwned`', which is not an identifier"),
+    ("an identifier that is no field", SAME_CODE, "  not_a_field = 1",
+     "header names hyperparameter 'not_a_field', which {trainer} (its embedded source has no Hyperparameters) "
+     "does not define"),
+    ("a field only an older trainer had", SAME_CODE, "  batch_tokens = 4096",
+     "header names hyperparameter 'batch_tokens', which {trainer} (its embedded source has no Hyperparameters) "
+     "does not define"),
+    ("a field its own embedded train_gpt.py lacks", REAL_SAME, "  stage_batch_tokens = 4096",
+     "header names hyperparameter 'stage_batch_tokens', which its embedded train_gpt.py does not define"),
+    ("stripped source: a name", PUBLIC[:3], "  x;y = 1",
+     "header names hyperparameter 'x;y', which is not an identifier"),
+    ("stripped source: no field", PUBLIC[:3], "  not_a_field = 1",
+     "header names hyperparameter 'not_a_field', which {trainer} (its source is stripped) does not define"),
+    ("code_sha256 that is no sha256", SAME_CODE,
+     lambda t, i: re.sub(r"^code_sha256: .*$", "code_sha256: `x`|<script>", t, flags=re.M),
+     "code_sha256 line holds '`x`|<script>', not a sha256 (64 hex digits)"),
+]
+
+
+@pytest.mark.parametrize("case,sources,line,reason", REFUSED_HEADERS, ids=[c[0] for c in REFUSED_HEADERS])
+def test_verify_and_new_refuse_bad_header_names(capsys, tmp_path, repo, monkeypatch, case, sources, line, reason):
+    monkeypatch.chdir(tmp_path)
+    edit = line if callable(line) else (lambda t, i: header_lines(t, line))
+    logs = copies(tmp_path, sources, edit)
+    reason = reason.format(trainer=rec.TRAINER)
+    target = "3.29" if sources is not SAME_CODE else "7.5"
+    code, out, _ = run(capsys, "verify", *logs, "--target", target)
+    assert code == 1 and "OK" not in out
+    for lg in logs:
+        assert f"FAIL {lg}: {reason}" in out.splitlines()
+    code, out, err = run(capsys, "new", "x", *logs, "--target", target, "--records-dir", repo)
+    assert code == 1 and f"FAIL {logs[0]}: {reason}" in out.splitlines()
+    assert err.endswith("error: no record filed: the logs fail verify (reasons above)\n")
+    assert not repo.exists() and written_files(repo) == [tmp_path / "README.md"]
+    code, _, err = run(capsys, "summarize", *logs, "--target", target)
+    assert code == 0 and f"warning: {logs[0]}: left out of the statistics: {reason}" in err
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_hyperparameter_names_unchecked_without_a_trainer_are_refused(capsys, tmp_path, monkeypatch):
+    # A stand-in source and no train_gpt.py to fall back on: no name can be checked, so none is trusted.
+    monkeypatch.setattr(rec, "TRAINER", tmp_path / "train_gpt.py")
+    code, out, _ = run(capsys, "verify", SAME_CODE[0], "--target", "7.5")
+    assert (code, out) == (1, f"FAIL {SAME_CODE[0]}: cannot check the header's hyperparameter names: "
+                              f"{tmp_path / 'train_gpt.py'} (its embedded source has no Hyperparameters) cannot be "
+                              "read (No such file or directory)\n")
+    (tmp_path / "train_gpt.py").write_text("class Other:\n    seed: int = 1\n")
+    code, out, _ = run(capsys, "verify", SAME_CODE[0], "--target", "7.5")
+    assert code == 1 and out.endswith("(its embedded source has no Hyperparameters) defines no Hyperparameters\n")
+    # Its own embedded source decides for a real log, whatever the repository's trainer holds.
+    code, out, _ = run(capsys, "verify", *REAL_SAME, "--target", "8")
+    assert code == 0, out
+
+
+EVIL_VALUE = "x $(touch pwned) `touch pwned`; touch pwned | cat 'q\" \\ \x1b[31m\r```"
+EVIL_NAME = "run $(touch pwned) 'q`1.txt"
+
+
+def test_reproduce_block_pasted_into_bash_runs_only_its_commands(capsys, tmp_path, repo, monkeypatch):
+    bash = shutil.which("bash") or pytest.skip("no bash")
+    monkeypatch.chdir(tmp_path)
+    logs = copies(tmp_path, SAME_CODE, lambda t, i: header_lines(t, f"  train_files = {EVIL_VALUE}"),
+                  names=[EVIL_NAME, "run2.txt", "run3.txt"])
+    code, out, _ = run(capsys, "new", "x", *logs, "--target", "7.5", "--records-dir", repo)
+    assert code == 0, out
+    readme = (repo / "2026-11-22_x" / "README.md").read_text()
+    assert "\r" not in readme and "\x1b" not in readme
+    block = readme[readme.index("```bash\n") + len("```bash\n"):readme.index("\n```\n", readme.index("```bash\n"))]
+    assert not any(line.startswith("```") for line in block.splitlines())
+    # python and torchrun print their arguments, one per line; anything else the block ran would show.
+    stubs = 'python() { printf "<%s>\\n" "$@"; }\ntorchrun() { printf "<%s>\\n" "$@"; }\n'
+    proc = subprocess.run([bash, "-c", stubs + block], cwd=tmp_path, capture_output=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == b""
+    assert not (tmp_path / "pwned").exists()
+    args = proc.stdout.split(b">\n")
+    assert f"<records/2026-11-22_x/{EVIL_NAME}".encode() in args            # verify's glob and extract's log
+    assert args.count(f"<records/2026-11-22_x/{EVIL_NAME}".encode()) == 2
+    assert f"<--train_files={EVIL_VALUE}".encode() in args
+    assert b"<--preset=smoke" in args and b"<--seed=1" in args
+
+
+def no_unescaped_markup(text: str, raw: list[str]) -> None:
+    """The record file text holds none of `raw`, nor an unprintable character, outside its bash block and
+    the records markers, and every row of each table has as many cell borders as its header."""
+    text = text.replace(rec.BEGIN_MARK, "").replace(rec.END_MARK, "")
+    if "```bash\n" in text:
+        start = text.index("```bash\n")
+        text = text[:start] + text[text.index("\n```\n", start):]
+    for bad in raw:
+        assert bad not in text
+    assert all(c.isprintable() or c == "\n" for c in text)
+    tables = re.findall(r"(?:^\|.*\n)+", text, flags=re.M)
+    for table in tables:
+        borders = [len(re.findall(r"(?<!\\)\|", row)) for row in table.splitlines()]
+        assert len(set(borders)) == 1, table
+
+
+INJECTIONS = [   # (case, edit(text, i), file names, extra args, raw text that must not appear, escaped text that must)
+    ("run id: pipe, backticks, <script>, link",
+     lambda t, i: t.replace(f"run_id: handmade-cpu-run{i}", f"run_id: r{i}|`x`<script>alert(1)</script>[a](http://e)"),
+     None, [], ["<script>", "`x`", "[a](", "r1|"], md("r1|`x`<script>alert(1)</script>[a](http://e)")),
+    ("run id: control characters",
+     lambda t, i: t.replace(f"run_id: handmade-cpu-run{i}", f"run_id: r{i}\x1b[2J\rx"),
+     None, [], ["\x1b", "\r"], md("r1\\x1b[2J\\rx")),
+    ("GPU name: the records end marker, a pipe, math, HTML",
+     lambda t, i: t.replace("device: cpu ", "device: cuda (NVIDIA H100 <!-- records:end --> | `x` $x$ <b>) "),
+     None, [], ["<b>", "<!-- records:end -->", "`x`", "$x$"], md("NVIDIA H100 <!-- records:end --> | `x` $x$ <b>")),
+    ("preset (so the default track): HTML and emphasis",
+     lambda t, i: t.replace("  preset = smoke", "  preset = smoke<img src=x onerror=alert(1)>*b*_i_~s~"),
+     None, [], ["<img src=x onerror=alert(1)>", "*b*", "_i_", "~s~"],
+     md("2×CPU smoke<img src=x onerror=alert(1)>*b*_i_~s~")),
+    ("note: a heading, a link and HTML",
+     lambda t, i: re.sub(r"^note: .*$", "note: # big [x](javascript:alert(1)) <u>u</u>", t, flags=re.M),
+     None, [], ["[x](", "<u>"], "> Note: # big " + md("[x](javascript:alert(1)) <u>u</u>")),
+    ("Python and PyTorch versions: HTML",
+     lambda t, i: t.replace("Running Python 3.11.7", "Running Python 3.11.7<i>x</i>").replace(
+         "Running PyTorch 2.13.0+cpu", "Running PyTorch 2.13.0|<br>"),
+     None, [], ["<i>", "<br>"], "PyTorch " + md("2.13.0|<br>") + ", Python " + md("3.11.7<i>x</i>")),
+    ("hyperparameter values and file names: pipes, backticks, HTML (runs that differ)",
+     lambda t, i: header_lines(t, f"  train_files = data/a|`b`<s>{i}"),
+     ["a|`b`<i>[c](d).txt", "b.txt", "c.txt"], ["--allow-differences", "train_files"], ["`b`", "<s>", "<i>", "[c]("],
+     "- train\\_files is " + md("data/a|`b`<s>1") + " in " + md("a|`b`<i>[c](d).txt")),
+]
+
+
+@pytest.mark.parametrize("case,edit,names,args,raw,escaped", INJECTIONS, ids=[c[0] for c in INJECTIONS])
+def test_log_text_reaches_record_files_escaped(capsys, tmp_path, repo, case, edit, names, args, raw, escaped):
+    logs = copies(tmp_path, SAME_CODE, edit, names)
+    code, out, err = run(capsys, "new", "rec", *logs, "--target", "7.5", "--records-dir", repo, *args)
+    assert code == 0, out + err
+    readme = (repo / "2026-11-22_rec" / "README.md").read_text()
+    assert escaped in readme
+    root = repo.parent / "README.md"
+    for text in [readme, (repo / "RECORDS.md").read_text(), root.read_text()]:
+        no_unescaped_markup(text, raw)
+    # The root README keeps one block between its markers, also when the table is made again.
+    for _ in range(2):
+        text = root.read_text()
+        assert text.count(rec.BEGIN_MARK) == 1 and text.count(rec.END_MARK) == 1
+        assert text.startswith("# Repo\n\nintro\n\n<!-- records:begin -->\n###")
+        assert text.endswith("<!-- records:end -->\n\nclosing words\n") and "stale" not in text
+        code, _, _ = run(capsys, "table", "--records-dir", repo)
+        assert code == 0 and root.read_text() == text
+    meta = rec.json.loads((repo / "2026-11-22_rec" / "record.json").read_text())
+    assert set(meta) <= {"name", "date", "track", "target", "allowed_differences"}
+
+
+@pytest.mark.parametrize("gpu", ["Acme $\\frac{$ x", "$x^$", "Acme \x1b[1m $x_{$"])
+def test_plot_shows_dollars_in_names_as_text(capsys, tmp_path, gpu):
+    pytest.importorskip("matplotlib")
+    logs = copies(tmp_path, SAME_CODE, lambda t, i: t.replace("device: cpu ", f"device: cuda ({gpu}) "))
+    png = tmp_path / "p.png"
+    code, out, err = run(capsys, "plot", *logs, "-o", png)   # mathtext failed on these before
+    assert code == 0 and out == f"wrote {png} (3 runs, 1 code version(s))\n"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_escaping_helpers():
+    assert rec.md_text("a|b`c`<d>[e](f)*g*_h_~i~$j$&k\\l") == \
+        "a\\|b\\`c\\`\\<d\\>\\[e\\](f)\\*g\\*\\_h\\_\\~i\\~\\$j\\$\\&k\\\\l"
+    assert rec.md_text("NVIDIA H100 80GB HBM3") == "NVIDIA H100 80GB HBM3"
+    assert rec.visible("a\x1b\r\u202eb") == "a\\x1b\\r\\u202eb"
+    assert rec.sh_quote("--x=1") == "--x=1" and rec.sh_quote("a b'c") == "'a b'\"'\"'c'"
+    assert rec.sh_quote("a\rb'\\") == "$'a\\x0db\\'\\\\'"
+    assert rec.plot_text("$x$") == "\\$x\\$"
+
+
+def test_device_line_fields_other_than_its_own_are_ignored(capsys, tmp_path):
+    # `hyperparameters:` or `gpus:` on the device line once replaced the parsed sections: a traceback.
+    logs = copies(tmp_path, SAME_CODE, lambda t, i: t.replace(
+        "device: cpu  world_size: 2", "device: cpu  hyperparameters: x  gpus: y  world_size: 2"))
+    lg = rec.read_log(logs[0])
+    assert (lg.device, lg.world_size, lg.hyperparameters["seed"]) == ("cpu", 2, "1") and lg.complete
+    code, out, _ = run(capsys, "verify", *logs, "--target", "7.5")
+    assert code == 0 and out.startswith("OK 3 log(s)")
+
+
+@pytest.mark.parametrize("meta", ["[1, 2]", '{"name": ["x"]}', '{"track": 8}', '"text"'])
+def test_table_leaves_out_a_record_json_of_the_wrong_shape(capsys, repo, meta):
+    code, _, _ = run(capsys, "new", "smoke", *SAME_CODE, "--target", "7.5", "--records-dir", repo)
+    folder = repo / "2026-11-22_smoke"
+    (folder / "record.json").write_text(meta)
+    code, out, err = run(capsys, "table", "--records-dir", repo)
+    assert code == 0 and err == (f"warning: {folder}/record.json: not an object whose name, date and track are "
+                                 "text: left out of the table\n")
+    assert "[smoke](" not in (repo / "RECORDS.md").read_text()
+
+
+# Long lines. Before the fix the device line's pattern was quadratic: 40,000 blanks took 23 s.
+
+MB = 1_000_000
+MIX = (" \t0123456789" * (MB // 12 + 1))[:MB]   # blanks, tabs and digits
+LONG_LINES = {
+    "blanks, tabs and digits": MIX,
+    "step line of blanks, tabs and digits": "step:3/6" + MIX + "x",
+    "step line, 'a:' then blanks": "step:3/6 a:" + " " * MB + "b",
+    "step line of many fields, then no field": "step:3/6" + " a:b" * (MB // 4) + " x",
+    "summary line of letters": "summary: " + "a" * MB,
+    "device line of blanks": "device: cpu a" + " " * MB + "b",
+    "device line of tabs": "device:" + "\t" * MB + "cpu",
+    "device line of many fields": "device: " + "  a:" * (MB // 4),
+    "nvidia-smi row of blanks": "|   0  NVIDIA" + " " * MB + "x  On  |   00000000:61:00.0 Off |",
+    "nvidia-smi row of words": "| 0 " + " a" * (MB // 2) + " On | 0:0 x",
+    "note, then blanks": "note: a" + " " * MB + "b",
+    "code_sha256 of words": "code_sha256: " + "a " * (MB // 2),
+    "'a:' then blanks": "a:" + " " * MB,
+    "clock line, then blanks": "Sat Nov 15 15:50:24 2025" + " " * MB + "x",
+    "resumed line": "resumed from " + " at step " * (MB // 9) + "x",
+    "RULE, then blanks": "=" * 100 + " " * MB + "x",
+    "colons": ":" * MB,
+    "digits": "1" * MB,
+}
+LINE_READERS = {
+    "parse_header": lambda line: rec.parse_header([line]),
+    "parse_body": lambda line: rec.parse_body([line]),
+    "parse_step_line": rec.parse_step_line,
+    "parse_fields": rec.parse_fields,
+    "parse_device_fields": rec.parse_device_fields,
+    "parse_gpu_row": rec.parse_gpu_row,
+    "RULE_RE": lambda line: rec.RULE_RE.search(line),
+    "hyperparameter line": lambda line: rec.parse_header(["hyperparameters:", "  " + line + " = 1"]),
+}
+
+
+@pytest.mark.parametrize("kind", LONG_LINES)
+def test_every_line_reader_is_linear_on_a_1mb_line(kind):
+    line = LONG_LINES[kind]
+    for name, reader in LINE_READERS.items():
+        start = time.perf_counter()
+        reader(line)
+        took = time.perf_counter() - start
+        assert took < 1.0, f"{name} took {took:.2f} s on a 1 MB {kind} line"
+    preset = line[:rec.MAX_LINE_CHARS]   # the longest preset, so track, a log can hold
+    start = time.perf_counter()
+    rec.track_conflict(preset, rec.read_log(SAME_CODE[0]))
+    assert time.perf_counter() - start < 1.0
+
+
+LONG_LINE_PLACES = {   # where a 1 MB line goes in a complete log
+    "step line": lambda t: t.replace("step:3/6 train_loss:9.2000", "step:3/6" + MIX + " train_loss:9.2000"),
+    "step line, 'a:' then blanks": lambda t: t.replace("step:3/6 ", "step:3/6 a:" + " " * MB + " "),
+    "summary line": lambda t: t.replace("summary: ", "summary: " + "a" * MB + " "),
+    "device line": lambda t: t.replace("device: cpu ", "device: cpu a" + " " * MB + "b "),
+    "device line of tabs": lambda t: t.replace("device: cpu ", "device:" + "\t" * MB + "cpu "),
+    "nvidia-smi row": lambda t: header_lines(t).replace(
+        "hyperparameters:", "|   0  NVIDIA" + " " * MB + "x  On  |   00000000:61:00.0 Off |\nhyperparameters:"),
+    "note": lambda t: re.sub(r"^note: .*$", lambda m: "note: a" + " " * MB + "b", t, flags=re.M),
+    "header line 'a:' then blanks": lambda t: t.replace("hyperparameters:", "a:" + " " * MB + "\nhyperparameters:"),
+    "hyperparameter value": lambda t: header_lines(t, "  seed = " + MIX),
+    "hyperparameter name": lambda t: header_lines(t, "  " + "a" * MB + " = 1"),
+    "resumed line": lambda t: t.replace("step:1/6", "resumed from" + " at step x" * (MB // 10) + "\nstep:1/6"),
+    "unfinished last line": lambda t: t + "step:7/6" + " " * MB,
+}
+
+
+def long_line_log(tmp_path, place) -> tuple[Path, int, int]:
+    """(a log with a 1 MB line, that line's number, its length)"""
+    path = copies(tmp_path, SAME_CODE[:1], lambda t, i: LONG_LINE_PLACES[place](t))[0]
+    lines = path.read_text().split("\n")
+    number = next(n for n, line in enumerate(lines, 1) if len(line) > 10_000)
+    return path, number, len(lines[number - 1])
+
+
+def timed(capsys, *argv):
+    start = time.perf_counter()
+    result = run(capsys, *argv)
+    return (*result, time.perf_counter() - start)
+
+
+@pytest.mark.parametrize("place", LONG_LINE_PLACES)
+def test_every_subcommand_refuses_a_1mb_line_at_once(capsys, tmp_path, repo, pure, place):
+    bad, number, length = long_line_log(tmp_path, place)
+    why = f"{bad}: not a speedrun log (line {number} has {length:,} characters; a log's lines have at most 10,000)"
+    rec.read_log(SAME_CODE[0])   # the trainer's fields, once per process: not part of what is timed
+    out_png, out_py = tmp_path / "p.png", tmp_path / "x.py"
+    for argv, expected in [
+            (["summarize", bad], ("", f"error: {why}\n")),
+            (["verify", bad], (f"FAIL {why}\n", "")),
+            (["compare", "--baseline", bad, SAME_CODE[1], "--candidate", SAME_CODE[2], SAME_CODE[0]],
+             ("", f"error: {why}\n")),
+            (["extract", bad, "-o", out_py], ("", f"error: {why}\n")),
+            (["new", "x", bad, "--target", "7.5", "--records-dir", repo], ("", f"error: {why}\n"))]:
+        code, out, err, took = timed(capsys, *argv)
+        assert (code, out, err) == (1, *expected), argv[0]
+        assert took < 1.0, f"{argv[0]} took {took:.2f} s"
+    if importlib.util.find_spec("matplotlib"):
+        import matplotlib.pyplot  # noqa: F401  (its import is not what is timed)
+        code, out, err, took = timed(capsys, "plot", bad, "-o", out_png)
+        assert (code, out, err) == (1, "", f"error: {why}\n") and took < 1.0
+    assert not repo.exists() and not out_png.exists() and not out_py.exists()
+
+    # A record folder holding it leaves the table, with the reason.
+    folder = repo / "2026-11-22_x"
+    folder.mkdir(parents=True)
+    (folder / bad.name).write_bytes(bad.read_bytes())
+    why = why.replace(str(bad), str(folder / bad.name))
+    code, out, err, took = timed(capsys, "table", "--records-dir", repo)
+    assert code == 0 and err == f"warning: {why}: ignored\nwarning: {folder}: left out of the table (no logs)\n"
+    assert took < 1.0 and "No records yet." in (repo / "RECORDS.md").read_text()
+
+
+@pytest.mark.parametrize("place", LONG_LINE_PLACES)
+def test_log_readers_are_linear_without_the_line_bound(capsys, tmp_path, monkeypatch, pure, place):
+    monkeypatch.setattr(rec, "MAX_LINE_CHARS", 10 * MB)   # the parsers themselves, on the whole log
+    bad, _, _ = long_line_log(tmp_path, place)
+    rec.read_log(SAME_CODE[0])
+    for command in ["summarize", "verify"]:
+        code, _, _, took = timed(capsys, command, bad, "--target", "7.5")
+        assert code in (0, 1) and took < 1.0, f"{command} took {took:.2f} s"
+
+
+MICRO_BATCHES = [   # (values in three logs, None if one experiment, else the FAIL line's difference)
+    (["4,4,4", "4", " 4"], None),
+    (["8,8,16", "8, 8, 16", "8,8,16"], None),
+    (["auto", "auto ", "auto"], None),
+    (["4,4,4", "4", "8"], "micro_batches is 4 in {0}, {1}; 8 in {2}"),
+    (["4,4,8", "4", "4"], "micro_batches is 4,4,8 in {0}; 4 in {1}, {2}"),
+]
+
+
+@pytest.mark.parametrize("values,differ", MICRO_BATCHES, ids=["/".join(v) for v, _ in MICRO_BATCHES])
+def test_micro_batches_compare_in_canonical_form(capsys, tmp_path, repo, values, differ):
+    logs = copies(tmp_path, SAME_CODE, lambda t, i: with_hparams(t, micro_batches=values[i - 1]))
+    code, out, _ = run(capsys, "verify", *logs, "--target", "7.5")
+    if differ is None:
+        assert code == 0 and "runs differ" not in out
+        code, out, _ = run(capsys, "new", "x", *logs, "--target", "7.5", "--records-dir", repo)
+        assert code == 0, out
+        readme = (repo / "2026-11-22_x" / "README.md").read_text()
+        assert "These differ between the runs: seed (see" in readme and "micro" not in readme.split("## Reproduce")[0]
+    else:
+        assert (code, out) == (1, f"FAIL not the same experiment: {differ.format(*logs)} "
+                                  "(--allow-differences=micro_batches if that is intended)\n")
+
+
+@pytest.mark.parametrize("value,canonical", [("4,4,4", "4"), (" 4", "4"), ("4", "4"), ("8,8,16", "8,8,16"),
+                                             ("8, 8,16 ", "8,8,16"), ("auto", "auto"), (" auto", "auto"),
+                                             ("4,x", "4,x")])
+def test_canonical_micro_batches(value, canonical):
+    assert rec.canonical_micro_batches(value) == canonical
