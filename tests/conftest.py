@@ -35,7 +35,8 @@ def pytest_configure(config):
 # so each fixture is made once. The files that took longest (measured on a 2-core machine) start first, so
 # that neither worker is left with a long file at the end while the other is idle; the rest follow in order.
 LONGEST_FILES_FIRST = ("test_preflight.py", "test_preflight_faults.py", "test_equivalence.py", "test_train.py",
-                       "test_reliability.py", "test_memory.py", "test_optimizers.py", "test_bad_input.py")
+                       "test_bench.py", "test_reliability.py", "test_memory.py", "test_optimizers.py",
+                       "test_bad_input.py")
 
 
 def pytest_collection_modifyitems(items):

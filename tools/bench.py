@@ -94,18 +94,11 @@ class DeviceTimer:
         self.cuda = device.type == "cuda"
         self.marks: list = []
 
-    def _mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
     @contextlib.contextmanager
     def region(self):
-        start = self._mark()
+        start = T.clock_mark(self.cuda)
         yield
-        self.marks.append((start, self._mark()))
+        self.marks.append((start, T.clock_mark(self.cuda)))
 
     def ms(self) -> list[float]:
         if self.cuda:
@@ -275,12 +268,13 @@ class Report:
         return self.data["parts"].setdefault(name, {})
 
     def flush(self):
-        self.out.mkdir(parents=True, exist_ok=True)
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise BenchError(f"--out={self.out}: cannot make the folder ({e.strerror})") from None
         for name, text in (("bench.json", json.dumps(self.data, indent=1, default=str)),
                            ("bench.md", render_markdown(self.data))):
-            tmp = self.out / f".{name}.tmp"
-            tmp.write_text(text)
-            os.replace(tmp, self.out / name)
+            T.write_file(self.out / name, text.encode())  # atomic: a temporary beside it, renamed
 
 
 class Bench:
@@ -868,9 +862,10 @@ def run_training(bench: Bench, row: dict, flush):
     values = [float(loss) / schedule.stage(step).batch_tokens for loss, step in zip(losses, steps)]
     row.update(steps=len(values), micro_batches=schedule.micro_batches(stage.start), micro_tokens=stage.micro_tokens,
                losses=values, step=stats(timer.ms()), host_syncs=syncs)
-    head, tail = np.mean(values[:5]), np.mean(values[-5:])
+    k = max(1, min(5, len(values) // 2))  # the first and last five steps (of a short run, its halves)
+    head, tail = np.mean(values[:k]), np.mean(values[-k:])
     row["falls"] = bool(np.isfinite(values).all() and tail < head)
-    row["first_five_mean"], row["last_five_mean"] = float(head), float(tail)
+    row["compared_steps"], row["first_mean"], row["last_mean"] = k, float(head), float(tail)
 
 
 def run_fp8(bench: Bench, row: dict, flush):
@@ -1052,7 +1047,8 @@ def numerics_markdown(parts: dict) -> list[str]:
         lines += [f"## Training: {row['steps']} steps at world size 1 ({row['micro_batches']} micro-batches of "
                   f"{fmt(row['micro_tokens'])} tokens)", "",
                   "Loss per token: " + ", ".join(f"{x:.3f}" for x in row["losses"]),
-                  f"First five {row['first_five_mean']:.3f}, last five {row['last_five_mean']:.3f}: "
+                  f"First {row['compared_steps']} {row['first_mean']:.3f}, last {row['compared_steps']} "
+                  f"{row['last_mean']:.3f}: "
                   f"{'falls' if row['falls'] else 'DOES NOT FALL'}; step {timing(row.get('step'))} ms; host syncs: "
                   f"{len(row.get('host_syncs', []))}.", ""]
     if "loss_per_token" in parts.get("fp8", {}):
@@ -1234,7 +1230,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = parse_options(argv)
         report = run(options, argv)
-    except (BenchError, T.ConfigError, T.DataError) as e:
+    except (BenchError, T.ConfigError, T.DataError, T.TrainingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(render_markdown(report.data))
