@@ -142,14 +142,17 @@ def test_world_size_8_issues_the_collectives_of_rank_0_with_their_real_shapes(pr
 @pytest.mark.slow
 def test_preflight_memory_agrees_with_estimate_memory_per_stage(preflight_runs):
     # The preflight follows the live tensors of the compiled step; tools/estimate_memory.py counts the
-    # eager step's saved tensors and the optimizer's buffers: the two agree to within 25% in every phase
-    # (measured: 0.81 for the validation, 0.93 to 1.13 for the training steps).
+    # eager step's saved tensors and the optimizer's buffers: the two agree to within 25% in every training
+    # phase (measured: 0.93 to 1.13). The validation's compiled forward keeps less than the eager one the
+    # model follows, how much less with the PyTorch version: 0.84 of the count under 2.13, 0.72 under 2.11,
+    # and on a real H200 (PyTorch 2.11, inductor) 0.62; the count is an upper bound there.
     run = preflight_runs["world_size_8"]
     for name, phase in run["phases"].items():
         if phase["stage"] is None:
             continue
         estimate = run["estimate"][phase["stage"]]["peak"]
-        assert 0.75 < phase["peak"] / estimate < 1.25, (name, phase["peak"] / GIB, estimate / GIB)
+        low = 0.6 if phase["stage"] == "validation" else 0.75
+        assert low < phase["peak"] / estimate < 1.25, (name, phase["peak"] / GIB, estimate / GIB)
 
 
 @pytest.mark.slow
