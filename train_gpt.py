@@ -10,8 +10,10 @@ on CPU (gloo, the `smoke` preset on the bundled corpus).
     torchrun --standalone --nproc_per_node=8 train_gpt.py            # the record run
     python train_gpt.py --preset=smoke                                # CPU, ~2 minutes
 
-Read top to bottom: config, distributed setup, model, optimizers, data, schedules, training step,
-checkpoints, evaluation and logging, main(). Importing this file has no side effects.
+Read top to bottom. The math first: the settings and what they derive (the stage schedule, the layer plan);
+the model; the optimizers (NorMuon, DistAdam); one training step and evaluation. Then what keeps a run safe
+and measured: command-line and config checks, distributed setup, data, performance accounting, the memory
+model, checkpoints, logging, main(). Importing this file has no side effects.
 """
 
 from __future__ import annotations
@@ -77,8 +79,8 @@ class TrainingError(RuntimeError):
 
 
 # -----------------------------------------------------------------------------
-# Config: one dataclass, named presets, `--field=value` overrides; the stage schedule and the layer plan
-# are derived from it in one place each (Schedule, layer_plan)
+# Settings: one dataclass and named presets; what they derive, each in one place: the stage schedule
+# (Schedule) and the layer plan (layer_plan)
 
 def _help(text: str, default):
     return field(default=default, metadata={"help": text})
@@ -224,61 +226,6 @@ RUN_CONTROL_FIELDS = ("run_id", "logs_dir", "pg_timeout_s", "save_every", "save_
                       "init_from", "memory_limit_gib")
 
 
-def _parse_value(name: str, text: str, typ: type):
-    if typ is bool:
-        lowered = text.strip().lower()
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"--{name}={text}: expected a boolean (true/false)")
-    try:
-        return typ(text)
-    except ValueError:
-        raise ConfigError(f"--{name}={text}: expected {typ.__name__}") from None
-
-
-def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:
-    """`--field=value` (or `--field value`) for every Hyperparameters field; `--preset=NAME` first."""
-    fields = {f.name: f for f in dataclasses.fields(Hyperparameters)}
-    types = {name: {"str": str, "int": int, "float": float, "bool": bool}[f.type] for name, f in fields.items()}
-    pairs: list[tuple[str, str]] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in ("-h", "--help"):
-            print(usage())
-            raise SystemExit(0)
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}: flags look like --field=value")
-        name, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(argv):
-                raise ConfigError(f"--{name} needs a value: --{name}=VALUE")
-            value, i = argv[i + 1], i + 1
-        if name not in fields:
-            raise ConfigError(f"unknown flag --{name}; valid flags: " + ", ".join(f"--{n}" for n in fields))
-        pairs.append((name, value))
-        i += 1
-    preset = dict(pairs).get("preset", "speedrun" if cuda_available else "smoke")
-    if preset not in PRESETS:
-        raise ConfigError(f"--preset={preset}: unknown preset; choose one of {', '.join(PRESETS)}")
-    values = {**PRESETS[preset], "preset": preset}
-    for name, text in pairs:
-        values[name] = _parse_value(name, text, types[name])
-    args = Hyperparameters(**values)
-    validate_config(args)
-    args.micro_batches = canonical_micro_batches(args)
-    return args
-
-
-def usage() -> str:
-    lines = ["usage: train_gpt.py [--preset=speedrun|smoke] [--field=value ...]", "", "fields (speedrun default):"]
-    for f in dataclasses.fields(Hyperparameters):
-        lines.append(f"  --{f.name}={f.default!s:<40} {f.metadata['help']}")
-    return "\n".join(lines)
-
-
 def int_list(args: Hyperparameters, name: str) -> tuple[int, ...]:
     """A comma-separated field such as --paired_layers=0,2,5,9 as a tuple of ints."""
     text = getattr(args, name).strip()
@@ -309,11 +256,6 @@ def window_pair(args: Hyperparameters, name: str, text: str) -> tuple[int, int]:
         raise ConfigError(f"--{name}={getattr(args, name)}: expected short:long window blocks, positive and "
                           f"short <= long, e.g. 1:3")
     return pair
-
-
-MAX_TIMEOUT_S = 7 * 24 * 3600  # a collective that waits longer than a week is a hang, not a slow rank
-MAX_MEMORY_GIB = 2 ** 20  # a pebibyte per rank: more is a typo (and 1e300 GiB would overflow a byte count)
-RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,200}")  # one file name: no separators, no way out of logs_dir
 
 
 @dataclass(frozen=True)
@@ -418,6 +360,25 @@ class Schedule:
         return max(stage.micro_tokens for stage in self.stages)
 
 
+def stage_micro_batches(args: Hyperparameters, stages: int) -> tuple[int | None, ...]:
+    """--micro_batches for each of the stages: one count for all, one count per stage, or auto (None each:
+    plan_memory chooses them at start-up)."""
+    text = args.micro_batches.strip()
+    if text == "auto":
+        return (None,) * stages
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--micro_batches={text}: expected auto, a count, or one count per stage, e.g. 8,8,16") from None
+    if len(counts) == 1:
+        counts *= stages
+    if len(counts) != stages:
+        raise ConfigError(f"--micro_batches={text}: one count for every stage, or one per stage ({stages}), or auto")
+    if min(counts) <= 0:
+        raise ConfigError(f"--micro_batches={text}: must be positive")
+    return counts
+
+
 @dataclass(frozen=True)
 class LayerPlan:
     """What one layer does: the record's layer roles, derived from the config in one place (layer_plan)."""
@@ -453,332 +414,12 @@ def layer_plan(args: Hyperparameters) -> list[LayerPlan]:
     return plans
 
 
-def stage_micro_batches(args: Hyperparameters, stages: int) -> tuple[int | None, ...]:
-    """--micro_batches for each of the stages: one count for all, one count per stage, or auto (None each:
-    plan_memory chooses them at start-up)."""
-    text = args.micro_batches.strip()
-    if text == "auto":
-        return (None,) * stages
-    try:
-        counts = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise ConfigError(f"--micro_batches={text}: expected auto, a count, or one count per stage, e.g. 8,8,16") from None
-    if len(counts) == 1:
-        counts *= stages
-    if len(counts) != stages:
-        raise ConfigError(f"--micro_batches={text}: one count for every stage, or one per stage ({stages}), or auto")
-    if min(counts) <= 0:
-        raise ConfigError(f"--micro_batches={text}: must be positive")
-    return counts
-
-
-def canonical_micro_batches(args: Hyperparameters) -> str:
-    """--micro_batches in one spelling per meaning: auto, one count when every stage has it ("4,4,4" and " 4"
-    are "4"), else one per stage. parse_args stores it so, and logs, checkpoints and records compare the
-    setting, not how it was typed."""
-    counts = stage_micro_batches(args, len(int_list(args, "stage_batch_tokens")))
-    return "auto" if counts[0] is None else micro_batches_flag(counts)
-
-
 def skip_pair(args: Hyperparameters) -> tuple[int, int]:
     source, colon, target = args.skip_layers.partition(":")
     try:
         return int(source), int(target)
     except ValueError:
         raise ConfigError(f"--skip_layers={args.skip_layers}: expected source:target, e.g. 3:6") from None
-
-
-def validate_config(args: Hyperparameters):
-    positive = ["val_tokens", "val_seq_len", "vocab_size", "num_layers", "model_dim", "head_dim",
-                "mlp_ratio", "window_block", "final_val_window", "num_iterations", "adam_every", "bigram_vocab_size",
-                "bigram_sign_rows", "dc_window"]
-    for name in positive:
-        if getattr(args, name) <= 0:
-            raise ConfigError(f"--{name}={getattr(args, name)}: must be positive")
-    for name in ["val_loss_every", "train_loss_every", "save_every", "warmup_steps", "extension_steps",
-                 "muon_momentum_warmup", "muon_momentum_cooldown", "untie_stage"]:
-        if getattr(args, name) < 0:
-            raise ConfigError(f"--{name}={getattr(args, name)}: must be zero or positive")
-    # Values outside these ranges cannot be meant: they would train (and "succeed") on nonsense, or fail
-    # deep inside PyTorch. Written so that NaN fails every test.
-    ranges = [
-        (("adam_lr", "muon_lr", "muon_weight_decay", "adam_weight_decay", "final_lr_frac"),
-         lambda v: 0 <= v < math.inf, "a finite number >= 0"),
-        (("muon_beta2", "muon_momentum_start", "muon_momentum_end"), lambda v: 0 <= v < 1, "in [0, 1)"),
-        (("adam_eps", "logit_cap", "logit_cap_width"), lambda v: 0 < v < math.inf, "a finite number > 0"),
-        (("logit_cap_shift",), lambda v: -math.inf < v < math.inf, "a finite number"),
-        (("cooldown_frac",), lambda v: 0 <= v <= 1, "in [0, 1]"),
-        (("pg_timeout_s",), lambda v: 0 < v <= MAX_TIMEOUT_S, f"in 1..{MAX_TIMEOUT_S} seconds (a week)"),
-        (("seed",), lambda v: 0 <= v < 2 ** 64, "in 0..2**64-1"),
-    ]
-    for names, in_range, expected in ranges:
-        for name in names:
-            if not in_range(getattr(args, name)):
-                raise ConfigError(f"--{name}={getattr(args, name)}: must be {expected}")
-    if args.run_id and (not RUN_ID_PATTERN.fullmatch(args.run_id) or args.run_id in (".", "..")):
-        raise ConfigError(f"--run_id={args.run_id}: must be a plain name of at most 200 letters, digits, '-', '_' "
-                          f"and '.' (it names the log file and the checkpoint folder)")
-    if args.synthetic and args.vocab_size <= BOS_ID:  # shards say so themselves (check_token_ids)
-        raise ConfigError(f"--vocab_size={args.vocab_size}: --synthetic=true documents start with <|endoftext|>, "
-                          f"token {BOS_ID}; the vocabulary must hold it")
-    if args.model_dim % args.head_dim or (args.model_dim // args.head_dim) % 2:
-        raise ConfigError(f"--model_dim={args.model_dim} must be an even number of --head_dim={args.head_dim} heads "
-                          f"(paired layers pair them)")
-    if args.head_dim % 4:
-        raise ConfigError(f"--head_dim={args.head_dim} must be a multiple of 4 (rotary turns half of each head's "
-                          f"dimensions, in pairs)")
-    if args.model_dim < GATE_CHANNELS:
-        raise ConfigError(f"--model_dim={args.model_dim}: the gates read the first {GATE_CHANNELS} channels")
-    if args.extension_steps >= args.num_iterations:
-        raise ConfigError(f"--extension_steps={args.extension_steps} must be less than "
-                          f"--num_iterations={args.num_iterations}")
-    schedule = Schedule(args)  # a run shorter than the stages skips some of them (tests, quick checks)
-    for stage in schedule.stages:
-        count = stage.micro_batches or 1  # auto chooses among the counts that split the batch
-        if stage.batch_tokens % count or (stage.batch_tokens // count) % args.window_block:
-            raise ConfigError(f"--stage_batch_tokens={args.stage_batch_tokens}: each batch must split into "
-                              f"--micro_batches={args.micro_batches} micro-batches of a multiple of "
-                              f"--window_block={args.window_block} tokens")
-        if stage.max_seq_len <= 0:
-            raise ConfigError(f"--stage_max_seq_len={args.stage_max_seq_len}: must be positive")
-    if args.val_seq_len % args.window_block:
-        raise ConfigError(f"--val_seq_len={args.val_seq_len} must be a multiple of --window_block={args.window_block}")
-    if args.val_tokens % args.val_seq_len:
-        raise ConfigError(f"--val_tokens={args.val_tokens} must be a multiple of --val_seq_len={args.val_seq_len}")
-    if not 0 <= args.memory_limit_gib <= MAX_MEMORY_GIB:
-        raise ConfigError(f"--memory_limit_gib={args.memory_limit_gib}: must be a number of GiB from 0 (the device's "
-                          f"memory) to {MAX_MEMORY_GIB:,}")
-    if args.save_every % args.adam_every:
-        raise ConfigError(f"--save_every={args.save_every} must be a multiple of --adam_every={args.adam_every}: "
-                          f"a checkpoint between two Adam steps would lose the gradients accumulated so far")
-    for name, choices in (("device", ("auto", "cuda", "cpu")), ("attention", ("auto", "flex", "sdpa")),
-                          ("packing", ("auto", *SHARD_PACKINGS)),
-                          ("lm_head_precision", ("auto", "fp8", "bf16", "fp32")),
-                          ("mlp_precision", ("auto", "fp8", "bf16", "fp32"))):
-        if getattr(args, name) not in choices:
-            raise ConfigError(f"--{name}={getattr(args, name)}: choose {', '.join(choices)}")
-    validate_layer_plan(args)
-    if "fp8" in (args.lm_head_precision, args.mlp_precision) and not fp8_fits(args):
-        raise ConfigError(f"--lm_head_precision/--mlp_precision=fp8: FP8 matmuls need --model_dim (here "
-                          f"{args.model_dim}) and every micro-batch (here {min_micro_tokens(args)} tokens at the "
-                          f"least; with --micro_batches=auto, --window_block) to be multiples of 16; use bf16")
-
-
-def validate_layer_plan(args: Hyperparameters):
-    """Layer roles that the record's forward cannot combine are refused here, naming the flag."""
-    n = args.num_layers
-    for name in ("no_attention_layers", "paired_layers", "long_window_layers", "xsa_layers", "attn_gate_layers",
-                 "dc_layers", "value_embed_layers"):
-        for layer in int_list(args, name):
-            if not 0 <= layer < n:
-                raise ConfigError(f"--{name}: layer {layer} is not in 0..{n - 1}")
-    skip_from, skip_to = skip_pair(args)
-    if not 0 <= skip_from < skip_to < n:
-        raise ConfigError(f"--skip_layers={args.skip_layers}: needs 0 <= source < target < {n}")
-    if set(int_list(args, "no_attention_layers")) != {skip_to}:
-        raise ConfigError(f"--no_attention_layers={args.no_attention_layers}: must be the skip target alone "
-                          f"({skip_to}, --skip_layers): the skip takes the place of its attention")
-    if not 1 <= args.mudd_gate_layer <= skip_to:
-        raise ConfigError(f"--mudd_gate_layer={args.mudd_gate_layer}: must be in 1..{skip_to} (the first gate "
-                          f"network serves the layers before it, the second the skip)")
-    if not 0 <= args.shared_input_layer < n - 1:
-        raise ConfigError(f"--shared_input_layer={args.shared_input_layer}: must be in 0..{n - 2}")
-    plans = layer_plan(args)
-    for plan in plans:
-        where = f"layer {plan.index}"
-        if not plan.attention and (plan.paired or plan.long_window or plan.xsa or plan.attn_gate or plan.dc
-                                   or plan.value_embed is not None):
-            raise ConfigError(f"{where} has no attention (--no_attention_layers) but another attention role")
-        if plan.paired and (plan.long_window or plan.xsa or plan.dc):
-            raise ConfigError(f"{where} is paired (--paired_layers): paired layers have the short window and no "
-                              f"XSA or DC")
-        if plan.dc and plan.index < args.mudd_gate_layer:
-            raise ConfigError(f"{where}: DC layers must be at or after --mudd_gate_layer={args.mudd_gate_layer}")
-    last = plans[-1]
-    if not last.attention or last.paired or last.value_embed is None:
-        raise ConfigError(f"layer {n - 1} (the last, where MUDD mixes) needs attention, no pairing and a value "
-                          f"embedding (--value_embed_layers)")
-    if not plans[skip_from].attention and skip_from != 0:
-        raise ConfigError(f"--skip_layers={args.skip_layers}: the source must be a layer with attention")
-    if args.dc_window > args.window_block:  # dc_correction's blocks see their own and the previous block's keys
-        raise ConfigError(f"--dc_window={args.dc_window}: at most --window_block={args.window_block}")
-    if args.untie_stage > len(int_list(args, "stage_batch_tokens")):
-        raise ConfigError(f"--untie_stage={args.untie_stage}: at most the number of stages")
-
-
-def min_micro_tokens(args: Hyperparameters) -> int | None:
-    """The smallest micro-batch of the stages; None before --micro_batches=auto has chosen."""
-    stages = Schedule(args).stages
-    return None if stages[0].micro_batches is None else min(stage.micro_tokens for stage in stages)
-
-
-def fp8_fits(args: Hyperparameters) -> bool:
-    """torch._scaled_mm takes only multiples of 16 for the dimensions the FP8 matmuls multiply over. Every
-    micro-batch auto may choose is a multiple of --window_block."""
-    smallest = min_micro_tokens(args)
-    return args.model_dim % 16 == 0 and (args.window_block if smallest is None else smallest) % 16 == 0
-
-
-def check_world_size(args: Hyperparameters, world_size: int) -> tuple[int | None, ...]:
-    """Micro-batches per rank per step in each stage (None each for auto, which chooses multiples of the
-    world size); the global batch never changes with the world size."""
-    counts = [stage.micro_batches for stage in Schedule(args).stages[:-1]]
-    if any(count is not None and count % world_size for count in counts):
-        raise ConfigError(f"world size {world_size} cannot split the batch: a step is --micro_batches="
-                          f"{args.micro_batches} micro-batches, not a multiple of {world_size} (a larger --micro_batches "
-                          f"makes more, each smaller)")
-    if (args.val_tokens // args.val_seq_len) % world_size:
-        raise ConfigError(f"world size {world_size} cannot split validation: --val_tokens={args.val_tokens} is "
-                          f"{args.val_tokens // args.val_seq_len} sequences of --val_seq_len={args.val_seq_len}")
-    return tuple(None if count is None else count // world_size for count in counts)
-
-
-def resolve_attention(args: Hyperparameters, device: torch.device, training: bool = True) -> str:
-    """flex or sdpa. PyTorch has no FlexAttention backward on CPU, so CPU training takes sdpa."""
-    choice = args.attention if args.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
-    if choice == "flex" and device.type != "cuda" and training:
-        raise ConfigError("--attention=flex: PyTorch has no FlexAttention backward on CPU; train on CPU with "
-                          "--attention=sdpa (flex serves forward passes there)")
-    if choice == "sdpa" and training:
-        # paired layers attend over twice the positions; before --micro_batches=auto has chosen, the
-        # validation's (plan_memory counts the micro-batches' masks, and this check runs again after it)
-        longest = 2 * (max_positions(args) if min_micro_tokens(args) is not None else args.val_seq_len)
-        need, have = dense_mask_bytes(longest), device_memory_bytes(device)
-        if need > have:  # certain to run out of memory, at the first step or the first validation
-            raise ConfigError(f"--attention=sdpa: the dense attention mask of a {longest:,}-position sequence takes "
-                              f"at least {need / 2 ** 30:,.0f} GiB to build, more than the {have / 2 ** 30:,.0f} GiB "
-                              f"{device if device.type == 'cuda' else 'this machine'} has; use --attention=flex on a "
-                              f"GPU, or a shorter --val_seq_len or --stage_batch_tokens")
-    return choice
-
-
-def dense_mask_bytes(sequence: int) -> int:
-    """A lower bound of what dense_attention_mask holds at once: int64 distances and the boolean mask."""
-    return sequence * sequence * (8 + 1)
-
-
-def device_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def resolve_precision(args: Hyperparameters, device: torch.device, flag: str) -> str:
-    """fp8 needs the FP8 tensor cores of compute capability 8.9 (Ada, Hopper) and later, and widths
-    FP8 matmuls take (fp8_fits); auto falls back to bf16 without them, and the log header says so."""
-    fp8_capable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-    choice = getattr(args, flag)
-    if choice == "auto":
-        return "fp8" if fp8_capable and fp8_fits(args) else ("bf16" if device.type == "cuda" else "fp32")
-    if choice == "fp8" and device.type == "cuda" and not fp8_capable:
-        raise ConfigError(f"--{flag}=fp8: {torch.cuda.get_device_name(device)} has no FP8 tensor cores "
-                          f"(compute capability 8.9 or later); use bf16")
-    return choice
-
-# -----------------------------------------------------------------------------
-# Distributed setup: torchrun's environment, or one process without it
-
-@dataclass
-class DistEnv:
-    rank: int
-    local_rank: int
-    world_size: int
-    device: torch.device
-    memory: MemoryPlan | None = None  # plan_memory's, where the memory was checked
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def launch_ranks() -> tuple[int, int, int]:
-    """RANK, LOCAL_RANK and WORLD_SIZE as torchrun sets them (0, 0 and 1 without it), checked: a bad
-    value set by hand would otherwise divide by zero, train as rank 1 of 1 in silence, or hang."""
-    values = []
-    for name, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-        text = os.environ.get(name, default)
-        try:
-            values.append(int(text))
-        except ValueError:
-            raise ConfigError(f"{name}={text!r} in the environment is not an integer (torchrun sets it; "
-                              f"unset it for one process)") from None
-    rank, local_rank, world_size = values
-    if world_size < 1:
-        raise ConfigError(f"WORLD_SIZE={world_size} in the environment: a world size is at least 1")
-    for name, value in (("RANK", rank), ("LOCAL_RANK", local_rank)):
-        if not 0 <= value < world_size:
-            raise ConfigError(f"{name}={value} in the environment is outside 0..{world_size - 1} "
-                              f"(WORLD_SIZE={world_size})")
-    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
-    if world_size > 1 and missing and not dist.is_initialized():  # (tools/preflight.py brings its own group)
-        raise ConfigError(f"WORLD_SIZE={world_size} in the environment, but {' and '.join(missing)} "
-                          f"{'is' if len(missing) == 1 else 'are'} not set: start the ranks with torchrun "
-                          f"(torchrun --standalone --nproc_per_node={world_size} train_gpt.py), which sets them")
-    return rank, local_rank, world_size
-
-
-def setup_distributed(args: Hyperparameters) -> DistEnv:
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if use_cuda and not torch.cuda.is_available():
-        raise ConfigError("--device=cuda but no CUDA device is available")
-    rank, local_rank, world_size = launch_ranks()
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    # Refuse what this device cannot train, and choose --micro_batches=auto, before any process group exists
-    # (every rank decides the same).
-    check_world_size(args, world_size)
-    attention_kind = resolve_attention(args, device)
-    precisions = (resolve_precision(args, device, "lm_head_precision"), resolve_precision(args, device, "mlp_precision"))
-    memory_plan = plan_memory(args, world_size, device, precisions, attention_kind)
-    if world_size > 1 and not dist.is_initialized():  # tools/preflight.py brings its own (fake) group
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo",
-                                timeout=datetime.timedelta(seconds=args.pg_timeout_s),
-                                device_id=device if use_cuda else None)
-    return DistEnv(rank, local_rank, world_size, device, memory_plan)
-
-
-def distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def all_ranks_ok(ok: bool, device: torch.device) -> bool:
-    """True only if every rank says ok: lets all ranks stop together instead of hanging."""
-    if not distributed():
-        return ok
-    flag = torch.full((1,), int(ok), dtype=torch.int32, device=device)  # a factory: fake tensors (preflight) too
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-def same_on_every_rank(text: str, device: torch.device) -> bool:
-    """True if every rank passes the same text (compared by CRC-32, in one all-reduce)."""
-    if not distributed():
-        return True
-    code = zlib.crc32(text.encode())
-    codes = torch.tensor([code, -code], dtype=torch.int64, device=device)
-    dist.all_reduce(codes, op=dist.ReduceOp.MAX)  # (the largest, minus the smallest)
-    return codes.tolist() == [code, -code]
-
-
-def gather_from_ranks(obj) -> list:
-    """obj from every rank, in rank order (a list of one without a process group)."""
-    if not distributed():
-        return [obj]
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
-
-
-# PyTorch 2.13 renames the tensor collectives (the old names warn); 2.11 has only the old ones.
-def reduce_scatter_async(output: Tensor, input: Tensor):
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, input, op=dist.ReduceOp.SUM, async_op=True)
-
-
-def all_gather_async(output: Tensor, input: Tensor):
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, async_op=True)
 
 
 # -----------------------------------------------------------------------------
@@ -789,22 +430,52 @@ def all_gather_async(output: Tensor, input: Tensor):
 # configuration (layer_plan), never indices in the code.
 
 GATE_CHANNELS = 12  # the smear gate reads this many leading channels of the token embedding
+
+
 VE_GATE_CHANNELS = 6  # a value-embedding gate reads this many channels of the attention input and of the embedding
+
+
 ATTN_SCALE = 0.1  # attention logit scale at the first window (record #85); YaRN raises it
+
+
 ROPE_MIN_FREQ = 1 / 1024  # rotary frequencies run from 1 down to this, over a quarter of each head's dims
+
+
 YARN_ALPHA, YARN_BETA = 1, 32  # frequencies turning fewer/more times than this over a window are fully/not rescaled
+
+
 # F.rms_norm's default eps is the dtype's machine epsilon: the record's bf16 activations get 2**-7. Fixed here so
 # that fp32 (CPU) runs compute the same function.
 NORM_EPS = 2 ** -7
+
+
 XSA_EPS = 1e-4  # F.normalize's eps for the value direction XSA subtracts along
+
+
 DC_NORM_EPS = 1e-6  # the DC query-side weights are RMS-normalised over heads with this eps
+
+
 SKIP_GATE_INIT = -1.5  # the skip weight starts at sigmoid(-1.5) = 0.18
+
+
 RESIDUAL_INIT = 1.1 ** 0.5  # each sublayer scales the stream by this at init: 1.1 per layer
+
+
 MUDD_SCALE = 0.1  # the MUDD nets' outputs are MUDD_SCALE * (W2 h + b2); their biases are stored divided by it
+
+
 MUDD_HIDDEN = 64
+
+
 MUDD_LAYER_COEFS = 14  # the last layer's MUDD net: see GPT.mudd_layer
+
+
 MUDD_HEAD_COEFS = 5  # before the head: weights of 5 earlier states
+
+
 BIGRAM_MULTIPLIERS = (36313, 27191)  # the record's hash of (current, previous) token, in int32 arithmetic
+
+
 BOS_ID = 50256  # <|endoftext|> starts every document
 
 
@@ -1153,6 +824,8 @@ class CausalSelfAttention(nn.Module):
 # FP8 matmuls (record #85): e4m3 operands with per-tensor scales, bf16 out, through torch._scaled_mm, whose
 # first operand must be row-major and second column-major.
 FP8_E4M3_MAX = 448.0
+
+
 HEAD_X_SCALE, HEAD_W_SCALE, HEAD_GRAD_SCALE = 100 / FP8_E4M3_MAX, 1.6 / FP8_E4M3_MAX, 0.75 / FP8_E4M3_MAX
 
 
@@ -1635,6 +1308,41 @@ def compile_model(model: GPT, backend="inductor", attention_only: bool = False):
     model.mtp_chunk = torch.compile(mtp_chunk, **options)
 
 
+# Parameters that stay fp32 on GPUs (the record's): the scalars and lambdas, whose small Adam updates bf16
+# would round away. Everything else is bf16 there; NorMuon keeps fp32 masters of its matrices (mantissas).
+FP32_PARAMETERS = ("scalars", "resid_lambdas", "post_lambdas", "mudd_gate_scale")
+
+
+def cast_for_device(model: GPT, device: torch.device) -> GPT:
+    """On GPUs, record #85's parameter dtypes: bf16 except FP32_PARAMETERS (and the lm_head under
+    --lm_head_precision=fp32). On CPU all fp32."""
+    if device.type == "cuda":
+        keep = set(FP32_PARAMETERS) | ({"lm_head"} if model.head_precision == "fp32" else set())
+        for name, p in model.named_parameters():
+            if name not in keep:
+                p.data = p.data.bfloat16()
+        model.bigram_signs.data = model.bigram_signs.data.bfloat16()
+    return model
+
+
+# -----------------------------------------------------------------------------
+# Collectives the optimizers use: at world size 1 there are none
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+# PyTorch 2.13 renames the tensor collectives (the old names warn); 2.11 has only the old ones.
+def reduce_scatter_async(output: Tensor, input: Tensor):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, op=dist.ReduceOp.SUM, async_op=True)
+
+
+def all_gather_async(output: Tensor, input: Tensor):
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, async_op=True)
+
+
 # -----------------------------------------------------------------------------
 # NorMuon: momentum, Polar Express orthogonalisation, per-neuron normalisation and cautious weight
 # decay, for the attention and MLP matrices
@@ -1649,6 +1357,8 @@ POLAR_EXPRESS_COEFFS = (
     (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
+
+
 POLAR_EXPRESS_SAFETY = 2e-2  # the Frobenius normalisation is divided by 1 + this, so no singular value exceeds 1
 
 
@@ -2149,15 +1859,527 @@ class DistAdam(torch.optim.Optimizer):
             self.tied = self.tie_pair if state_dict["tied"] else None
             self._bucket_of[self.tie_pair[1]].needed = 2 if state_dict["tied"] else 1
 
+
+# -----------------------------------------------------------------------------
+# One training step: the optimizers' tables and set-up, the schedules a step follows, train_step and
+# evaluate. Everything after this keeps a run safe and measured
+
+def muon_momentum(step: int, args: Hyperparameters) -> float:
+    """Rises linearly from start to end over the warmup, falls back to start over the last cooldown steps."""
+    lo, hi = args.muon_momentum_start, args.muon_momentum_end
+    cooldown_start = args.num_iterations - args.muon_momentum_cooldown
+    if step < args.muon_momentum_warmup:
+        return lo + step / args.muon_momentum_warmup * (hi - lo)
+    if step > cooldown_start:
+        return hi - (step - cooldown_start) / args.muon_momentum_cooldown * (hi - lo)
+    return hi
+
+
+def is_validation_step(step: int, args: Hyperparameters) -> bool:
+    return step == args.num_iterations or bool(args.val_loss_every and step % args.val_loss_every == 0)
+
+
+def adam_steps_at(step: int, args: Hyperparameters) -> bool:
+    """Adam steps at the last of every adam_every steps (the record: the odd ones)."""
+    return (step + 1) % args.adam_every == 0
+
+
+# Record #85's Adam parameter table: (betas, lr multiplier, weight-decay multiplier) by parameter name.
+ADAM_TABLE = {
+    "embed.weight": ((0.5, 0.95), 1.0, 150.0),
+    "lm_head": ((0.5, 0.95), 1.0, 150.0),
+    "value_embeds": ((0.75, 0.95), 75.0, 5.0),
+    "bigram_embed.weight": ((0.75, 0.95), 75.0, 5.0),
+    "scalars": ((0.9, 0.99), 5.0, 0.0),
+    "smear_gate.weight": ((0.9, 0.99), 0.01, 0.0),
+    "ve_gates": ((0.9, 0.99), 1.0, 1.0),
+    "post_lambdas": ((0.9, 0.95), 1.0, 0.0),
+    "resid_lambdas": ((0.9, 0.95), 5.0, 0.0),
+    "mudd_w1": ((0.9, 0.99), 0.25, 1.0),
+    "mudd_w2": ((0.9, 0.99), 0.25, 1.0),
+    "mudd_b2": ((0.9, 0.99), 0.25, 0.0),
+    "mudd_gate_w1": ((0.9, 0.99), 0.1, 1.0),
+    "mudd_gate_w2": ((0.9, 0.99), 0.1, 1.0),
+    "mudd_gate_b2": ((0.9, 0.99), 0.1, 0.0),
+    "mudd_gate_scale": ((0.9, 0.99), 0.1, 0.0),
+}
+
+
+# NorMuon's lr multiplier per matrix kind, on top of sqrt(max(1, rows / cols)): the record's c_proj x2.
+MUON_TABLE = {"attn.qk": 1.0, "attn.vo": 1.0, "mlp.fc": 1.0, "mlp.proj": 2.0}
+
+
+def build_optimizers(model: GPT, args: Hyperparameters) -> tuple[NorMuon, DistAdam]:
+    """NorMuon for the attention and MLP matrices; Adam, with the record's table, for the rest. The
+    embedding starts tied to the lm_head (untie_step unties it)."""
+    named = dict(model.named_parameters())
+    muon_groups = [dict(params=[p for name, p in named.items() if name.endswith(kind)], lr=args.muon_lr, lr_mul=mul)
+                   for kind, mul in MUON_TABLE.items()]
+    adam_groups = [dict(params=[named[name]], lr=args.adam_lr * lr_mul, betas=betas,
+                        weight_decay=args.adam_weight_decay * wd_mul)
+                   for name, (betas, lr_mul, wd_mul) in ADAM_TABLE.items()]
+    # Bucket order follows the forward; step() walks it backwards, the order backward completes it.
+    adam = DistAdam(adam_groups, eps=args.adam_eps, sparse=model.bigram_embed.weight)
+    # Tied until the untie step; the weights of --init_from may come untied (data is only read for those:
+    # tools/preflight.py builds the model with no data).
+    if not args.init_from or torch.equal(model.embed.weight, model.lm_head.T):
+        adam.tie(model.embed.weight, model.lm_head)
+    # CPUs have no bf16 matrix units for this; there fp32 also keeps runs at different world sizes in
+    # step (bf16 rounding would amplify the last-bit differences of reduction order).
+    ns_dtype = torch.bfloat16 if model.embed.weight.is_cuda else torch.float32
+    muon = NorMuon(muon_groups, lr=args.muon_lr, momentum=args.muon_momentum_start, beta2=args.muon_beta2,
+                   weight_decay=args.muon_weight_decay, ns_dtype=ns_dtype)
+    for opt in (adam, muon):
+        for group in opt.param_groups:
+            group["initial_lr"] = group["lr"]
+    covered = [id(p) for opt in (adam, muon) for g in opt.param_groups for p in g["params"]]
+    if len(covered) != len(set(covered)) or set(covered) != {id(p) for p in model.parameters()}:
+        raise RuntimeError("every parameter must belong to exactly one optimizer")
+    return muon, adam
+
+
+def set_schedules(step: int, optimizers, schedule: Schedule, args: Hyperparameters):
+    multiplier = schedule.lr(step)
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * multiplier
+    for group in optimizers[0].param_groups:
+        group["momentum"] = muon_momentum(step, args)
+
+
+def refresh_fp8(model: GPT):
+    for block in model.blocks:
+        block.mlp.refresh_fp8()
+
+
+def train_step(model: GPT, optimizers, batch, step: int, schedule: Schedule, args: Hyperparameters,
+               use_flex: bool) -> Tensor:
+    """Forward/backward over this rank's micro-batches, NorMuon's step, and Adam's every adam_every
+    steps on the gradients of all of them (its reduce-scatters start in the backward that completes
+    them); at the untie step the embedding leaves the lm_head. Returns the summed training loss (the
+    multi-token objective) of this rank's tokens. No host sync."""
+    muon, adam = optimizers
+    adam_now = adam_steps_at(step, args)
+    windows = schedule.windows(step)
+    device = batch[0][0].device
+    mtp = host_to_device(torch.tensor(schedule.mtp_weights(step)), device)
+    loss_sum = torch.zeros((), device=device)
+    for i, (inputs, targets) in enumerate(batch):
+        reduce_now = adam_now and i == len(batch) - 1
+        adam.touch_rows(rows[i] if (rows := getattr(batch, "bigram_rows", None)) else None)
+        if reduce_now:
+            adam.start_sparse_exchange()
+        with contextlib.nullcontext() if reduce_now else adam.no_sync():
+            # Summed over tokens, averaged over micro-batches and ranks (the record's gradient scale).
+            masks = build_masks(inputs, model.plans, windows, args.window_block, use_flex)
+            loss = model(inputs, targets, masks, windows, mtp, loss_scale=1 / len(batch))
+            loss.backward()
+        loss_sum += loss.detach() * len(batch)
+    muon.step()
+    muon.zero_grad(set_to_none=True)
+    if adam_now:
+        adam.step()
+        adam.zero_grad(set_to_none=True)
+        if step == schedule.untie_step and adam.tied is not None:
+            adam.untie()
+    refresh_fp8(model)
+    return loss_sum
+
+
+@torch.no_grad()
+def evaluate(model: GPT, tokens: Tensor, windows: tuple[int, int], args: Hyperparameters, env: DistEnv,
+             use_flex: bool) -> float:
+    """Mean next-token loss over the len(tokens) - 1 predictions of `tokens` (val_tokens + 1 of them in a
+    real validation), in sequences of val_seq_len dealt out over the ranks."""
+    model.eval()
+    num_seqs = (len(tokens) - 1) // args.val_seq_len
+    loss_sum = torch.zeros((), device=env.device, dtype=torch.float64)
+    for seq in range(env.rank, num_seqs, env.world_size):
+        buf = to_device(tokens[seq * args.val_seq_len:(seq + 1) * args.val_seq_len + 1], env.device)
+        inputs, targets = buf[:-1], buf[1:]
+        masks = build_masks(inputs, model.plans, windows, args.window_block, use_flex)
+        loss_sum += model(inputs, targets, masks, windows).double()
+    if env.world_size > 1:
+        dist.all_reduce(loss_sum)
+    model.train()
+    return loss_sum.item() / (num_seqs * args.val_seq_len)
+
+
+# -----------------------------------------------------------------------------
+# Command line and config checks: every flag parsed and checked once, before anything is created
+
+def _parse_value(name: str, text: str, typ: type):
+    if typ is bool:
+        lowered = text.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"--{name}={text}: expected a boolean (true/false)")
+    try:
+        return typ(text)
+    except ValueError:
+        raise ConfigError(f"--{name}={text}: expected {typ.__name__}") from None
+
+
+def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:
+    """`--field=value` (or `--field value`) for every Hyperparameters field; `--preset=NAME` first."""
+    fields = {f.name: f for f in dataclasses.fields(Hyperparameters)}
+    types = {name: {"str": str, "int": int, "float": float, "bool": bool}[f.type] for name, f in fields.items()}
+    pairs: list[tuple[str, str]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            print(usage())
+            raise SystemExit(0)
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: flags look like --field=value")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"--{name} needs a value: --{name}=VALUE")
+            value, i = argv[i + 1], i + 1
+        if name not in fields:
+            raise ConfigError(f"unknown flag --{name}; valid flags: " + ", ".join(f"--{n}" for n in fields))
+        pairs.append((name, value))
+        i += 1
+    preset = dict(pairs).get("preset", "speedrun" if cuda_available else "smoke")
+    if preset not in PRESETS:
+        raise ConfigError(f"--preset={preset}: unknown preset; choose one of {', '.join(PRESETS)}")
+    values = {**PRESETS[preset], "preset": preset}
+    for name, text in pairs:
+        values[name] = _parse_value(name, text, types[name])
+    args = Hyperparameters(**values)
+    validate_config(args)
+    args.micro_batches = canonical_micro_batches(args)
+    return args
+
+
+def usage() -> str:
+    lines = ["usage: train_gpt.py [--preset=speedrun|smoke] [--field=value ...]", "", "fields (speedrun default):"]
+    for f in dataclasses.fields(Hyperparameters):
+        lines.append(f"  --{f.name}={f.default!s:<40} {f.metadata['help']}")
+    return "\n".join(lines)
+
+
+def canonical_micro_batches(args: Hyperparameters) -> str:
+    """--micro_batches in one spelling per meaning: auto, one count when every stage has it ("4,4,4" and " 4"
+    are "4"), else one per stage. parse_args stores it so, and logs, checkpoints and records compare the
+    setting, not how it was typed."""
+    counts = stage_micro_batches(args, len(int_list(args, "stage_batch_tokens")))
+    return "auto" if counts[0] is None else micro_batches_flag(counts)
+
+
+MAX_TIMEOUT_S = 7 * 24 * 3600  # a collective that waits longer than a week is a hang, not a slow rank
+
+
+MAX_MEMORY_GIB = 2 ** 20  # a pebibyte per rank: more is a typo (and 1e300 GiB would overflow a byte count)
+
+
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,200}")  # one file name: no separators, no way out of logs_dir
+
+
+def validate_config(args: Hyperparameters):
+    positive = ["val_tokens", "val_seq_len", "vocab_size", "num_layers", "model_dim", "head_dim",
+                "mlp_ratio", "window_block", "final_val_window", "num_iterations", "adam_every", "bigram_vocab_size",
+                "bigram_sign_rows", "dc_window"]
+    for name in positive:
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"--{name}={getattr(args, name)}: must be positive")
+    for name in ["val_loss_every", "train_loss_every", "save_every", "warmup_steps", "extension_steps",
+                 "muon_momentum_warmup", "muon_momentum_cooldown", "untie_stage"]:
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name}={getattr(args, name)}: must be zero or positive")
+    # Values outside these ranges cannot be meant: they would train (and "succeed") on nonsense, or fail
+    # deep inside PyTorch. Written so that NaN fails every test.
+    ranges = [
+        (("adam_lr", "muon_lr", "muon_weight_decay", "adam_weight_decay", "final_lr_frac"),
+         lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+        (("muon_beta2", "muon_momentum_start", "muon_momentum_end"), lambda v: 0 <= v < 1, "in [0, 1)"),
+        (("adam_eps", "logit_cap", "logit_cap_width"), lambda v: 0 < v < math.inf, "a finite number > 0"),
+        (("logit_cap_shift",), lambda v: -math.inf < v < math.inf, "a finite number"),
+        (("cooldown_frac",), lambda v: 0 <= v <= 1, "in [0, 1]"),
+        (("pg_timeout_s",), lambda v: 0 < v <= MAX_TIMEOUT_S, f"in 1..{MAX_TIMEOUT_S} seconds (a week)"),
+        (("seed",), lambda v: 0 <= v < 2 ** 64, "in 0..2**64-1"),
+    ]
+    for names, in_range, expected in ranges:
+        for name in names:
+            if not in_range(getattr(args, name)):
+                raise ConfigError(f"--{name}={getattr(args, name)}: must be {expected}")
+    if args.run_id and (not RUN_ID_PATTERN.fullmatch(args.run_id) or args.run_id in (".", "..")):
+        raise ConfigError(f"--run_id={args.run_id}: must be a plain name of at most 200 letters, digits, '-', '_' "
+                          f"and '.' (it names the log file and the checkpoint folder)")
+    if args.synthetic and args.vocab_size <= BOS_ID:  # shards say so themselves (check_token_ids)
+        raise ConfigError(f"--vocab_size={args.vocab_size}: --synthetic=true documents start with <|endoftext|>, "
+                          f"token {BOS_ID}; the vocabulary must hold it")
+    if args.model_dim % args.head_dim or (args.model_dim // args.head_dim) % 2:
+        raise ConfigError(f"--model_dim={args.model_dim} must be an even number of --head_dim={args.head_dim} heads "
+                          f"(paired layers pair them)")
+    if args.head_dim % 4:
+        raise ConfigError(f"--head_dim={args.head_dim} must be a multiple of 4 (rotary turns half of each head's "
+                          f"dimensions, in pairs)")
+    if args.model_dim < GATE_CHANNELS:
+        raise ConfigError(f"--model_dim={args.model_dim}: the gates read the first {GATE_CHANNELS} channels")
+    if args.extension_steps >= args.num_iterations:
+        raise ConfigError(f"--extension_steps={args.extension_steps} must be less than "
+                          f"--num_iterations={args.num_iterations}")
+    schedule = Schedule(args)  # a run shorter than the stages skips some of them (tests, quick checks)
+    for stage in schedule.stages:
+        count = stage.micro_batches or 1  # auto chooses among the counts that split the batch
+        if stage.batch_tokens % count or (stage.batch_tokens // count) % args.window_block:
+            raise ConfigError(f"--stage_batch_tokens={args.stage_batch_tokens}: each batch must split into "
+                              f"--micro_batches={args.micro_batches} micro-batches of a multiple of "
+                              f"--window_block={args.window_block} tokens")
+        if stage.max_seq_len <= 0:
+            raise ConfigError(f"--stage_max_seq_len={args.stage_max_seq_len}: must be positive")
+    if args.val_seq_len % args.window_block:
+        raise ConfigError(f"--val_seq_len={args.val_seq_len} must be a multiple of --window_block={args.window_block}")
+    if args.val_tokens % args.val_seq_len:
+        raise ConfigError(f"--val_tokens={args.val_tokens} must be a multiple of --val_seq_len={args.val_seq_len}")
+    if not 0 <= args.memory_limit_gib <= MAX_MEMORY_GIB:
+        raise ConfigError(f"--memory_limit_gib={args.memory_limit_gib}: must be a number of GiB from 0 (the device's "
+                          f"memory) to {MAX_MEMORY_GIB:,}")
+    if args.save_every % args.adam_every:
+        raise ConfigError(f"--save_every={args.save_every} must be a multiple of --adam_every={args.adam_every}: "
+                          f"a checkpoint between two Adam steps would lose the gradients accumulated so far")
+    for name, choices in (("device", ("auto", "cuda", "cpu")), ("attention", ("auto", "flex", "sdpa")),
+                          ("packing", ("auto", *SHARD_PACKINGS)),
+                          ("lm_head_precision", ("auto", "fp8", "bf16", "fp32")),
+                          ("mlp_precision", ("auto", "fp8", "bf16", "fp32"))):
+        if getattr(args, name) not in choices:
+            raise ConfigError(f"--{name}={getattr(args, name)}: choose {', '.join(choices)}")
+    validate_layer_plan(args)
+    if "fp8" in (args.lm_head_precision, args.mlp_precision) and not fp8_fits(args):
+        raise ConfigError(f"--lm_head_precision/--mlp_precision=fp8: FP8 matmuls need --model_dim (here "
+                          f"{args.model_dim}) and every micro-batch (here {min_micro_tokens(args)} tokens at the "
+                          f"least; with --micro_batches=auto, --window_block) to be multiples of 16; use bf16")
+
+
+def validate_layer_plan(args: Hyperparameters):
+    """Layer roles that the record's forward cannot combine are refused here, naming the flag."""
+    n = args.num_layers
+    for name in ("no_attention_layers", "paired_layers", "long_window_layers", "xsa_layers", "attn_gate_layers",
+                 "dc_layers", "value_embed_layers"):
+        for layer in int_list(args, name):
+            if not 0 <= layer < n:
+                raise ConfigError(f"--{name}: layer {layer} is not in 0..{n - 1}")
+    skip_from, skip_to = skip_pair(args)
+    if not 0 <= skip_from < skip_to < n:
+        raise ConfigError(f"--skip_layers={args.skip_layers}: needs 0 <= source < target < {n}")
+    if set(int_list(args, "no_attention_layers")) != {skip_to}:
+        raise ConfigError(f"--no_attention_layers={args.no_attention_layers}: must be the skip target alone "
+                          f"({skip_to}, --skip_layers): the skip takes the place of its attention")
+    if not 1 <= args.mudd_gate_layer <= skip_to:
+        raise ConfigError(f"--mudd_gate_layer={args.mudd_gate_layer}: must be in 1..{skip_to} (the first gate "
+                          f"network serves the layers before it, the second the skip)")
+    if not 0 <= args.shared_input_layer < n - 1:
+        raise ConfigError(f"--shared_input_layer={args.shared_input_layer}: must be in 0..{n - 2}")
+    plans = layer_plan(args)
+    for plan in plans:
+        where = f"layer {plan.index}"
+        if not plan.attention and (plan.paired or plan.long_window or plan.xsa or plan.attn_gate or plan.dc
+                                   or plan.value_embed is not None):
+            raise ConfigError(f"{where} has no attention (--no_attention_layers) but another attention role")
+        if plan.paired and (plan.long_window or plan.xsa or plan.dc):
+            raise ConfigError(f"{where} is paired (--paired_layers): paired layers have the short window and no "
+                              f"XSA or DC")
+        if plan.dc and plan.index < args.mudd_gate_layer:
+            raise ConfigError(f"{where}: DC layers must be at or after --mudd_gate_layer={args.mudd_gate_layer}")
+    last = plans[-1]
+    if not last.attention or last.paired or last.value_embed is None:
+        raise ConfigError(f"layer {n - 1} (the last, where MUDD mixes) needs attention, no pairing and a value "
+                          f"embedding (--value_embed_layers)")
+    if not plans[skip_from].attention and skip_from != 0:
+        raise ConfigError(f"--skip_layers={args.skip_layers}: the source must be a layer with attention")
+    if args.dc_window > args.window_block:  # dc_correction's blocks see their own and the previous block's keys
+        raise ConfigError(f"--dc_window={args.dc_window}: at most --window_block={args.window_block}")
+    if args.untie_stage > len(int_list(args, "stage_batch_tokens")):
+        raise ConfigError(f"--untie_stage={args.untie_stage}: at most the number of stages")
+
+
+def min_micro_tokens(args: Hyperparameters) -> int | None:
+    """The smallest micro-batch of the stages; None before --micro_batches=auto has chosen."""
+    stages = Schedule(args).stages
+    return None if stages[0].micro_batches is None else min(stage.micro_tokens for stage in stages)
+
+
+def fp8_fits(args: Hyperparameters) -> bool:
+    """torch._scaled_mm takes only multiples of 16 for the dimensions the FP8 matmuls multiply over. Every
+    micro-batch auto may choose is a multiple of --window_block."""
+    smallest = min_micro_tokens(args)
+    return args.model_dim % 16 == 0 and (args.window_block if smallest is None else smallest) % 16 == 0
+
+
+def check_world_size(args: Hyperparameters, world_size: int) -> tuple[int | None, ...]:
+    """Micro-batches per rank per step in each stage (None each for auto, which chooses multiples of the
+    world size); the global batch never changes with the world size."""
+    counts = [stage.micro_batches for stage in Schedule(args).stages[:-1]]
+    if any(count is not None and count % world_size for count in counts):
+        raise ConfigError(f"world size {world_size} cannot split the batch: a step is --micro_batches="
+                          f"{args.micro_batches} micro-batches, not a multiple of {world_size} (a larger --micro_batches "
+                          f"makes more, each smaller)")
+    if (args.val_tokens // args.val_seq_len) % world_size:
+        raise ConfigError(f"world size {world_size} cannot split validation: --val_tokens={args.val_tokens} is "
+                          f"{args.val_tokens // args.val_seq_len} sequences of --val_seq_len={args.val_seq_len}")
+    return tuple(None if count is None else count // world_size for count in counts)
+
+
+def resolve_attention(args: Hyperparameters, device: torch.device, training: bool = True) -> str:
+    """flex or sdpa. PyTorch has no FlexAttention backward on CPU, so CPU training takes sdpa."""
+    choice = args.attention if args.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+    if choice == "flex" and device.type != "cuda" and training:
+        raise ConfigError("--attention=flex: PyTorch has no FlexAttention backward on CPU; train on CPU with "
+                          "--attention=sdpa (flex serves forward passes there)")
+    if choice == "sdpa" and training:
+        # paired layers attend over twice the positions; before --micro_batches=auto has chosen, the
+        # validation's (plan_memory counts the micro-batches' masks, and this check runs again after it)
+        longest = 2 * (max_positions(args) if min_micro_tokens(args) is not None else args.val_seq_len)
+        need, have = dense_mask_bytes(longest), device_memory_bytes(device)
+        if need > have:  # certain to run out of memory, at the first step or the first validation
+            raise ConfigError(f"--attention=sdpa: the dense attention mask of a {longest:,}-position sequence takes "
+                              f"at least {need / 2 ** 30:,.0f} GiB to build, more than the {have / 2 ** 30:,.0f} GiB "
+                              f"{device if device.type == 'cuda' else 'this machine'} has; use --attention=flex on a "
+                              f"GPU, or a shorter --val_seq_len or --stage_batch_tokens")
+    return choice
+
+
+def dense_mask_bytes(sequence: int) -> int:
+    """A lower bound of what dense_attention_mask holds at once: int64 distances and the boolean mask."""
+    return sequence * sequence * (8 + 1)
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def resolve_precision(args: Hyperparameters, device: torch.device, flag: str) -> str:
+    """fp8 needs the FP8 tensor cores of compute capability 8.9 (Ada, Hopper) and later, and widths
+    FP8 matmuls take (fp8_fits); auto falls back to bf16 without them, and the log header says so."""
+    fp8_capable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    choice = getattr(args, flag)
+    if choice == "auto":
+        return "fp8" if fp8_capable and fp8_fits(args) else ("bf16" if device.type == "cuda" else "fp32")
+    if choice == "fp8" and device.type == "cuda" and not fp8_capable:
+        raise ConfigError(f"--{flag}=fp8: {torch.cuda.get_device_name(device)} has no FP8 tensor cores "
+                          f"(compute capability 8.9 or later); use bf16")
+    return choice
+
+
+# -----------------------------------------------------------------------------
+# Distributed setup: torchrun's environment, or one process without it
+
+@dataclass
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    memory: MemoryPlan | None = None  # plan_memory's, where the memory was checked
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launch_ranks() -> tuple[int, int, int]:
+    """RANK, LOCAL_RANK and WORLD_SIZE as torchrun sets them (0, 0 and 1 without it), checked: a bad
+    value set by hand would otherwise divide by zero, train as rank 1 of 1 in silence, or hang."""
+    values = []
+    for name, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        text = os.environ.get(name, default)
+        try:
+            values.append(int(text))
+        except ValueError:
+            raise ConfigError(f"{name}={text!r} in the environment is not an integer (torchrun sets it; "
+                              f"unset it for one process)") from None
+    rank, local_rank, world_size = values
+    if world_size < 1:
+        raise ConfigError(f"WORLD_SIZE={world_size} in the environment: a world size is at least 1")
+    for name, value in (("RANK", rank), ("LOCAL_RANK", local_rank)):
+        if not 0 <= value < world_size:
+            raise ConfigError(f"{name}={value} in the environment is outside 0..{world_size - 1} "
+                              f"(WORLD_SIZE={world_size})")
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if world_size > 1 and missing and not dist.is_initialized():  # (tools/preflight.py brings its own group)
+        raise ConfigError(f"WORLD_SIZE={world_size} in the environment, but {' and '.join(missing)} "
+                          f"{'is' if len(missing) == 1 else 'are'} not set: start the ranks with torchrun "
+                          f"(torchrun --standalone --nproc_per_node={world_size} train_gpt.py), which sets them")
+    return rank, local_rank, world_size
+
+
+def setup_distributed(args: Hyperparameters) -> DistEnv:
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise ConfigError("--device=cuda but no CUDA device is available")
+    rank, local_rank, world_size = launch_ranks()
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    # Refuse what this device cannot train, and choose --micro_batches=auto, before any process group exists
+    # (every rank decides the same).
+    check_world_size(args, world_size)
+    attention_kind = resolve_attention(args, device)
+    precisions = (resolve_precision(args, device, "lm_head_precision"), resolve_precision(args, device, "mlp_precision"))
+    memory_plan = plan_memory(args, world_size, device, precisions, attention_kind)
+    if world_size > 1 and not dist.is_initialized():  # tools/preflight.py brings its own (fake) group
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo",
+                                timeout=datetime.timedelta(seconds=args.pg_timeout_s),
+                                device_id=device if use_cuda else None)
+    return DistEnv(rank, local_rank, world_size, device, memory_plan)
+
+
+def all_ranks_ok(ok: bool, device: torch.device) -> bool:
+    """True only if every rank says ok: lets all ranks stop together instead of hanging."""
+    if not distributed():
+        return ok
+    flag = torch.full((1,), int(ok), dtype=torch.int32, device=device)  # a factory: fake tensors (preflight) too
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def same_on_every_rank(text: str, device: torch.device) -> bool:
+    """True if every rank passes the same text (compared by CRC-32, in one all-reduce)."""
+    if not distributed():
+        return True
+    code = zlib.crc32(text.encode())
+    codes = torch.tensor([code, -code], dtype=torch.int64, device=device)
+    dist.all_reduce(codes, op=dist.ReduceOp.MAX)  # (the largest, minus the smallest)
+    return codes.tolist() == [code, -code]
+
+
+def gather_from_ranks(obj) -> list:
+    """obj from every rank, in rank order (a list of one without a process group)."""
+    if not distributed():
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 # -----------------------------------------------------------------------------
 # Data: token shards, BOS-aligned packing and the distributed loader
 
 SHARD_MAGIC = 20240520
+
+
 SHARD_VERSION = 1
+
+
 SHARD_HEADER_INTS = 256
+
+
 SHARD_PACKING_INDEX, SHARD_PACKINGS = 3, {"documents": 0, "stream": 1}  # header[3]; data/shards.py writes it
+
+
 FETCH_HINT = "fetch FineWeb with `python data/cached_fineweb10B.py`"
+
+
 REPO_DIR = Path(__file__).resolve().parent  # where the bundled corpus and the data tools are
+
+
 BUNDLED_CORPUS = REPO_DIR / "data" / "shakespeare"
 
 
@@ -2382,6 +2604,8 @@ class ShardScan:
 
 
 SCAN_THREADS = 4  # shards scanned at once; numpy releases the GIL while it reads and compares
+
+
 FINGERPRINT_BLOCKS, FINGERPRINT_BLOCK_TOKENS = 16, 4096
 
 
@@ -2651,150 +2875,6 @@ def load_val_tokens(args: Hyperparameters) -> Tensor:
                         f"--val_tokens={args.val_tokens} (+1)")
     return torch.from_numpy(np.concatenate(parts))
 
-# -----------------------------------------------------------------------------
-# Schedules: the stages (Schedule, above), NorMuon momentum, Adam's cadence, validation steps
-
-def muon_momentum(step: int, args: Hyperparameters) -> float:
-    """Rises linearly from start to end over the warmup, falls back to start over the last cooldown steps."""
-    lo, hi = args.muon_momentum_start, args.muon_momentum_end
-    cooldown_start = args.num_iterations - args.muon_momentum_cooldown
-    if step < args.muon_momentum_warmup:
-        return lo + step / args.muon_momentum_warmup * (hi - lo)
-    if step > cooldown_start:
-        return hi - (step - cooldown_start) / args.muon_momentum_cooldown * (hi - lo)
-    return hi
-
-
-def is_validation_step(step: int, args: Hyperparameters) -> bool:
-    return step == args.num_iterations or bool(args.val_loss_every and step % args.val_loss_every == 0)
-
-
-def adam_steps_at(step: int, args: Hyperparameters) -> bool:
-    """Adam steps at the last of every adam_every steps (the record: the odd ones)."""
-    return (step + 1) % args.adam_every == 0
-
-
-# -----------------------------------------------------------------------------
-# Optimizer setup, one training step, evaluation
-
-# Record #85's Adam parameter table: (betas, lr multiplier, weight-decay multiplier) by parameter name.
-ADAM_TABLE = {
-    "embed.weight": ((0.5, 0.95), 1.0, 150.0),
-    "lm_head": ((0.5, 0.95), 1.0, 150.0),
-    "value_embeds": ((0.75, 0.95), 75.0, 5.0),
-    "bigram_embed.weight": ((0.75, 0.95), 75.0, 5.0),
-    "scalars": ((0.9, 0.99), 5.0, 0.0),
-    "smear_gate.weight": ((0.9, 0.99), 0.01, 0.0),
-    "ve_gates": ((0.9, 0.99), 1.0, 1.0),
-    "post_lambdas": ((0.9, 0.95), 1.0, 0.0),
-    "resid_lambdas": ((0.9, 0.95), 5.0, 0.0),
-    "mudd_w1": ((0.9, 0.99), 0.25, 1.0),
-    "mudd_w2": ((0.9, 0.99), 0.25, 1.0),
-    "mudd_b2": ((0.9, 0.99), 0.25, 0.0),
-    "mudd_gate_w1": ((0.9, 0.99), 0.1, 1.0),
-    "mudd_gate_w2": ((0.9, 0.99), 0.1, 1.0),
-    "mudd_gate_b2": ((0.9, 0.99), 0.1, 0.0),
-    "mudd_gate_scale": ((0.9, 0.99), 0.1, 0.0),
-}
-# NorMuon's lr multiplier per matrix kind, on top of sqrt(max(1, rows / cols)): the record's c_proj x2.
-MUON_TABLE = {"attn.qk": 1.0, "attn.vo": 1.0, "mlp.fc": 1.0, "mlp.proj": 2.0}
-
-
-def build_optimizers(model: GPT, args: Hyperparameters) -> tuple[NorMuon, DistAdam]:
-    """NorMuon for the attention and MLP matrices; Adam, with the record's table, for the rest. The
-    embedding starts tied to the lm_head (untie_step unties it)."""
-    named = dict(model.named_parameters())
-    muon_groups = [dict(params=[p for name, p in named.items() if name.endswith(kind)], lr=args.muon_lr, lr_mul=mul)
-                   for kind, mul in MUON_TABLE.items()]
-    adam_groups = [dict(params=[named[name]], lr=args.adam_lr * lr_mul, betas=betas,
-                        weight_decay=args.adam_weight_decay * wd_mul)
-                   for name, (betas, lr_mul, wd_mul) in ADAM_TABLE.items()]
-    # Bucket order follows the forward; step() walks it backwards, the order backward completes it.
-    adam = DistAdam(adam_groups, eps=args.adam_eps, sparse=model.bigram_embed.weight)
-    # Tied until the untie step; the weights of --init_from may come untied (data is only read for those:
-    # tools/preflight.py builds the model with no data).
-    if not args.init_from or torch.equal(model.embed.weight, model.lm_head.T):
-        adam.tie(model.embed.weight, model.lm_head)
-    # CPUs have no bf16 matrix units for this; there fp32 also keeps runs at different world sizes in
-    # step (bf16 rounding would amplify the last-bit differences of reduction order).
-    ns_dtype = torch.bfloat16 if model.embed.weight.is_cuda else torch.float32
-    muon = NorMuon(muon_groups, lr=args.muon_lr, momentum=args.muon_momentum_start, beta2=args.muon_beta2,
-                   weight_decay=args.muon_weight_decay, ns_dtype=ns_dtype)
-    for opt in (adam, muon):
-        for group in opt.param_groups:
-            group["initial_lr"] = group["lr"]
-    covered = [id(p) for opt in (adam, muon) for g in opt.param_groups for p in g["params"]]
-    if len(covered) != len(set(covered)) or set(covered) != {id(p) for p in model.parameters()}:
-        raise RuntimeError("every parameter must belong to exactly one optimizer")
-    return muon, adam
-
-
-def set_schedules(step: int, optimizers, schedule: Schedule, args: Hyperparameters):
-    multiplier = schedule.lr(step)
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group["initial_lr"] * multiplier
-    for group in optimizers[0].param_groups:
-        group["momentum"] = muon_momentum(step, args)
-
-
-def refresh_fp8(model: GPT):
-    for block in model.blocks:
-        block.mlp.refresh_fp8()
-
-
-def train_step(model: GPT, optimizers, batch, step: int, schedule: Schedule, args: Hyperparameters,
-               use_flex: bool) -> Tensor:
-    """Forward/backward over this rank's micro-batches, NorMuon's step, and Adam's every adam_every
-    steps on the gradients of all of them (its reduce-scatters start in the backward that completes
-    them); at the untie step the embedding leaves the lm_head. Returns the summed training loss (the
-    multi-token objective) of this rank's tokens. No host sync."""
-    muon, adam = optimizers
-    adam_now = adam_steps_at(step, args)
-    windows = schedule.windows(step)
-    device = batch[0][0].device
-    mtp = host_to_device(torch.tensor(schedule.mtp_weights(step)), device)
-    loss_sum = torch.zeros((), device=device)
-    for i, (inputs, targets) in enumerate(batch):
-        reduce_now = adam_now and i == len(batch) - 1
-        adam.touch_rows(rows[i] if (rows := getattr(batch, "bigram_rows", None)) else None)
-        if reduce_now:
-            adam.start_sparse_exchange()
-        with contextlib.nullcontext() if reduce_now else adam.no_sync():
-            # Summed over tokens, averaged over micro-batches and ranks (the record's gradient scale).
-            masks = build_masks(inputs, model.plans, windows, args.window_block, use_flex)
-            loss = model(inputs, targets, masks, windows, mtp, loss_scale=1 / len(batch))
-            loss.backward()
-        loss_sum += loss.detach() * len(batch)
-    muon.step()
-    muon.zero_grad(set_to_none=True)
-    if adam_now:
-        adam.step()
-        adam.zero_grad(set_to_none=True)
-        if step == schedule.untie_step and adam.tied is not None:
-            adam.untie()
-    refresh_fp8(model)
-    return loss_sum
-
-
-@torch.no_grad()
-def evaluate(model: GPT, tokens: Tensor, windows: tuple[int, int], args: Hyperparameters, env: DistEnv,
-             use_flex: bool) -> float:
-    """Mean next-token loss over the len(tokens) - 1 predictions of `tokens` (val_tokens + 1 of them in a
-    real validation), in sequences of val_seq_len dealt out over the ranks."""
-    model.eval()
-    num_seqs = (len(tokens) - 1) // args.val_seq_len
-    loss_sum = torch.zeros((), device=env.device, dtype=torch.float64)
-    for seq in range(env.rank, num_seqs, env.world_size):
-        buf = to_device(tokens[seq * args.val_seq_len:(seq + 1) * args.val_seq_len + 1], env.device)
-        inputs, targets = buf[:-1], buf[1:]
-        masks = build_masks(inputs, model.plans, windows, args.window_block, use_flex)
-        loss_sum += model(inputs, targets, masks, windows).double()
-    if env.world_size > 1:
-        dist.all_reduce(loss_sum)
-    model.train()
-    return loss_sum.item() / (num_seqs * args.val_seq_len)
-
 
 # -----------------------------------------------------------------------------
 # Performance accounting: model FLOPs per token, the device's measured matmul peak, MFU
@@ -2847,6 +2927,7 @@ def schedule_flops_per_token(args: Hyperparameters, model: GPT, tokens: Tensor) 
     return sum(stage.batch_tokens * (stage.end - stage.start) * model_flops_per_token(args, model, tokens, stage.windows)
                for stage in schedule.stages if stage.end > stage.start) / total_tokens
 
+
 # -----------------------------------------------------------------------------
 # Memory model: each phase's peak per rank, counted on fake tensors (no memory, no device), so that
 # --micro_batches=auto can choose and an explicit count that cannot fit is refused before step 0
@@ -2857,6 +2938,8 @@ def schedule_flops_per_token(args: Hyperparameters, model: GPT, tokens: Tensor) 
 # 39.70 GiB; before the count took in the compiled loss chunk, up to 118%); on one H200, tools/bench.py
 # measured rank 0 of 8's steps at 75-76% of it (max_memory_allocated) and the validation at 62%.
 MEMORY_MARGIN = 0.15
+
+
 GIB = 2 ** 30
 
 
@@ -3292,6 +3375,7 @@ def plan_memory(args: Hyperparameters, world_size: int, device: torch.device, pr
         lines.append(f"memory: {name}, micro-batches of {stage.micro_tokens:,} tokens, {stage.micro_batches} a step "
                      f"({stage.micro_batches // world_size} per rank): predicted peak {row['peak'] / GIB:.2f} GiB")
     return MemoryPlan(rows, lines)
+
 
 # -----------------------------------------------------------------------------
 # Checkpoints: atomic, per-rank optimizer shards, every file's size and sha256 in meta.json, refused
@@ -3910,23 +3994,6 @@ def keep_freed_cpu_memory():
         M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
         mallopt(M_MMAP_THRESHOLD, 1 << 30)
         mallopt(M_TRIM_THRESHOLD, 1 << 30)
-
-
-# Parameters that stay fp32 on GPUs (the record's): the scalars and lambdas, whose small Adam updates bf16
-# would round away. Everything else is bf16 there; NorMuon keeps fp32 masters of its matrices (mantissas).
-FP32_PARAMETERS = ("scalars", "resid_lambdas", "post_lambdas", "mudd_gate_scale")
-
-
-def cast_for_device(model: GPT, device: torch.device) -> GPT:
-    """On GPUs, record #85's parameter dtypes: bf16 except FP32_PARAMETERS (and the lm_head under
-    --lm_head_precision=fp32). On CPU all fp32."""
-    if device.type == "cuda":
-        keep = set(FP32_PARAMETERS) | ({"lm_head"} if model.head_precision == "fp32" else set())
-        for name, p in model.named_parameters():
-            if name not in keep:
-                p.data = p.data.bfloat16()
-        model.bigram_signs.data = model.bigram_signs.data.bfloat16()
-    return model
 
 
 def read_init_weights(args: Hyperparameters) -> dict:
