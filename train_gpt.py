@@ -316,12 +316,14 @@ class Schedule:
         self.final_val_windows = (self.stages[-1].windows[0], args.final_val_window)
         self.cooldown_start = int(self.scheduled * (1 - args.cooldown_frac))
         self.final_lr_frac = args.final_lr_frac
+        self.momentum_range = (args.muon_momentum_start, args.muon_momentum_end)
+        self.momentum_warmup, self.momentum_cooldown = args.muon_momentum_warmup, args.muon_momentum_cooldown
+        self.adam_every, self.val_loss_every = args.adam_every, args.val_loss_every
         # the first Adam step (the record: an odd step) of the untie stage; None: never
         untie_start = self.stages[args.untie_stage].start if args.untie_stage < n else None
         self.untie_step = None
         if untie_start is not None:
-            self.untie_step = next(s for s in range(untie_start, untie_start + args.adam_every)
-                                   if (s + 1) % args.adam_every == 0)
+            self.untie_step = next(s for s in range(untie_start, untie_start + args.adam_every) if self.adam_steps(s))
 
     def stage_index(self, step: int) -> int:
         for i, stage in enumerate(self.stages):
@@ -345,6 +347,25 @@ class Schedule:
         stage = self.stage(step)
         t = (step - stage.start) / (stage.end - stage.start) if step < stage.end else 1.0
         return tuple(a + (b - a) * t for a, b in zip(stage.mtp_start, stage.mtp_end))
+
+    def momentum(self, step: int) -> float:
+        """NorMuon's momentum: rises linearly from start to end over the warmup, falls back to start over the
+        last cooldown steps of the run."""
+        lo, hi = self.momentum_range
+        cooldown_start = self.total - self.momentum_cooldown
+        if step < self.momentum_warmup:
+            return lo + step / self.momentum_warmup * (hi - lo)
+        if step > cooldown_start:
+            return hi - (step - cooldown_start) / self.momentum_cooldown * (hi - lo)
+        return hi
+
+    def adam_steps(self, step: int) -> bool:
+        """Adam steps at the last of every adam_every steps (the record: the odd ones)."""
+        return (step + 1) % self.adam_every == 0
+
+    def validates(self, step: int) -> bool:
+        """A validation before `step` (and after the last step)."""
+        return step == self.total or bool(self.val_loss_every and step % self.val_loss_every == 0)
 
     def windows(self, step: int, final_validation: bool = False) -> tuple[int, int]:
         return self.final_val_windows if final_validation else self.stage(step).windows
@@ -585,6 +606,11 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # Paired layers attend over a sequence of twice the length (each token at two positions), with each
 # document's positions doubled.
 
+def window_tokens(windows: tuple[int, int], long_window: bool, window_block: int) -> int:
+    """A layer's attention window in tokens: the count of window blocks of its kind (short or long)."""
+    return window_block * windows[1 if long_window else 0]
+
+
 def document_ids(tokens: Tensor) -> Tensor:
     return (tokens == BOS_ID).cumsum(0)
 
@@ -650,7 +676,7 @@ def build_masks(tokens: Tensor, plans: list[LayerPlan], windows: tuple[int, int]
             continue
         kind = (plan.long_window, plan.paired)
         if kind not in by_kind:
-            window = window_block * windows[1 if plan.long_window else 0]
+            window = window_tokens(windows, plan.long_window, window_block)
             layer_docs = docs.repeat_interleave(2) if plan.paired else docs
             by_kind[kind] = (flex_block_mask(layer_docs, window, window_block) if use_flex
                              else dense_attention_mask(layer_docs, window))
@@ -772,7 +798,7 @@ class CausalSelfAttention(nn.Module):
         else:
             keys, values = cache.extend(k, v)
             docs = masks.docs.repeat_interleave(2) if plan.paired else masks.docs
-            window = self.window_block * windows[1 if plan.long_window else 0]
+            window = window_tokens(windows, plan.long_window, self.window_block)
             mask = dense_attention_mask(docs, window, num_queries=q.size(1))
             y = attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask, scale).transpose(1, 2)
         if dc_w is not None:
@@ -1864,26 +1890,6 @@ class DistAdam(torch.optim.Optimizer):
 # One training step: the optimizers' tables and set-up, the schedules a step follows, train_step and
 # evaluate. Everything after this keeps a run safe and measured
 
-def muon_momentum(step: int, args: Hyperparameters) -> float:
-    """Rises linearly from start to end over the warmup, falls back to start over the last cooldown steps."""
-    lo, hi = args.muon_momentum_start, args.muon_momentum_end
-    cooldown_start = args.num_iterations - args.muon_momentum_cooldown
-    if step < args.muon_momentum_warmup:
-        return lo + step / args.muon_momentum_warmup * (hi - lo)
-    if step > cooldown_start:
-        return hi - (step - cooldown_start) / args.muon_momentum_cooldown * (hi - lo)
-    return hi
-
-
-def is_validation_step(step: int, args: Hyperparameters) -> bool:
-    return step == args.num_iterations or bool(args.val_loss_every and step % args.val_loss_every == 0)
-
-
-def adam_steps_at(step: int, args: Hyperparameters) -> bool:
-    """Adam steps at the last of every adam_every steps (the record: the odd ones)."""
-    return (step + 1) % args.adam_every == 0
-
-
 # Record #85's Adam parameter table: (betas, lr multiplier, weight-decay multiplier) by parameter name.
 ADAM_TABLE = {
     "embed.weight": ((0.5, 0.95), 1.0, 150.0),
@@ -1944,7 +1950,7 @@ def set_schedules(step: int, optimizers, schedule: Schedule, args: Hyperparamete
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * multiplier
     for group in optimizers[0].param_groups:
-        group["momentum"] = muon_momentum(step, args)
+        group["momentum"] = schedule.momentum(step)
 
 
 def refresh_fp8(model: GPT):
@@ -1959,7 +1965,7 @@ def train_step(model: GPT, optimizers, batch, step: int, schedule: Schedule, arg
     them); at the untie step the embedding leaves the lm_head. Returns the summed training loss (the
     multi-token objective) of this rank's tokens. No host sync."""
     muon, adam = optimizers
-    adam_now = adam_steps_at(step, args)
+    adam_now = schedule.adam_steps(step)
     windows = schedule.windows(step)
     device = batch[0][0].device
     mtp = host_to_device(torch.tensor(schedule.mtp_weights(step)), device)
@@ -2052,8 +2058,7 @@ def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:
         values[name] = _parse_value(name, text, types[name])
     args = Hyperparameters(**values)
     validate_config(args)
-    args.micro_batches = canonical_micro_batches(args)
-    return args
+    return dataclasses.replace(args, micro_batches=canonical_micro_batches(args))
 
 
 def usage() -> str:
@@ -2310,7 +2315,9 @@ def launch_ranks() -> tuple[int, int, int]:
     return rank, local_rank, world_size
 
 
-def setup_distributed(args: Hyperparameters) -> DistEnv:
+def setup_distributed(args: Hyperparameters) -> tuple[DistEnv, Hyperparameters]:
+    """This rank's device and process group, and the config the run trains by: args with its open choices
+    settled (--micro_batches=auto's counts, chosen from this device's memory), a copy; args is not changed."""
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise ConfigError("--device=cuda but no CUDA device is available")
@@ -2328,7 +2335,7 @@ def setup_distributed(args: Hyperparameters) -> DistEnv:
         dist.init_process_group(backend="nccl" if use_cuda else "gloo",
                                 timeout=datetime.timedelta(seconds=args.pg_timeout_s),
                                 device_id=device if use_cuda else None)
-    return DistEnv(rank, local_rank, world_size, device, memory_plan)
+    return DistEnv(rank, local_rank, world_size, device, memory_plan), memory_plan.config if memory_plan else args
 
 
 def all_ranks_ok(ok: bool, device: torch.device) -> bool:
@@ -2909,7 +2916,7 @@ def model_flops_per_token(args: Hyperparameters, model: GPT, tokens: Tensor, win
     for plan in model.plans:
         if not plan.attention:
             continue
-        window = args.window_block * windows[1 if plan.long_window else 0]
+        window = window_tokens(windows, plan.long_window, args.window_block)
         if plan.paired:  # positions 2p and 2p+1 of the doubled document: about twice the keys, half the heads
             keys = (np.minimum(2 * keys_in_doc - 1, window + 1) + np.minimum(2 * keys_in_doc, window + 1)) / 2
         else:
@@ -3322,14 +3329,15 @@ def fitting_val_seq_len(args: Hyperparameters, world_size: int, device: torch.de
 class MemoryPlan:
     rows: dict[str, dict[str, int]]  # MemoryModel.phases of the run as it will train
     lines: list[str]  # for the log: the budget, then each phase's predicted peak
+    config: Hyperparameters  # the config with --micro_batches=auto's counts chosen (a copy: nothing is mutated)
 
 
 def plan_memory(args: Hyperparameters, world_size: int, device: torch.device, precisions: tuple[str, str],
                 attention_kind: str) -> MemoryPlan | None:
     """Checks, before anything is built, that every phase fits this device's memory (memory_budget) by the
-    memory model, and chooses the counts of --micro_batches=auto (written back into args, so that the log
-    and the checkpoints hold them). None where nothing is checked. Raises DoesNotFitError, naming what
-    would fit."""
+    memory model, and chooses the counts of --micro_batches=auto (in the plan's copy of the config, which the
+    run then logs, checkpoints and trains by). None where nothing is checked. Raises DoesNotFitError, naming
+    what would fit."""
     budget_of = memory_budget(args, device)
     if budget_of is None:
         return None
@@ -3363,18 +3371,17 @@ def plan_memory(args: Hyperparameters, world_size: int, device: torch.device, pr
     chosen = micro_batches_flag(counts)
     lines = [f"memory: the predicted peaks must fit {within}; "
              + (f"--micro_batches=auto chose {chosen}" if auto else f"--micro_batches={args.micro_batches} fits")]
-    if auto:
-        args.micro_batches = chosen
-    schedule = Schedule(args)
+    resolved = dataclasses.replace(args, micro_batches=chosen)
+    schedule = Schedule(resolved)
     for name, row in rows.items():
         if name == "validation":
-            lines.append(f"memory: validation, sequences of {args.val_seq_len:,} tokens: predicted peak "
+            lines.append(f"memory: validation, sequences of {resolved.val_seq_len:,} tokens: predicted peak "
                          f"{row['peak'] / GIB:.2f} GiB")
             continue
         stage = schedule.stages[phase_stage(name, stages) if name != "extension" else -1]
         lines.append(f"memory: {name}, micro-batches of {stage.micro_tokens:,} tokens, {stage.micro_batches} a step "
                      f"({stage.micro_batches // world_size} per rank): predicted peak {row['peak'] / GIB:.2f} GiB")
-    return MemoryPlan(rows, lines)
+    return MemoryPlan(rows, lines, resolved)
 
 
 # -----------------------------------------------------------------------------
@@ -4236,7 +4243,7 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, l
     for step in range(start_step, args.num_iterations + 1):
         last_step = step == args.num_iterations
         model.rotary.set_window(schedule.windows(step)[1])  # YaRN, when the long window grows
-        if is_validation_step(step, args):
+        if schedule.validates(step):
             sync(env.device)
             train_time_ms += 1000 * (time.perf_counter() - t0)  # the clock stops for validation
             timer.read()
@@ -4398,7 +4405,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             rank = launch_ranks()[0]
             args = parse_args(argv, torch.cuda.is_available())
-            env = setup_distributed(args)
+            env, args = setup_distributed(args)
         except ConfigError as e:
             return report_error(f"error: {e}", 2, print_it=rank == 0)
         rank = env.rank

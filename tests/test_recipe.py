@@ -49,7 +49,7 @@ def test_lr_schedule(step, expected):
 @pytest.mark.parametrize("step, expected", [(0, 0.85), (150, 0.9), (299, 0.85 + 0.1 * 299 / 300), (300, 0.95),
                                             (1240, 0.95), (1241, 0.95 - 0.1 / 50), (1265, 0.9), (1289, 0.95 - 0.1 * 49 / 50)])
 def test_muon_momentum_schedule(step, expected):
-    assert T.muon_momentum(step, SPEEDRUN) == pytest.approx(expected, rel=1e-12)
+    assert T.Schedule(SPEEDRUN).momentum(step) == pytest.approx(expected, rel=1e-12)
 
 
 # Multi-token weights move linearly over each stage: [1, .5, .25 -> 0], then [1, .5 -> 0], then [1].
@@ -74,8 +74,9 @@ def test_stage_boundaries(step, windows, batch, length):
 
 def test_untie_adam_and_validation_steps():
     assert SCHEDULE.untie_step == 851  # the record's split step: 850 | 1, an odd step, so that Adam steps
-    assert [s for s in range(6) if T.adam_steps_at(s, SPEEDRUN)] == [1, 3, 5]
-    assert [s for s in range(1291) if T.is_validation_step(s, SPEEDRUN)] == [0, 250, 500, 750, 1000, 1250, 1290]
+    schedule = T.Schedule(SPEEDRUN)
+    assert [s for s in range(6) if schedule.adam_steps(s)] == [1, 3, 5]
+    assert [s for s in range(1291) if schedule.validates(s)] == [0, 250, 500, 750, 1000, 1250, 1290]
     assert SCHEDULE.windows(1290, final_validation=True) == (6, 20)
     assert T.Schedule(T.parse_args(["--preset=speedrun", "--untie_stage=3"], True)).untie_step is None
 

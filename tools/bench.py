@@ -433,7 +433,7 @@ def rank_steps(bench: Bench, stage_index: int, row: dict):
     with host_syncs(device, syncs):
         for repetition in range(bench.options.timed // 2 + 1):
             for s in cycle:
-                kind = "with Adam" if T.adam_steps_at(s, args) else "without Adam"
+                kind = "with Adam" if schedule.adam_steps(s) else "without Adam"
                 T.set_schedules(s, rank.optimizers, schedule, args)
                 rank.bytes.clear()
                 with timers[kind].region():
@@ -472,7 +472,7 @@ def run_optimizer(bench: Bench, row: dict, flush):
         if schedule.untie_step is None and label == "untied":
             continue
         stage = schedule.stages[stage_index]
-        step = stage.start + 1 if T.adam_steps_at(stage.start + 1, args) else stage.start
+        step = stage.start + 1 if schedule.adam_steps(stage.start + 1) else stage.start
         bench.fit_rotary(step)
         batch = bench.batch(stage_index)
         inputs, targets = batch[0]
@@ -750,7 +750,7 @@ def run_attention(bench: Bench, row: dict, flush):
     generator = torch.Generator(device=device).manual_seed(0)
     for (long_window, paired), count in sorted(layers.items()):
         kind = f"{'long' if long_window else 'short'} window{', paired' if paired else ''}"
-        window = args.window_block * stage.windows[1 if long_window else 0]
+        window = T.window_tokens(stage.windows, long_window, args.window_block)
         length, h = len(inputs) * (2 if paired else 1), heads // 2 if paired else heads
         layer_docs = docs.repeat_interleave(2) if paired else docs
         shape = (1, length, h, head_dim)  # (B, T, H, D), as the layer holds them before attention

@@ -449,7 +449,6 @@ def run_steps(args: T.Hyperparameters, world_size: int, backend: str) -> Report:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     gpu = FakeGPU(fake_mode)
     torch.cuda.synchronize = lambda device=None: gpu.host_sync("torch.cuda.synchronize")
-    schedule = T.Schedule(args)
     counter = GraphCounter(backend)
 
     @contextlib.contextmanager
@@ -461,7 +460,8 @@ def run_steps(args: T.Hyperparameters, world_size: int, backend: str) -> Report:
                                     list(gpu.host_syncs[name]), counter.total - graphs)
 
     with phase("setup", "the model built and moved to the GPU, compiled, its optimizers"), gpu:
-        env = T.setup_distributed(args)
+        env, args = T.setup_distributed(args)  # (auto's counts chosen)
+        report.args, schedule = args, T.Schedule(args)
         # Built on the meta device, which holds no data: its move to the GPU makes it fake. Built for real,
         # a large recipe's weights would fill the host's memory before anything is checked.
         with torch.device("meta"):
@@ -495,7 +495,7 @@ def run_steps(args: T.Hyperparameters, world_size: int, backend: str) -> Report:
         for step in preflight_steps(args, schedule):
             stage = stage_name(schedule, step)
             parts = [stage, f"{schedule.micro_tokens(step):,} tokens per micro-batch"]
-            if T.adam_steps_at(step, args):
+            if schedule.adam_steps(step):
                 parts.append("Adam")
             if step == schedule.untie_step:
                 parts.append("untie")

@@ -57,7 +57,7 @@ def run_steps(args, env, model, muon, adam, loader, launches, where):
         T.set_schedules(step, (muon, adam), schedule, args)
         T.train_step(model, (muon, adam), loader.next_batch(step), step, schedule, args, use_flex=False)
         launches[:] = [launch for launch in launches if launch[0] != "muon"]
-        if T.adam_steps_at(step, args):
+        if schedule.adam_steps(step):
             late = [size for w, size in launches if w == "step"]
             assert late == [], f"step {step}: buckets of {late} elements were reduced from step(), not their hooks"
             # the bigram table's rows travel in all-to-alls (DistAdam's sparse exchange), not a reduce-scatter
