@@ -4190,108 +4190,55 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, l
                  source: str, run_id: str, resume: Resume | None):
     optimizers, use_flex = prepare_training(model, args, env)
     schedule = Schedule(args)
-    initial_loader = loader.state_dict()
-
-    # Untimed warmup: the first steps of every stage (their batch sizes and sequence lengths) and a
-    # validation at the final windows compile and run every kernel. Windows, documents, rotary tables and
-    # the attention scale are tensors, so these are all the graphs the run builds. Then model (rotary state
-    # included), optimizers (the tie included) and data go back to where they started.
     if args.warmup_steps:
-        initial_model = snapshot(model.state_dict())
-        initial_optimizers = [opt.state_dict() for opt in optimizers]
-        for step in warmup_steps(args, schedule):
-            model.rotary.set_window(schedule.windows(step)[1])
-            set_schedules(step, optimizers, schedule, args)
-            train_step(model, optimizers, loader.next_batch(step), step, schedule, args, use_flex)
-        evaluate(model, val_tokens[:args.val_seq_len * env.world_size + 1],
-                 schedule.windows(args.num_iterations, final_validation=True), args, env, use_flex)
-        model.load_state_dict(initial_model)
-        model.zero_grad(set_to_none=True)
-        for opt, state in zip(optimizers, initial_optimizers):
-            opt.load_state_dict(state)
-        refresh_fp8(model)
-        loader.load_state_dict(initial_loader)
-
-    # Performance accounting, set up before the clock starts.
-    matmul_dtype = torch.bfloat16 if env.device.type == "cuda" else torch.float32
-    peak_flops = matmul_peak_flops(env.device, matmul_dtype)
-    flops_per_token = schedule_flops_per_token(args, model, loader.next_batch(0)[0][0])
-    loader.load_state_dict(initial_loader)
-    timer = StepTimer(env.device)
-
-    start_step, train_time_ms = 0, 0.0
-    if resume:
-        error = None
-        try:
-            start_step, train_time_ms = load_checkpoint(resume, model, optimizers, loader, env)
-            refresh_fp8(model)
-        except TrainingError as e:
-            error = e
-        if not all_ranks_ok(error is None, env.device):  # one rank's bad file stops them all
-            raise error or TrainingError("another rank could not load the checkpoint")
-        log(f"resumed from {resume.path} at step {start_step}")
-        if args.init_from:
-            log(f"note: --init_from={args.init_from} is not read: a resumed run continues from its checkpoint's weights")
+        untimed_warmup(model, optimizers, loader, val_tokens, schedule, args, env, use_flex)
+    perf = Performance.measure(args, env, model, loader)  # before the clock starts
+    start_step, train_time_ms = resume_run(resume, model, optimizers, loader, args, env, log) if resume else (0, 0.0)
 
     # The host runs ahead of the device: the loop synchronises only where the clock stops (validation,
     # checkpoints, the end) and where the train loss is logged (every train_loss_every steps).
-    sync(env.device)
-    t0 = time.perf_counter()
-    timer.start()
-    train_loss_sum, train_loss_tokens = torch.zeros((), device=env.device), 0
-    final_val_loss = float("nan")
+    clock, train_loss, final_val_loss = Clock(env.device, train_time_ms), TrainLoss(env.device), float("nan")
+    clock.start()
     for step in range(start_step, args.num_iterations + 1):
         last_step = step == args.num_iterations
         model.rotary.set_window(schedule.windows(step)[1])  # YaRN, when the long window grows
+
+        # VALIDATION (and checkpoints): the clock stops
         if schedule.validates(step):
-            sync(env.device)
-            train_time_ms += 1000 * (time.perf_counter() - t0)  # the clock stops for validation
-            timer.read()
-            val_windows = schedule.windows(step, final_validation=last_step)  # YaRN stays fitted to the last
-            final_val_loss = evaluate(model, val_tokens, val_windows, args, env, use_flex)
-            log(format_step(step, args, train_time_ms, val_loss=final_val_loss))
-            check_finite(final_val_loss, "val loss", step)
-            sync(env.device)
-            t0 = time.perf_counter()
-            timer.start()
+            with clock.paused():
+                val_windows = schedule.windows(step, final_validation=last_step)  # YaRN stays fitted to the last
+                final_val_loss = evaluate(model, val_tokens, val_windows, args, env, use_flex)
+                log(format_step(step, args, clock.elapsed_ms, val_loss=final_val_loss))
+                check_finite(final_val_loss, "val loss", step)
         if args.save_every and step > start_step and step % args.save_every == 0:
-            sync(env.device)
-            train_time_ms += 1000 * (time.perf_counter() - t0)  # nor for saving
-            timer.read()
-            path = save_checkpoint(step, train_time_ms, model, optimizers, loader, args, env, source, run_id)
-            log(f"checkpoint: {path}", console=False)
-            sync(env.device)
-            t0 = time.perf_counter()
-            timer.start()
+            with clock.paused():
+                path = save_checkpoint(step, clock.elapsed_ms, model, optimizers, loader, args, env, source, run_id)
+                log(f"checkpoint: {path}", console=False)
         if last_step:
             break
 
+        # TRAINING
         set_schedules(step, optimizers, schedule, args)
         batch = loader.next_batch(step)
         if loader.started_over:  # only with --repeat_data=true: the set-up refuses a run that would repeat
             log(f"data: the training shards are used up after {step} steps; step {step + 1} starts over from the "
                 f"first shard (--repeat_data=true)")
         loss = train_step(model, optimizers, batch, step, schedule, args, use_flex)
-        train_loss_sum += loss
-        train_loss_tokens += schedule.stage(step).batch_tokens
-        timer.step_done(schedule.stage(step).batch_tokens)
-        # On CUDA the host's clock, which runs ahead of the device; exact at validation and at the end.
-        now_ms = train_time_ms + 1000 * (time.perf_counter() - t0)
+        train_loss.add(loss, schedule.stage(step).batch_tokens)
+        clock.step_done(schedule.stage(step).batch_tokens)
+        now_ms = clock.host_ms()  # on CUDA the host's clock, which runs ahead of the device
         if args.train_loss_every and (step + 1) % args.train_loss_every == 0:
-            if env.world_size > 1:  # every rank sees the same value, so all stop together on a NaN
-                dist.all_reduce(train_loss_sum)
-            train_loss = train_loss_sum.item() / train_loss_tokens  # the multi-token objective, per token
-            train_loss_sum.zero_()
-            train_loss_tokens = 0
-            log(format_step(step + 1, args, now_ms, train_loss=train_loss))
-            check_finite(train_loss, "train loss", step + 1)
+            mean = train_loss.read(env.world_size)
+            log(format_step(step + 1, args, now_ms, train_loss=mean))
+            check_finite(mean, "train loss", step + 1)
         else:
             log(format_step(step + 1, args, now_ms))
 
     error = None
     if args.save_final and env.is_main:  # after the clock has stopped
         try:
-            log(f"final weights: {save_final_weights(model, args, source, run_id, args.num_iterations, final_val_loss)}")
+            path = save_final_weights(model, args, source, run_id, args.num_iterations, final_val_loss)
+            log(f"final weights: {path}")
         except TrainingError as e:
             error = e
     if not all_ranks_ok(error is None, env.device):
@@ -4299,27 +4246,145 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, l
     if optimizers[1].late_reductions:
         log(f"note: {optimizers[1].late_reductions} DistAdam bucket reductions started in step(), not during "
             f"backward (a parameter without a gradient)")
+    log_summary(log, args, env, clock, perf, final_val_loss)
+
+
+def untimed_warmup(model: GPT, optimizers, loader, val_tokens: Tensor, schedule: Schedule, args: Hyperparameters,
+                   env: DistEnv, use_flex: bool):
+    """The first steps of every stage (their batch sizes and sequence lengths) and a validation at the final
+    windows compile and run every kernel. Windows, documents, rotary tables and the attention scale are
+    tensors, so these are all the graphs the run builds. Then model (rotary state included), optimizers (the
+    tie included) and data go back to where they started."""
+    initial_loader = loader.state_dict()
+    initial_model = snapshot(model.state_dict())
+    initial_optimizers = [opt.state_dict() for opt in optimizers]
+    for step in warmup_steps(args, schedule):
+        model.rotary.set_window(schedule.windows(step)[1])
+        set_schedules(step, optimizers, schedule, args)
+        train_step(model, optimizers, loader.next_batch(step), step, schedule, args, use_flex)
+    evaluate(model, val_tokens[:args.val_seq_len * env.world_size + 1],
+             schedule.windows(args.num_iterations, final_validation=True), args, env, use_flex)
+    model.load_state_dict(initial_model)
+    model.zero_grad(set_to_none=True)
+    for opt, state in zip(optimizers, initial_optimizers):
+        opt.load_state_dict(state)
+    refresh_fp8(model)
+    loader.load_state_dict(initial_loader)
+
+
+def resume_run(resume: Resume, model: GPT, optimizers, loader, args: Hyperparameters, env: DistEnv,
+               log: Logger) -> tuple[int, float]:
+    """The checkpoint's weights, optimizer state, data position and RNG: (its step, its train time so far).
+    One rank's bad file stops them all."""
+    error, start_step, train_time_ms = None, 0, 0.0
+    try:
+        start_step, train_time_ms = load_checkpoint(resume, model, optimizers, loader, env)
+        refresh_fp8(model)
+    except TrainingError as e:
+        error = e
+    if not all_ranks_ok(error is None, env.device):
+        raise error or TrainingError("another rank could not load the checkpoint")
+    log(f"resumed from {resume.path} at step {start_step}")
+    if args.init_from:
+        log(f"note: --init_from={args.init_from} is not read: a resumed run continues from its checkpoint's weights")
+    return start_step, train_time_ms
+
+
+class Clock:
+    """The run's clock: the training time, stopped while validating and saving, and each step's device time
+    (StepTimer). Every stop and start waits for the device, so what it counts is the device's work."""
+
+    def __init__(self, device: torch.device, elapsed_ms: float = 0.0):
+        self.device, self.elapsed_ms, self.tokens = device, elapsed_ms, 0
+        self.timer = StepTimer(device)
+        self.started_at: float | None = None  # None until the first start: the untimed part of the run
+
+    def start(self):
+        sync(self.device)
+        self.started_at = time.perf_counter()
+        self.timer.start()
+
+    def stop(self):
+        sync(self.device)
+        self.elapsed_ms += 1000 * (time.perf_counter() - self.started_at)
+        self.timer.read()
+
+    @contextlib.contextmanager
+    def paused(self):
+        self.stop()
+        yield
+        self.start()
+
+    def host_ms(self) -> float:
+        """The training time by the host's clock, without a sync: exact only where the clock stops."""
+        return self.elapsed_ms + 1000 * (time.perf_counter() - self.started_at)
+
+    def step_done(self, tokens: int):
+        self.tokens += tokens
+        self.timer.step_done(tokens)
+
+
+class TrainLoss:
+    """The training loss summed since it was last read, on the device: adding needs no host sync."""
+
+    def __init__(self, device: torch.device):
+        self.sum, self.tokens = torch.zeros((), device=device), 0
+
+    def add(self, loss: Tensor, tokens: int):
+        self.sum += loss
+        self.tokens += tokens
+
+    def read(self, world_size: int) -> float:
+        """The multi-token objective per token, over every rank (each sees the same value, so all stop
+        together on a NaN); one host sync."""
+        if world_size > 1:
+            dist.all_reduce(self.sum)
+        mean = self.sum.item() / self.tokens
+        self.sum.zero_()
+        self.tokens = 0
+        return mean
+
+
+@dataclass
+class Performance:
+    """What MFU is counted from: the device's measured matmul peak and the model's FLOPs per token."""
+    peak_flops: float
+    matmul_dtype: torch.dtype
+    flops_per_token: float
+
+    @staticmethod
+    def measure(args: Hyperparameters, env: DistEnv, model: GPT, loader) -> "Performance":
+        dtype = torch.bfloat16 if env.device.type == "cuda" else torch.float32
+        peak = matmul_peak_flops(env.device, dtype)
+        position = loader.state_dict()
+        flops = schedule_flops_per_token(args, model, loader.next_batch(0)[0][0])  # on the first batch's documents
+        loader.load_state_dict(position)
+        return Performance(peak, dtype, flops)
+
+    def mfu(self, tokens_per_s: float, world_size: int) -> float:
+        return 100 * self.flops_per_token * tokens_per_s / (self.peak_flops * world_size)
+
+
+def log_summary(log: Logger, args: Hyperparameters, env: DistEnv, clock: Clock, perf: Performance,
+                final_val_loss: float):
+    """The run's last lines: peak memory, the median step (what a benchmark compares), the summary."""
     if env.device.type == "cuda":
         peak_memory = torch.cuda.max_memory_allocated() // 2**20
         log(f"peak memory allocated: {peak_memory} MiB reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
     else:
         peak_memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024  # KiB on Linux
-
-    def mfu(tokens_per_s: float) -> float:
-        return 100 * flops_per_token * tokens_per_s / (peak_flops * env.world_size)
-
-    if timer.step_ms:  # the median step: what a benchmark compares
+    timer = clock.timer
+    if timer.step_ms:
         median_ms = float(np.median(timer.step_ms))
         median_tokens_per_s = float(np.median([n / (ms / 1000) for n, ms in zip(timer.step_tokens, timer.step_ms)]))
+        mfu = perf.mfu(median_tokens_per_s, env.world_size)
         log(f"perf: step_median:{median_ms:.2f}ms tokens_per_s:{median_tokens_per_s:.0f} "
-            f"model_flops_per_token:{flops_per_token:.0f} matmul_peak_tflops:{peak_flops / 1e12:.2f} "
-            f"({str(matmul_dtype).removeprefix('torch.')}) mfu:{mfu(median_tokens_per_s):.2f}% "
-            f"peak_memory:{peak_memory}MiB")
-    tokens_run = sum(schedule.stage(step).batch_tokens for step in range(start_step, args.num_iterations))
-    tokens_per_s = tokens_run / max(train_time_ms / 1000, 1e-9)
-    log(f"summary: final_val_loss:{final_val_loss:.4f} train_time:{train_time_ms:.0f}ms "
-        f"steps:{args.num_iterations} tokens_per_s:{tokens_per_s:.0f} mfu:{mfu(tokens_per_s):.2f}% "
-        f"world_size:{env.world_size} device:{env.device.type}")
+            f"model_flops_per_token:{perf.flops_per_token:.0f} matmul_peak_tflops:{perf.peak_flops / 1e12:.2f} "
+            f"({str(perf.matmul_dtype).removeprefix('torch.')}) mfu:{mfu:.2f}% peak_memory:{peak_memory}MiB")
+    tokens_per_s = clock.tokens / max(clock.elapsed_ms / 1000, 1e-9)
+    log(f"summary: final_val_loss:{final_val_loss:.4f} train_time:{clock.elapsed_ms:.0f}ms "
+        f"steps:{args.num_iterations} tokens_per_s:{tokens_per_s:.0f} "
+        f"mfu:{perf.mfu(tokens_per_s, env.world_size):.2f}% world_size:{env.world_size} device:{env.device.type}")
 
 
 class Stopped(BaseException):
@@ -4356,7 +4421,7 @@ def training_position(frame) -> str:
     if frame is None:
         return "before training started"
     local = frame.f_locals
-    if "t0" not in local:  # the clock starts just before the first step
+    if "clock" not in local or local["clock"].started_at is None:  # it starts just before the first step
         return "before step 0 (setting up, or in the untimed warmup)"
     step = max(local.get("step", 0), local["start_step"])
     saving = (", while saving its checkpoint" if "save_checkpoint" in names else
