@@ -451,52 +451,22 @@ def skip_pair(args: Hyperparameters) -> tuple[int, int]:
 # configuration (layer_plan), never indices in the code.
 
 GATE_CHANNELS = 12  # the smear gate reads this many leading channels of the token embedding
-
-
 VE_GATE_CHANNELS = 6  # a value-embedding gate reads this many channels of the attention input and of the embedding
-
-
 ATTN_SCALE = 0.1  # attention logit scale at the first window (record #85); YaRN raises it
-
-
 ROPE_MIN_FREQ = 1 / 1024  # rotary frequencies run from 1 down to this, over a quarter of each head's dims
-
-
 YARN_ALPHA, YARN_BETA = 1, 32  # frequencies turning fewer/more times than this over a window are fully/not rescaled
-
-
 # F.rms_norm's default eps is the dtype's machine epsilon: the record's bf16 activations get 2**-7. Fixed here so
 # that fp32 (CPU) runs compute the same function.
 NORM_EPS = 2 ** -7
-
-
 XSA_EPS = 1e-4  # F.normalize's eps for the value direction XSA subtracts along
-
-
 DC_NORM_EPS = 1e-6  # the DC query-side weights are RMS-normalised over heads with this eps
-
-
 SKIP_GATE_INIT = -1.5  # the skip weight starts at sigmoid(-1.5) = 0.18
-
-
 RESIDUAL_INIT = 1.1 ** 0.5  # each sublayer scales the stream by this at init: 1.1 per layer
-
-
 MUDD_SCALE = 0.1  # the MUDD nets' outputs are MUDD_SCALE * (W2 h + b2); their biases are stored divided by it
-
-
 MUDD_HIDDEN = 64
-
-
 MUDD_LAYER_COEFS = 14  # the last layer's MUDD net: see GPT.mudd_layer
-
-
 MUDD_HEAD_COEFS = 5  # before the head: weights of 5 earlier states
-
-
 BIGRAM_MULTIPLIERS = (36313, 27191)  # the record's hash of (current, previous) token, in int32 arithmetic
-
-
 BOS_ID = 50256  # <|endoftext|> starts every document
 
 
@@ -850,8 +820,6 @@ class CausalSelfAttention(nn.Module):
 # FP8 matmuls (record #85): e4m3 operands with per-tensor scales, bf16 out, through torch._scaled_mm, whose
 # first operand must be row-major and second column-major.
 FP8_E4M3_MAX = 448.0
-
-
 HEAD_X_SCALE, HEAD_W_SCALE, HEAD_GRAD_SCALE = 100 / FP8_E4M3_MAX, 1.6 / FP8_E4M3_MAX, 0.75 / FP8_E4M3_MAX
 
 
@@ -1383,8 +1351,6 @@ POLAR_EXPRESS_COEFFS = (
     (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
-
-
 POLAR_EXPRESS_SAFETY = 2e-2  # the Frobenius normalisation is divided by 1 + this, so no singular value exceeds 1
 
 
@@ -1909,8 +1875,6 @@ ADAM_TABLE = {
     "mudd_gate_b2": ((0.9, 0.99), 0.1, 0.0),
     "mudd_gate_scale": ((0.9, 0.99), 0.1, 0.0),
 }
-
-
 # NorMuon's lr multiplier per matrix kind, on top of sqrt(max(1, rows / cols)): the record's c_proj x2.
 MUON_TABLE = {"attn.qk": 1.0, "attn.vo": 1.0, "mlp.fc": 1.0, "mlp.proj": 2.0}
 
@@ -2077,11 +2041,7 @@ def canonical_micro_batches(args: Hyperparameters) -> str:
 
 
 MAX_TIMEOUT_S = 7 * 24 * 3600  # a collective that waits longer than a week is a hang, not a slow rank
-
-
 MAX_MEMORY_GIB = 2 ** 20  # a pebibyte per rank: more is a typo (and 1e300 GiB would overflow a byte count)
-
-
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,200}")  # one file name: no separators, no way out of logs_dir
 
 
@@ -2370,23 +2330,11 @@ def gather_from_ranks(obj) -> list:
 # Data: token shards, BOS-aligned packing and the distributed loader
 
 SHARD_MAGIC = 20240520
-
-
 SHARD_VERSION = 1
-
-
 SHARD_HEADER_INTS = 256
-
-
 SHARD_PACKING_INDEX, SHARD_PACKINGS = 3, {"documents": 0, "stream": 1}  # header[3]; data/shards.py writes it
-
-
 FETCH_HINT = "fetch FineWeb with `python data/cached_fineweb10B.py`"
-
-
 REPO_DIR = Path(__file__).resolve().parent  # where the bundled corpus and the data tools are
-
-
 BUNDLED_CORPUS = REPO_DIR / "data" / "shakespeare"
 
 
@@ -2611,8 +2559,6 @@ class ShardScan:
 
 
 SCAN_THREADS = 4  # shards scanned at once; numpy releases the GIL while it reads and compares
-
-
 FINGERPRINT_BLOCKS, FINGERPRINT_BLOCK_TOKENS = 16, 4096
 
 
@@ -2945,8 +2891,6 @@ def schedule_flops_per_token(args: Hyperparameters, model: GPT, tokens: Tensor) 
 # 39.70 GiB; before the count took in the compiled loss chunk, up to 118%); on one H200, tools/bench.py
 # measured rank 0 of 8's steps at 75-76% of it (max_memory_allocated) and the validation at 62%.
 MEMORY_MARGIN = 0.15
-
-
 GIB = 2 ** 30
 
 
