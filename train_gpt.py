@@ -45,6 +45,7 @@ import uuid
 import warnings
 import zlib
 from dataclasses import dataclass, field
+from typing import NamedTuple
 from pathlib import Path
 
 import numpy as np
@@ -464,8 +465,8 @@ SKIP_GATE_INIT = -1.5  # the skip weight starts at sigmoid(-1.5) = 0.18
 RESIDUAL_INIT = 1.1 ** 0.5  # each sublayer scales the stream by this at init: 1.1 per layer
 MUDD_SCALE = 0.1  # the MUDD nets' outputs are MUDD_SCALE * (W2 h + b2); their biases are stored divided by it
 MUDD_HIDDEN = 64
-MUDD_LAYER_COEFS = 14  # the last layer's MUDD net: see GPT.mudd_layer
-MUDD_HEAD_COEFS = 5  # before the head: weights of 5 earlier states
+MUDD_LAYER_COEFS = 14  # the last layer's MUDD net: LayerMix names them
+MUDD_HEAD_COEFS = 5  # before the head: weights of 5 earlier states (HeadMix)
 BIGRAM_MULTIPLIERS = (36313, 27191)  # the record's hash of (current, previous) token, in int32 arithmetic
 BOS_ID = 50256  # <|endoftext|> starts every document
 
@@ -656,8 +657,6 @@ def build_masks(tokens: Tensor, plans: list[LayerPlan], windows: tuple[int, int]
 def attention(q: Tensor, k: Tensor, v: Tensor, mask, scale: Tensor) -> Tensor:
     """q, k, v: (B, H, T, D); mask: a BlockMask (FlexAttention) or a boolean tensor (SDPA). The scale is
     applied to q, so that it is a tensor in the graph and not a compile-time constant."""
-    if isinstance(mask, CountedFlexMask):  # the memory model's forward (MemoryModel)
-        return FlexStandIn.apply(q, k, v)
     q = q * scale.type_as(q)
     if isinstance(mask, Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
@@ -731,13 +730,15 @@ class CausalSelfAttention(nn.Module):
         self.vo = nn.Parameter(torch.empty(2, dim, dim))
         uniform_init_(self.qk, 0.5 * dim ** -0.5)
         uniform_init_(self.vo, 0.5 * dim ** -0.5)
-        self.attend = attention  # compile_model(attention_only=True) puts a compiled attention here
+        # the attention kernel's seam: compile_model(attention_only=True) puts a compiled attention here, the
+        # memory model a stand-in that only keeps what FlexAttention would
+        self.attend = attention
 
-    def forward(self, x: Tensor, lambdas: Tensor, aux_v: Tensor | None, masks: Masks, rotary: Rotary,
-                windows: tuple[int, int], xsa_alpha: Tensor | None, gate: Tensor | None, dc_w: tuple | None,
+    def forward(self, x: Tensor, lambdas: Tensor, extras: AttentionExtras, inputs: LayerInputs,
                 cache: AttentionCache | None = None) -> Tensor:
         B, T, dim = x.shape
         H, D, plan = self.num_heads, self.head_dim, self.plan
+        masks, rotary, aux_v = inputs.masks, inputs.rotary, extras.aux_v
         w_qkv = torch.cat([self.qk.flatten(0, 1), self.vo[0]])
         q, k, v = F.linear(x, lambdas[0] * w_qkv.type_as(x)).view(B, T, 3 * H, D).chunk(3, dim=-2)
         q, k = norm(q), norm(k)  # QK-norm bounds the logits
@@ -766,14 +767,11 @@ class CausalSelfAttention(nn.Module):
                             masks.get(plan.long_window, plan.paired), scale).transpose(1, 2)
             keys, values, docs = k, v, masks.docs
         else:
-            keys, values = cache.extend(k, v)
-            docs = masks.docs.repeat_interleave(2) if plan.paired else masks.docs
-            window = window_tokens(windows, plan.long_window, self.window_block)
-            mask = dense_attention_mask(docs, window, num_queries=q.size(1))
-            y = attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask, scale).transpose(1, 2)
-        if dc_w is not None:
-            y = y + self.dc(q, keys, values, docs, dc_w, scale)
+            y, keys, values, docs = self.attend_cached(q, k, v, inputs, cache)
+        if extras.dc_w is not None:
+            y = y + self.dc(q, keys, values, docs, extras.dc_w, scale)
         y = y.reshape(B, T, H, D)  # a paired layer's interleaved heads back in order
+        xsa_alpha, gate = extras.xsa_alpha, extras.gate
         if xsa_alpha is not None:  # XSA: take out a learned share of the output along the value's direction
             direction = F.normalize(v, dim=-1, eps=XSA_EPS)
             y = y - torch.tanh(xsa_alpha).type_as(y).view(B, T, H, 1) * (y * direction).sum(-1, keepdim=True) * direction
@@ -797,16 +795,36 @@ class CausalSelfAttention(nn.Module):
         w1, w2 = dc_w
         w1 = F.rms_norm(w1.float(), (w1.size(-1),), eps=DC_NORM_EPS)
         T = q.size(1)
-        if T == keys.size(1):  # training and validation: the whole sequence at once
-            block = self.window_block
-            pad = -T % block
-            if pad:  # only generation-length sequences fall here
-                q, keys, values = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, keys, values))
-                docs = F.pad(docs, (0, pad), value=-2)
-                w1, w2 = F.pad(w1, (0, 0, 0, pad)), F.pad(w2, (0, 0, 0, pad))
-            out = dc_correction(q, keys, values, docs, w1, w2, scale, self.dc_window, block)
-            return out[:, :T]
-        # generation: the new queries against the cached keys, densely (a few positions)
+        if T != keys.size(1):
+            return self.dc_cached(q, keys, values, docs, (w1, w2), scale)
+        # training and validation: the whole sequence at once
+        block = self.window_block
+        pad = -T % block
+        if pad:  # only generation-length sequences fall here
+            q, keys, values = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, keys, values))
+            docs = F.pad(docs, (0, pad), value=-2)
+            w1, w2 = F.pad(w1, (0, 0, 0, pad)), F.pad(w2, (0, 0, 0, pad))
+        out = dc_correction(q, keys, values, docs, w1, w2, scale, self.dc_window, block)
+        return out[:, :T]
+
+    # Generation (sample.py): new positions against the keys and values cached so far
+
+    def attend_cached(self, q: Tensor, k: Tensor, v: Tensor, inputs: LayerInputs,
+                      cache: AttentionCache) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The new queries against every cached key (the new ones added to the cache first), with a dense
+        mask of their window: (output, keys, values, document ids of the keys)."""
+        keys, values = cache.extend(k, v)
+        docs = inputs.masks.docs.repeat_interleave(2) if self.plan.paired else inputs.masks.docs
+        window = window_tokens(inputs.windows, self.plan.long_window, self.window_block)
+        mask = dense_attention_mask(docs, window, num_queries=q.size(1))
+        y = attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask,
+                      inputs.rotary.attn_scale).transpose(1, 2)
+        return y, keys, values, docs
+
+    def dc_cached(self, q: Tensor, keys: Tensor, values: Tensor, docs: Tensor, dc_w: tuple, scale: Tensor) -> Tensor:
+        """DC's correction of the new queries against the cached keys, densely (a few positions); w1 normed."""
+        w1, w2 = dc_w
+        T = q.size(1)
         start = keys.size(1) - T
         pos = torch.arange(start, start + T, device=q.device)
         distance = pos[:, None] - torch.arange(keys.size(1), device=q.device)[None, :]
@@ -893,7 +911,7 @@ class LayerInputs:
     """What every layer reads besides the stream: the embedding's normed state x0, the bigram injection,
     the value-embedding rows of each table (tables, T, dim), the per-token gates by name (GateLayout), the
     states MUDD and the skip read (0: the stream's start; the skip source; the shared-input layer; "last":
-    the MUDD layer's input), the rotary module and the masks."""
+    the MUDD layer's input), the masks, the windows and the rotary module."""
     x0: Tensor
     x0_bigram: Tensor
     ve: Tensor
@@ -901,56 +919,115 @@ class LayerInputs:
     saved: dict
     masks: Masks
     windows: tuple
+    rotary: Rotary
+
+
+class LayerMix(NamedTuple):
+    """The MUDD layer's 14 coefficients, each (1, T, 1), in the order its MUDD net gives them (record #85's):
+    what its attention's values and input take of the stream's start (x0), the shared-input layer's output
+    and the stream itself (whose own weight is 1 + input_stream); the value-embedding gates of the first and
+    second half of the heads; the weights of the sums after the attention and after the MLP."""
+    value_x0: Tensor
+    value_shared: Tensor
+    value_stream: Tensor
+    input_x0: Tensor
+    input_shared: Tensor
+    input_stream: Tensor
+    ve_gate_first: Tensor
+    ve_gate_second: Tensor
+    attn_stream: Tensor
+    attn_out: Tensor
+    attn_x0: Tensor
+    attn_bigram: Tensor
+    mlp_stream: Tensor
+    mlp_out: Tensor
+
+
+class HeadMix(NamedTuple):
+    """Before the head, what the stream adds of five earlier states, each weight (1, T, 1) (record #85's
+    order): the stream's start, the shared-input layer's output, the MUDD layer's input, the first value
+    embedding's rows, the skip source's output."""
+    x0: Tensor
+    shared: Tensor
+    last_input: Tensor
+    value_embedding: Tensor
+    skip_source: Tensor
+
+
+@dataclass
+class LayerWeights:
+    """What GPT.hidden hands one layer of the model's shared tensors: its attention lambdas (qkv, output),
+    residual and post lambdas (attention, MLP; bf16), its value-embedding gate weights, the skip weight (at
+    the skip target) and the MUDD coefficients (at the MUDD layer)."""
+    lambdas: Tensor
+    resid: Tensor
+    post: Tensor
+    ve_gate: Tensor | None
+    skip: Tensor | None
+    mix: LayerMix | None
+
+
+@dataclass
+class AttentionExtras:
+    """What a layer adds to its attention: the values' additions (value embeddings, MUDD), the XSA strengths,
+    the attention gates and the DC weights (w1, w2), each None where the layer has none."""
+    aux_v: Tensor | None
+    xsa_alpha: Tensor | None
+    gate: Tensor | None
+    dc_w: tuple | None
 
 
 class Block(nn.Module):
     """One layer: attention (or, at the skip target, the gated skip) then the MLP, each added to the
     stream with the layer's residual and post lambdas, with the x0 and bigram injections; the MUDD layer
-    (mu: its MUDD net's 14 coefficients) mixes earlier states around both. On CUDA each block is compiled
+    (LayerMix: its MUDD net's 14 coefficients) mixes earlier states around both. On CUDA each block is compiled
     on its own: one graph per kind of layer and sequence length, and the gradient hooks of its parameters
     fire as soon as its backward is done."""
 
     def __init__(self, plan: LayerPlan, args: Hyperparameters, mlp_precision: str):
         super().__init__()
         self.plan = plan
+        self.skip_from, self.shared_layer = skip_pair(args)[0], args.shared_input_layer  # the states it may read
         self.attn = (CausalSelfAttention(plan, args.model_dim, args.head_dim, args.dc_window, args.window_block)
                      if plan.attention else None)
         self.mlp = MLP(args.model_dim, args.mlp_ratio, mlp_precision)
 
-    def forward(self, x: Tensor, inputs: LayerInputs, rotary: Rotary, lambdas: Tensor, resid: Tensor, post: Tensor,
-                ve_gate: Tensor | None, skip: Tensor | None, mu: tuple | None, skip_from: int, shared_layer: int,
+    def forward(self, x: Tensor, inputs: LayerInputs, weights: LayerWeights,
                 cache: AttentionCache | None = None) -> Tensor:
         plan, i, saved, gates = self.plan, self.plan.index, inputs.saved, inputs.gates
+        mu, resid, post = weights.mix, weights.resid, weights.post
         B, T, dim = x.shape
         if plan.skip_target:
-            x = x + torch.sigmoid(skip) * gates[("skip",)] * saved[skip_from]
+            x = x + torch.sigmoid(weights.skip) * gates[("skip",)] * saved[self.skip_from]
         else:
-            attn_in = norm(saved[shared_layer] if plan.shared_input else x)
+            attn_in = norm(saved[self.shared_layer] if plan.shared_input else x)
             H = self.attn.num_heads
             table = inputs.ve[plan.value_embed].view(1, T, H, -1) if plan.value_embed is not None else None
             if mu is not None:  # the MUDD layer
-                shared = saved[shared_layer]
-                v_mudd = (mu[0] * saved[0] + mu[1] * shared + mu[2] * x).view(1, T, H, -1)
-                x = (1 + mu[5]) * x + mu[3] * saved[0] + mu[4] * shared
-                gate = torch.cat([mu[6], mu[7]], dim=-1).repeat_interleave(H // 2, dim=-1).unsqueeze(-1)
+                shared = saved[self.shared_layer]
+                v_mudd = (mu.value_x0 * saved[0] + mu.value_shared * shared + mu.value_stream * x).view(1, T, H, -1)
+                x = (1 + mu.input_stream) * x + mu.input_x0 * saved[0] + mu.input_shared * shared
+                gate = torch.cat([mu.ve_gate_first, mu.ve_gate_second], dim=-1).repeat_interleave(H // 2, dim=-1)
+                gate = gate.unsqueeze(-1)
                 aux_v = (gate * table + v_mudd).view(1, T, -1)
             elif table is not None:
                 gate_in = torch.cat([attn_in[..., :VE_GATE_CHANNELS], table.view(1, T, -1)[..., :VE_GATE_CHANNELS]],
                                     dim=-1)
-                aux_v = (2 * torch.sigmoid(F.linear(gate_in, ve_gate)).view(1, T, H, 1) * table).view(1, T, -1)
+                aux_v = (2 * torch.sigmoid(F.linear(gate_in, weights.ve_gate)).view(1, T, H, 1) * table).view(1, T, -1)
             else:
                 aux_v = None
             dc_w = (gates[("dc_w1", i)], gates[("dc_w2", i)]) if plan.dc else None
-            attn_out = self.attn(attn_in, lambdas, aux_v, inputs.masks, rotary, inputs.windows,
-                                 gates.get(("xsa", i)), gates.get(("attn", i)), dc_w, cache)
+            extras = AttentionExtras(aux_v, gates.get(("xsa", i)), gates.get(("attn", i)), dc_w)
+            attn_out = self.attn(attn_in, weights.lambdas, extras, inputs, cache)
             if mu is not None:
-                x = mu[8] * x + mu[9] * attn_out + saved[0] * mu[10] + inputs.x0_bigram * mu[11]
+                x = (mu.attn_stream * x + mu.attn_out * attn_out + saved[0] * mu.attn_x0
+                     + inputs.x0_bigram * mu.attn_bigram)
             else:
                 x = resid[0] * x + post[0] * attn_out + inputs.x0 * gates[("x0", i)]
                 if i != 0:  # layer 0's bigram injection came before the first layer
                     x = x + inputs.x0_bigram * gates[("bigram", i)]
         mlp_out = self.mlp(norm(x))
-        return mu[12] * x + mu[13] * mlp_out if mu is not None else resid[1] * x + post[1] * mlp_out
+        return mu.mlp_stream * x + mu.mlp_out * mlp_out if mu is not None else resid[1] * x + post[1] * mlp_out
 
 
 class SoftcappedMTPLoss(torch.autograd.Function):
@@ -1147,11 +1224,12 @@ class GPT(nn.Module):
         2, the residual and post lambdas at sqrt(1.1) and 1, the bigram injection at 0.05); before the head,
         the state of the shared-input layer starts at -0.5 (the record's former "backout")."""
         bias = torch.zeros(2, MUDD_LAYER_COEFS)
-        bias[0, 6] = bias[0, 7] = 2.0
-        bias[0, 8] = bias[0, 12] = RESIDUAL_INIT
-        bias[0, 9] = bias[0, 13] = 1.0
-        bias[0, 11] = 0.05
-        bias[1, 1] = -0.5
+        layer, head = LayerMix._fields.index, HeadMix._fields.index
+        bias[0, layer("ve_gate_first")] = bias[0, layer("ve_gate_second")] = 2.0
+        bias[0, layer("attn_stream")] = bias[0, layer("mlp_stream")] = RESIDUAL_INIT
+        bias[0, layer("attn_out")] = bias[0, layer("mlp_out")] = 1.0
+        bias[0, layer("attn_bigram")] = 0.05
+        bias[1, head("shared")] = -0.5
         return bias / MUDD_SCALE
 
     def gates(self, x: Tensor, net: int) -> dict:
@@ -1191,19 +1269,19 @@ class GPT(nn.Module):
         resid, post = self.resid_lambdas.bfloat16(), self.post_lambdas.bfloat16()  # as the record, rounded to bf16
         x = x0 + x0_bigram * gates[("bigram", 0)]
         saved = {0: x}  # states MUDD mixes in: the stream's start, the skip source, the shared input
-        inputs = LayerInputs(x0, x0_bigram, ve, gates, saved, masks, windows)
+        inputs = LayerInputs(x0, x0_bigram, ve, gates, saved, masks, windows, self.rotary)
         for plan, block in zip(self.plans, self.blocks):
             i = plan.index
             if i == self.mudd_gate_layer:
                 gates.update(self.gates(x, 1))
-            mu = None
+            mix = None
             if plan.mudd:
                 saved["last"] = x
-                mu = self.mudd(x, 0, MUDD_LAYER_COEFS)
-            x = block(x, inputs, self.rotary, sa_lambdas[i], resid[i], post[i],
-                      self.ve_gates[plan.ve_gate] if plan.ve_gate is not None else None,
-                      self.scalars[-1] if plan.skip_target else None, mu, self.skip_from, self.shared_input_layer,
-                      caches.layers[i] if caches is not None else None)
+                mix = LayerMix(*self.mudd(x, 0, MUDD_LAYER_COEFS))
+            weights = LayerWeights(sa_lambdas[i], resid[i], post[i],
+                                   self.ve_gates[plan.ve_gate] if plan.ve_gate is not None else None,
+                                   self.scalars[-1] if plan.skip_target else None, mix)
+            x = block(x, inputs, weights, caches.layers[i] if caches is not None else None)
             if i in (self.skip_from, self.shared_input_layer):
                 saved[i] = x
         if caches is not None:
@@ -1231,9 +1309,9 @@ class GPT(nn.Module):
 
     def head_mix(self, x: Tensor, saved: dict, ve0: Tensor) -> Tensor:
         """Before the head: the second MUDD net's weights of five earlier states, then the final norm."""
-        mu = self.mudd(x, 1, MUDD_HEAD_COEFS)
-        x = (x + mu[0] * saved[0] + mu[1] * saved[self.shared_input_layer] + mu[2] * saved["last"]
-             + mu[3] * ve0[None].type_as(x) + mu[4] * saved[self.skip_from])
+        mu = HeadMix(*self.mudd(x, 1, MUDD_HEAD_COEFS))
+        x = (x + mu.x0 * saved[0] + mu.shared * saved[self.shared_input_layer] + mu.last_input * saved["last"]
+             + mu.value_embedding * ve0[None].type_as(x) + mu.skip_source * saved[self.skip_from])
         return norm(x)
 
     def logits(self, x: Tensor) -> Tensor:
@@ -2910,8 +2988,10 @@ class FlexStandIn(torch.autograd.Function):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
 
-class CountedFlexMask:
-    """Stands for a block mask in the memory model's forward pass: attention() keeps what FlexAttention would."""
+def flex_stand_in(q: Tensor, k: Tensor, v: Tensor, mask, scale: Tensor) -> Tensor:
+    """The memory model's attention (CausalSelfAttention.attend, for FlexAttention runs): what FlexAttention
+    would keep, and no arithmetic."""
+    return FlexStandIn.apply(q, k, v)
 
 
 class LiveMemory(TorchDispatchMode):
@@ -3041,6 +3121,10 @@ class MemoryModel:
             warnings.simplefilter("ignore")
             self.model = cast_for_device(GPT(args, *precisions), device)
             self.muon, self.adam = build_optimizers(self.model, args)
+        if self.use_flex:  # through the layers' seam: the model itself knows nothing of this count
+            for block in self.model.blocks:
+                if block.attn is not None:
+                    block.attn.attend = flex_stand_in
         self.weights = tensor_bytes(self.model.parameters())
         self.buffers = tensor_bytes(self.model.buffers())
         self.muon_state, self.muon_buffers = normuon_bytes(self.muon, world_size)
@@ -3058,8 +3142,6 @@ class MemoryModel:
 
     def _masks(self, inputs: Tensor, windows: tuple[int, int]) -> tuple[Masks, int]:
         masks = build_masks(inputs, self.model.plans, windows, self.args.window_block, self.use_flex)
-        if self.use_flex:
-            return Masks({kind: CountedFlexMask() for kind in masks.by_kind}, masks.docs), mask_bytes(masks)
         return masks, mask_bytes(masks)
 
     def training(self, micro_tokens: int, windows: tuple[int, int], micro_per_rank: int) -> dict[str, int]:

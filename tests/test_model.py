@@ -209,7 +209,8 @@ def test_each_kind_of_attention_layer_matches_the_records_definition(layer_index
     gate = per_head() if plan.attn_gate else None
     dc = (per_head(), per_head()) if plan.dc else None
     with torch.no_grad():
-        ours = layer(x, lambdas, aux_v, masks, model.rotary, windows, xsa, gate, dc)[0]
+        inputs = T.LayerInputs(None, None, None, {}, {}, masks, windows, model.rotary)  # what attention reads of it
+        ours = layer(x, lambdas, T.AttentionExtras(aux_v, xsa, gate, dc), inputs)[0]
         window = args.window_block * windows[1 if plan.long_window else 0]
         ref = reference_attention_layer(layer, plan, x[0], lambdas, aux_v[0], T.document_ids(tokens),
                                         model.rotary.angular_freq, model.rotary.scale, window, args.dc_window,
@@ -350,8 +351,8 @@ class StubAttention(torch.nn.Module):
         super().__init__()
         self.out, self.calls, self.num_heads = out, [], heads
 
-    def forward(self, x, lambdas, aux_v, *rest):
-        self.calls.append((x, aux_v, rest[3:6]))
+    def forward(self, x, lambdas, extras, inputs, cache=None):
+        self.calls.append((x, extras.aux_v, (extras.xsa_alpha, extras.gate, extras.dc_w)))
         return self.out
 
 
