@@ -1380,20 +1380,29 @@ def compile_model(model: GPT, backend="inductor", attention_only: bool = False):
     model.mtp_chunk = torch.compile(mtp_chunk, **options)
 
 
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """The dtype the model computes in on a device, decided here and nowhere else: bf16 on GPUs (the record's
+    parameters, Polar Express's matmuls, evaluation's logits, the matmul peak MFU is counted against); fp32 on
+    CPUs, which have no bf16 matrix units, and where fp32 also keeps runs at different world sizes in step
+    (bf16 rounding would amplify the last-bit differences of reduction order)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 # Parameters that stay fp32 on GPUs (the record's): the scalars and lambdas, whose small Adam updates bf16
 # would round away. Everything else is bf16 there; NorMuon keeps fp32 masters of its matrices (mantissas).
 FP32_PARAMETERS = ("scalars", "resid_lambdas", "post_lambdas", "mudd_gate_scale")
 
 
 def cast_for_device(model: GPT, device: torch.device) -> GPT:
-    """On GPUs, record #85's parameter dtypes: bf16 except FP32_PARAMETERS (and the lm_head under
-    --lm_head_precision=fp32). On CPU all fp32."""
-    if device.type == "cuda":
+    """Record #85's parameter dtypes: the compute dtype (bf16 on GPUs) except FP32_PARAMETERS (and the lm_head
+    under --lm_head_precision=fp32); on CPU all fp32."""
+    dtype = compute_dtype(device)
+    if dtype != torch.float32:
         keep = set(FP32_PARAMETERS) | ({"lm_head"} if model.head_precision == "fp32" else set())
         for name, p in model.named_parameters():
             if name not in keep:
-                p.data = p.data.bfloat16()
-        model.bigram_signs.data = model.bigram_signs.data.bfloat16()
+                p.data = p.data.to(dtype)
+        model.bigram_signs.data = model.bigram_signs.data.to(dtype)
     return model
 
 
@@ -1972,9 +1981,7 @@ def build_optimizers(model: GPT, args: Hyperparameters) -> tuple[NorMuon, DistAd
     # tools/preflight.py builds the model with no data).
     if not args.init_from or torch.equal(model.embed.weight, model.lm_head.T):
         adam.tie(model.embed.weight, model.lm_head)
-    # CPUs have no bf16 matrix units for this; there fp32 also keeps runs at different world sizes in
-    # step (bf16 rounding would amplify the last-bit differences of reduction order).
-    ns_dtype = torch.bfloat16 if model.embed.weight.is_cuda else torch.float32
+    ns_dtype = compute_dtype(model.embed.weight.device)
     muon = NorMuon(muon_groups, lr=args.muon_lr, momentum=args.muon_momentum_start, beta2=args.muon_beta2,
                    weight_decay=args.muon_weight_decay, ns_dtype=ns_dtype)
     for opt in (adam, muon):
@@ -2298,13 +2305,16 @@ def device_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+PRECISION_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}  # --lm_head_precision's and --mlp_precision's
+
+
 def resolve_precision(args: Hyperparameters, device: torch.device, flag: str) -> str:
     """fp8 needs the FP8 tensor cores of compute capability 8.9 (Ada, Hopper) and later, and widths
     FP8 matmuls take (fp8_fits); auto falls back to bf16 without them, and the log header says so."""
     fp8_capable = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
     choice = getattr(args, flag)
     if choice == "auto":
-        return "fp8" if fp8_capable and fp8_fits(args) else ("bf16" if device.type == "cuda" else "fp32")
+        return "fp8" if fp8_capable and fp8_fits(args) else PRECISION_NAMES[compute_dtype(device)]
     if choice == "fp8" and device.type == "cuda" and not fp8_capable:
         raise ConfigError(f"--{flag}=fp8: {torch.cuda.get_device_name(device)} has no FP8 tensor cores "
                           f"(compute capability 8.9 or later); use bf16")
@@ -3688,7 +3698,7 @@ def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters
             raise ValueError(f'"windows" must be the final (short, long) windows in blocks, got {windows!r}')
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise DataError(f"{path / 'config.json'}: not train_gpt.py's final-weights config ({e})") from None
-    precision = "bf16" if device.type == "cuda" else "fp32"  # evaluation never uses FP8
+    precision = PRECISION_NAMES[compute_dtype(device)]  # evaluation never uses FP8
     model = cast_for_device(GPT(args, precision, precision).to(device), device)
     try:
         saved = torch.load(path / "model.pt", map_location=device, weights_only=True)
@@ -4380,7 +4390,7 @@ class Performance:
 
     @staticmethod
     def measure(args: Hyperparameters, env: DistEnv, model: GPT, loader) -> "Performance":
-        dtype = torch.bfloat16 if env.device.type == "cuda" else torch.float32
+        dtype = compute_dtype(env.device)
         peak = matmul_peak_flops(env.device, dtype)
         position = loader.state_dict()
         flops = schedule_flops_per_token(args, model, loader.next_batch(0)[0][0])  # on the first batch's documents
