@@ -1251,7 +1251,7 @@ class GPT(nn.Module):
         (generation), input_ids continue the cached positions. separate_documents: a BOS starts a fresh
         sequence for the smear, the bigram hash and its signs (which, like the record, otherwise run across
         document boundaries), so that packed sequences score exactly as if run one by one."""
-        T, H, D = len(input_ids), self.num_heads, self.head_dim
+        T = len(input_ids)
         start = caches.length if caches is not None else 0
         if start + T > self.rotary.cos.size(0) // 2:
             raise ValueError(f"positions {start}..{start + T - 1}: the model takes at most "
@@ -2735,9 +2735,9 @@ class TrainLoader:
     needs is refused unless --repeat_data, which starts over from the first shard. The next shard is read
     in a background thread while this one is used."""
 
-    def __init__(self, args: Hyperparameters, env: DistEnv):
+    def __init__(self, args: Hyperparameters, env: DistEnv, schedule: Schedule | None = None):
         files = find_shards(args.train_files, "training")
-        self.schedule = Schedule(args)
+        self.schedule = schedule or Schedule(args)
         first_step_tokens = step_tokens(0, self.schedule)
         for f in files:
             if read_shard_header(f) < first_step_tokens:
@@ -2868,8 +2868,8 @@ class SyntheticLoader:
 
     started_over = False  # an endless supply
 
-    def __init__(self, args: Hyperparameters, env: DistEnv):
-        self.schedule, self.env, self.seed = Schedule(args), env, args.seed
+    def __init__(self, args: Hyperparameters, env: DistEnv, schedule: Schedule | None = None):
+        self.schedule, self.env, self.seed = schedule or Schedule(args), env, args.seed
         self.bigram_buckets = args.bigram_vocab_size
         self.step = 0
 
@@ -2961,9 +2961,10 @@ def model_flops_per_token(args: Hyperparameters, model: GPT, tokens: Tensor, win
     return 6 * matmul_params + float(attention_flops)
 
 
-def schedule_flops_per_token(args: Hyperparameters, model: GPT, tokens: Tensor) -> float:
+def schedule_flops_per_token(args: Hyperparameters, model: GPT, tokens: Tensor,
+                             schedule: Schedule | None = None) -> float:
     """model_flops_per_token averaged over the training tokens of the schedule's stages."""
-    schedule = Schedule(args)
+    schedule = schedule or Schedule(args)
     total_tokens = sum(stage.batch_tokens * (stage.end - stage.start) for stage in schedule.stages)
     return sum(stage.batch_tokens * (stage.end - stage.start) * model_flops_per_token(args, model, tokens, stage.windows)
                for stage in schedule.stages if stage.end > stage.start) / total_tokens
@@ -3978,8 +3979,9 @@ def nvidia_smi() -> str:
         return ""
 
 
-def log_header(log: Logger, source: str, args: Hyperparameters, env: DistEnv, run_id: str, model: GPT):
-    log(source, console=False)
+def log_header(run: Run, model: GPT):
+    args, env, log = run.args, run.env, run.log
+    log(run.source, console=False)
     log("=" * 100, console=False)
     log(f"Running Python {sys.version}")
     log(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda or 'none'}")
@@ -3998,7 +4000,7 @@ def log_header(log: Logger, source: str, args: Hyperparameters, env: DistEnv, ru
     log(f"attention: {attention_kind}  lm_head: {precisions['lm_head']}  mlp up-projection: {precisions['mlp']}  "
         f"compile: {compiled}")
     log(f"recipe: record #85 v3 (modded-nanogpt, 2026-05-27, MUDD gates and lightweight DC): {args.num_iterations} "
-        f"steps in {len(Schedule(args).stages) - 1} stages and an extension", console=False)
+        f"steps in {len(run.schedule.stages) - 1} stages and an extension", console=False)
     smi = nvidia_smi()
     if smi:
         log(smi, console=False)
@@ -4007,8 +4009,8 @@ def log_header(log: Logger, source: str, args: Hyperparameters, env: DistEnv, ru
     log("hyperparameters:", console=False)
     for name, value in dataclasses.asdict(args).items():
         log(f"  {name} = {value}", console=False)
-    log(f"code_sha256: {code_hash(source)}")
-    log(f"run_id: {run_id}")
+    log(f"code_sha256: {code_hash(run.source)}")
+    log(f"run_id: {run.run_id}")
     log("=" * 100, console=False)
 
 
@@ -4103,8 +4105,9 @@ def train(args: Hyperparameters, env: DistEnv):
     log, error, resume, made = Logger(None), None, None, []
     log_path = Path(args.logs_dir) / f"{run_id}.txt"
     run_dir = Path(args.checkpoint_dir) / run_id
+    schedule = Schedule(args)  # the run's one schedule: the loader and the training loop follow it
     try:
-        loader = SyntheticLoader(args, env) if args.synthetic else TrainLoader(args, env)
+        loader = SyntheticLoader(args, env, schedule) if args.synthetic else TrainLoader(args, env, schedule)
         val_tokens = (torch.randint(0, BOS_ID, (args.val_tokens + 1,), generator=torch.Generator().manual_seed(0))
                       if args.synthetic else load_val_tokens(args))
         if args.resume:
@@ -4139,15 +4142,16 @@ def train(args: Hyperparameters, env: DistEnv):
         raise error or TrainingError("another rank failed during setup")
 
     try:
+        run = Run(args, env, schedule, log, source, run_id)
         model = build_model(args, env, init_state)
-        log_header(log, source, args, env, run_id, model)
+        log_header(run, model)
         for line in env.memory.lines if env.memory else []:
             log(line)
         for line in loader.report():
             log(line)
         for line in getattr(loader, "located", []):
             log(line)
-        run_training(args, env, log, model, loader, val_tokens, source, run_id, resume)
+        run_training(run, model, loader, val_tokens, resume)
         log.close()  # a log that cannot reach the disk is a failed run too
     except BaseException as e:  # the log says how the run ended, whatever ended it (Ctrl-C included)
         STOP.armed = False  # ending now: a later signal (torchrun stopping the other ranks) must not cut this short
@@ -4222,14 +4226,26 @@ def warmup_steps(args: Hyperparameters, schedule: Schedule) -> list[int]:
                                                                                    stage.end))})
 
 
-def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, loader, val_tokens: Tensor,
-                 source: str, run_id: str, resume: Resume | None):
+@dataclass
+class Run:
+    """One run as its parts see it: the config (resolved: --micro_batches=auto's counts chosen), this rank's
+    environment, the one Schedule built from that config, the log, the source the log embeds and checkpoints
+    are checked by, and the run id."""
+    args: Hyperparameters
+    env: DistEnv
+    schedule: Schedule
+    log: Logger
+    source: str
+    run_id: str
+
+
+def run_training(run: Run, model: GPT, loader, val_tokens: Tensor, resume: Resume | None):
+    args, env, schedule, log = run.args, run.env, run.schedule, run.log
     optimizers, use_flex = prepare_training(model, args, env)
-    schedule = Schedule(args)
     if args.warmup_steps:
-        untimed_warmup(model, optimizers, loader, val_tokens, schedule, args, env, use_flex)
-    perf = Performance.measure(args, env, model, loader)  # before the clock starts
-    start_step, train_time_ms = resume_run(resume, model, optimizers, loader, args, env, log) if resume else (0, 0.0)
+        untimed_warmup(run, model, optimizers, loader, val_tokens, use_flex)
+    perf = Performance.measure(run, model, loader)  # before the clock starts
+    start_step, train_time_ms = resume_run(run, resume, model, optimizers, loader) if resume else (0, 0.0)
 
     # The host runs ahead of the device: the loop synchronises only where the clock stops (validation,
     # checkpoints, the end) and where the train loss is logged (every train_loss_every steps).
@@ -4248,7 +4264,8 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, l
                 check_finite(final_val_loss, "val loss", step)
         if args.save_every and step > start_step and step % args.save_every == 0:
             with clock.paused():
-                path = save_checkpoint(step, clock.elapsed_ms, model, optimizers, loader, args, env, source, run_id)
+                path = save_checkpoint(step, clock.elapsed_ms, model, optimizers, loader, args, env, run.source,
+                                       run.run_id)
                 log(f"checkpoint: {path}", console=False)
         if last_step:
             break
@@ -4273,7 +4290,7 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, l
     error = None
     if args.save_final and env.is_main:  # after the clock has stopped
         try:
-            path = save_final_weights(model, args, source, run_id, args.num_iterations, final_val_loss)
+            path = save_final_weights(model, args, run.source, run.run_id, args.num_iterations, final_val_loss)
             log(f"final weights: {path}")
         except TrainingError as e:
             error = e
@@ -4282,15 +4299,15 @@ def run_training(args: Hyperparameters, env: DistEnv, log: Logger, model: GPT, l
     if optimizers[1].late_reductions:
         log(f"note: {optimizers[1].late_reductions} DistAdam bucket reductions started in step(), not during "
             f"backward (a parameter without a gradient)")
-    log_summary(log, args, env, clock, perf, final_val_loss)
+    log_summary(run, clock, perf, final_val_loss)
 
 
-def untimed_warmup(model: GPT, optimizers, loader, val_tokens: Tensor, schedule: Schedule, args: Hyperparameters,
-                   env: DistEnv, use_flex: bool):
+def untimed_warmup(run: Run, model: GPT, optimizers, loader, val_tokens: Tensor, use_flex: bool):
     """The first steps of every stage (their batch sizes and sequence lengths) and a validation at the final
     windows compile and run every kernel. Windows, documents, rotary tables and the attention scale are
     tensors, so these are all the graphs the run builds. Then model (rotary state included), optimizers (the
     tie included) and data go back to where they started."""
+    args, env, schedule = run.args, run.env, run.schedule
     initial_loader = loader.state_dict()
     initial_model = snapshot(model.state_dict())
     initial_optimizers = [opt.state_dict() for opt in optimizers]
@@ -4308,21 +4325,21 @@ def untimed_warmup(model: GPT, optimizers, loader, val_tokens: Tensor, schedule:
     loader.load_state_dict(initial_loader)
 
 
-def resume_run(resume: Resume, model: GPT, optimizers, loader, args: Hyperparameters, env: DistEnv,
-               log: Logger) -> tuple[int, float]:
+def resume_run(run: Run, resume: Resume, model: GPT, optimizers, loader) -> tuple[int, float]:
     """The checkpoint's weights, optimizer state, data position and RNG: (its step, its train time so far).
     One rank's bad file stops them all."""
     error, start_step, train_time_ms = None, 0, 0.0
     try:
-        start_step, train_time_ms = load_checkpoint(resume, model, optimizers, loader, env)
+        start_step, train_time_ms = load_checkpoint(resume, model, optimizers, loader, run.env)
         refresh_fp8(model)
     except TrainingError as e:
         error = e
-    if not all_ranks_ok(error is None, env.device):
+    if not all_ranks_ok(error is None, run.env.device):
         raise error or TrainingError("another rank could not load the checkpoint")
-    log(f"resumed from {resume.path} at step {start_step}")
-    if args.init_from:
-        log(f"note: --init_from={args.init_from} is not read: a resumed run continues from its checkpoint's weights")
+    run.log(f"resumed from {resume.path} at step {start_step}")
+    if run.args.init_from:
+        run.log(f"note: --init_from={run.args.init_from} is not read: a resumed run continues from its checkpoint's "
+                f"weights")
     return start_step, train_time_ms
 
 
@@ -4389,11 +4406,12 @@ class Performance:
     flops_per_token: float
 
     @staticmethod
-    def measure(args: Hyperparameters, env: DistEnv, model: GPT, loader) -> "Performance":
-        dtype = compute_dtype(env.device)
-        peak = matmul_peak_flops(env.device, dtype)
+    def measure(run: Run, model: GPT, loader) -> "Performance":
+        dtype = compute_dtype(run.env.device)
+        peak = matmul_peak_flops(run.env.device, dtype)
         position = loader.state_dict()
-        flops = schedule_flops_per_token(args, model, loader.next_batch(0)[0][0])  # on the first batch's documents
+        tokens = loader.next_batch(0)[0][0]  # the first batch's documents
+        flops = schedule_flops_per_token(run.args, model, tokens, run.schedule)
         loader.load_state_dict(position)
         return Performance(peak, dtype, flops)
 
@@ -4401,9 +4419,9 @@ class Performance:
         return 100 * self.flops_per_token * tokens_per_s / (self.peak_flops * world_size)
 
 
-def log_summary(log: Logger, args: Hyperparameters, env: DistEnv, clock: Clock, perf: Performance,
-                final_val_loss: float):
+def log_summary(run: Run, clock: Clock, perf: Performance, final_val_loss: float):
     """The run's last lines: peak memory, the median step (what a benchmark compares), the summary."""
+    args, env, log = run.args, run.env, run.log
     if env.device.type == "cuda":
         peak_memory = torch.cuda.max_memory_allocated() // 2**20
         log(f"peak memory allocated: {peak_memory} MiB reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
