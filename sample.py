@@ -59,11 +59,11 @@ class Generator:
         if not self.use_cache:
             ids = torch.tensor(self.tokens, device=device)
             masks = T.build_masks(ids, self.model.plans, self.windows, self.block, use_flex=False)
-            hidden = self.model.hidden(ids, masks, self.windows)
+            hidden = self.model.hidden(ids, masks)
         else:
             # the cached layers build their masks from the document ids of every position so far
-            masks = T.Masks({}, T.document_ids(torch.tensor(self.tokens, device=device)))
-            hidden = self.model.hidden(torch.tensor(new_tokens, device=device), masks, self.windows, self.caches)
+            masks = T.Masks({}, T.document_ids(torch.tensor(self.tokens, device=device)), self.windows)
+            hidden = self.model.hidden(torch.tensor(new_tokens, device=device), masks, self.caches)
         return self.model.logits(hidden[:, -1:])[0, 0].float()
 
 
@@ -133,7 +133,7 @@ def token_losses_fn(model: T.GPT, args: T.Hyperparameters, info: dict):
         packed = torch.tensor([t for seq in sequences for t in [T.BOS_ID, *seq]] + [T.BOS_ID], device=device)
         inputs, targets = packed[:-1], packed[1:]
         masks = T.build_masks(inputs, model.plans, windows, args.window_block, use_flex=False)
-        losses = model(inputs, targets, masks, windows, reduction="none", separate_documents=True).float().cpu()
+        losses = model.token_losses(inputs, targets, masks, separate_documents=True).float().cpu()
         out, start = [], 0
         for seq in sequences:  # drop the prediction of each sequence's first token from its BOS
             out.append(losses[start + 1:start + len(seq)])

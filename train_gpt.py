@@ -45,7 +45,7 @@ import uuid
 import warnings
 import zlib
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 from pathlib import Path
 
 import numpy as np
@@ -627,9 +627,11 @@ def flex_block_mask(docs: Tensor, window: int, block_size: int):
 class Masks:
     """The attention masks of one packed sequence, by (long window, paired), and its document ids. Keyed by
     the kind of layer, not by the window's length: the windows live in the masks as tensors, so a compiled
-    layer's graph does not depend on them (a key per length would recompile every layer at each new window)."""
+    layer's graph does not depend on them (a key per length would recompile every layer at each new window).
+    windows: the (short, long) windows in blocks that the masks were built for (generation reads them)."""
     by_kind: dict
     docs: Tensor
+    windows: tuple[int, int]
     fresh: Tensor | None = None  # (T,) booleans: positions that start a sequence of their own (separate_documents)
     positions: Tensor | None = None  # (T,) each token's rotary position, counted from its own sequence's start
 
@@ -651,7 +653,7 @@ def build_masks(tokens: Tensor, plans: list[LayerPlan], windows: tuple[int, int]
             layer_docs = docs.repeat_interleave(2) if plan.paired else docs
             by_kind[kind] = (flex_block_mask(layer_docs, window, window_block) if use_flex
                              else dense_attention_mask(layer_docs, window))
-    return Masks(by_kind, docs)
+    return Masks(by_kind, docs, windows)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask, scale: Tensor) -> Tensor:
@@ -664,26 +666,33 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask, scale: Tensor) -> Tensor:
     return flex_attention(q, k, v, block_mask=mask, scale=1.0)
 
 
-def dc_correction(q: Tensor, k: Tensor, v: Tensor, docs: Tensor, w1: Tensor, w2: Tensor, scale: Tensor,
-                  window: int, block: int) -> Tensor:
-    """Record #85's post-only dynamically composable correction, in plain PyTorch. For each query t and
-    head h, P_h(t, .) is the softmax of scale * q_h(t).k_h(s) over the keys s with 0 <= t - s < window in t's
-    document; the heads' maps are mixed with per-token weights, A(t, s) = sum_h w1(t, h) P_h(t, s), and each
-    head adds w2(t, h) * sum_s A(t, s) v_h(s) to its output. Returned: that correction, (B, T, H, D).
+def dc_visible(docs: Tensor, window: int, block: int) -> Tensor:
+    """dc_correction's mask, (T / block, block, 2 block): which keys of its own block and the block before
+    (those columns first) each query of a block sees: 0 <= t - s < window, in t's document. docs: (T,)."""
+    n = docs.numel() // block
+    docs_p = torch.cat([docs.new_full((block,), -1), docs]).view(n + 1, block)
+    key_docs = torch.cat([docs_p[:-1], docs_p[1:]], dim=1)  # (n, 2 block)
+    query_pos = torch.arange(block, device=docs.device)[:, None] + block
+    distance = query_pos - torch.arange(2 * block, device=docs.device)[None, :]
+    return (distance >= 0) & (distance < window) & (docs.view(n, block)[:, :, None] == key_docs[:, None, :])
 
-    Computed block by block: queries in blocks of `block` (>= window) see the keys of their block and
-    the one before, so nothing grows with T^2. q, k, v: (B, T, H, D); docs (T,); w1, w2 (B, T, H)."""
+
+def dc_correction(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, dc_w: tuple[Tensor, Tensor],
+                  scale: Tensor) -> Tensor:
+    """Record #85's post-only dynamically composable correction, in plain PyTorch. For each query t and
+    head h, P_h(t, .) is the softmax of scale * q_h(t).k_h(s) over the keys s that t sees (dc_visible: its
+    window in its document); the heads' maps are mixed with per-token weights, A(t, s) = sum_h w1(t, h) P_h(t, s),
+    and each head adds w2(t, h) * sum_s A(t, s) v_h(s) to its output. Returned: that correction, (B, T, H, D).
+
+    Computed block by block: queries in blocks (>= window) see the keys of their block and the one before,
+    so nothing grows with T^2. q, k, v: (B, T, H, D); dc_w = (w1, w2), each (B, T, H)."""
     B, T, H, D = q.shape
-    n = T // block
+    n, block = visible.shape[:2]
+    w1, w2 = dc_w
     qb = q.view(B, n, block, H, D)
     pad = lambda t: torch.cat([t.new_zeros(B, block, *t.shape[2:]), t], dim=1).view(B, n + 1, block, *t.shape[2:])
     kp, vp = pad(k), pad(v)
     kb, vb = torch.cat([kp[:, :-1], kp[:, 1:]], dim=2), torch.cat([vp[:, :-1], vp[:, 1:]], dim=2)  # (B, n, 2blk, H, D)
-    docs_p = torch.cat([docs.new_full((block,), -1), docs]).view(n + 1, block)
-    key_docs = torch.cat([docs_p[:-1], docs_p[1:]], dim=1)  # (n, 2 block)
-    query_pos = torch.arange(block, device=q.device)[:, None] + block
-    distance = query_pos - torch.arange(2 * block, device=q.device)[None, :]
-    visible = (distance >= 0) & (distance < window) & (docs.view(n, block)[:, :, None] == key_docs[:, None, :])
     scores = torch.einsum("bnqhd,bnkhd->bnhqk", qb.float(), kb.float()) * scale.float()
     scores = scores.masked_fill(~visible[None, :, None], float("-inf"))
     probs = scores.softmax(dim=-1)  # every query sees itself, so no row is empty
@@ -804,7 +813,7 @@ class CausalSelfAttention(nn.Module):
             q, keys, values = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, keys, values))
             docs = F.pad(docs, (0, pad), value=-2)
             w1, w2 = F.pad(w1, (0, 0, 0, pad)), F.pad(w2, (0, 0, 0, pad))
-        out = dc_correction(q, keys, values, docs, w1, w2, scale, self.dc_window, block)
+        out = dc_correction(q, keys, values, dc_visible(docs, self.dc_window, block), (w1, w2), scale)
         return out[:, :T]
 
     # Generation (sample.py): new positions against the keys and values cached so far
@@ -815,7 +824,7 @@ class CausalSelfAttention(nn.Module):
         mask of their window: (output, keys, values, document ids of the keys)."""
         keys, values = cache.extend(k, v)
         docs = inputs.masks.docs.repeat_interleave(2) if self.plan.paired else inputs.masks.docs
-        window = window_tokens(inputs.windows, self.plan.long_window, self.window_block)
+        window = window_tokens(inputs.masks.windows, self.plan.long_window, self.window_block)
         mask = dense_attention_mask(docs, window, num_queries=q.size(1))
         y = attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask,
                       inputs.rotary.attn_scale).transpose(1, 2)
@@ -911,14 +920,13 @@ class LayerInputs:
     """What every layer reads besides the stream: the embedding's normed state x0, the bigram injection,
     the value-embedding rows of each table (tables, T, dim), the per-token gates by name (GateLayout), the
     states MUDD and the skip read (0: the stream's start; the skip source; the shared-input layer; "last":
-    the MUDD layer's input), the masks, the windows and the rotary module."""
+    the MUDD layer's input), the masks (with their windows) and the rotary module."""
     x0: Tensor
     x0_bigram: Tensor
     ve: Tensor
     gates: dict
     saved: dict
     masks: Masks
-    windows: tuple
     rotary: Rotary
 
 
@@ -1030,6 +1038,15 @@ class Block(nn.Module):
         return mu.mlp_stream * x + mu.mlp_out * mlp_out if mu is not None else resid[1] * x + post[1] * mlp_out
 
 
+class HeadLoss(NamedTuple):
+    """How SoftcappedMTPLoss computes: with FP8 or not, the softcap (A, shift, width), the rows of logits per
+    chunk, and the chunk's element-wise function (mtp_chunk, compiled on CUDA)."""
+    fp8: bool
+    cap: tuple
+    chunk: int
+    chunk_fn: Callable
+
+
 class SoftcappedMTPLoss(torch.autograd.Function):
     """Record #85's training loss and its gradient, without a full logits tensor. Logits u = x @ W (FP8 or
     not), z = cap * sigmoid((u + shift) / width); the loss is sum_t sum_k w_k (lse_t - z_t[y_{t+k}]) over the
@@ -1045,9 +1062,8 @@ class SoftcappedMTPLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, targets: Tensor, mtp_weights: Tensor, loss_scale: float,
-                fp8: bool, cap: tuple, chunk: int, chunk_fn=None) -> Tensor:
-        chunk_fn = chunk_fn or mtp_chunk
-        A, shift, width = cap
+                head: HeadLoss) -> Tensor:
+        fp8, chunk = head.fp8, head.chunk
         T, n_predict = x.size(0), mtp_weights.numel()
         grad_x = torch.empty_like(x)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -1065,7 +1081,7 @@ class SoftcappedMTPLoss(torch.autograd.Function):
                 u = scaled_mm(x8, w8.T.contiguous().T, HEAD_X_SCALE, HEAD_W_SCALE, torch.bfloat16, fast_accum=True)
             else:
                 u = xc @ weight.type_as(xc)
-            chunk_loss, g_u = chunk_fn(u, tc, weights32, A, shift, width, loss_scale)
+            chunk_loss, g_u = head.chunk_fn(u, tc, weights32, head.cap, loss_scale)
             total += chunk_loss
             if fp8:
                 g8 = (g_u / grad_s).to(torch.float8_e5m2)
@@ -1081,14 +1097,14 @@ class SoftcappedMTPLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         grad_x, grad_w = ctx.saved_tensors
-        return grad_x * grad.to(grad_x.dtype), (grad_w * grad).to(ctx.weight_dtype), None, None, None, None, None, None, None
+        return grad_x * grad.to(grad_x.dtype), (grad_w * grad).to(ctx.weight_dtype), None, None, None, None
 
 
-def mtp_chunk(u: Tensor, targets: Tensor, weights: Tensor, A: float, shift: float, width: float,
-              loss_scale: float) -> tuple[Tensor, Tensor]:
+def mtp_chunk(u: Tensor, targets: Tensor, weights: Tensor, cap: tuple, loss_scale: float) -> tuple[Tensor, Tensor]:
     """One chunk of SoftcappedMTPLoss: its summed loss and the gradient of its logits u (rows, vocab), given
-    each row's targets for the k offsets (-1: none). The element-wise passes over rows x vocab are what
-    costs here: compile_model fuses them on CUDA; eager, they work in place where they can."""
+    each row's targets for the k offsets (-1: none) and the softcap (A, shift, width). The element-wise passes
+    over rows x vocab are what costs here: compile_model fuses them on CUDA; eager, they work in place."""
+    A, shift, width = cap
     s = u.float() if u.dtype != torch.float32 else u.clone()
     s.mul_(1 / width).add_(shift / width).sigmoid_()  # the kernel's u / C + B / C
     if u.dtype != torch.float32:
@@ -1173,15 +1189,15 @@ class GPT(nn.Module):
     (tools/record_weights.py converts between the two): lm_head is (dim, vocab), x @ lm_head; the small
     tensors (scalars, lambdas, gates, MUDD nets) keep the record's shapes."""
 
-    def __init__(self, args: Hyperparameters, head_precision: str = "fp32", mlp_precision: str = "fp32"):
+    def __init__(self, args: Hyperparameters, numerics: Numerics | None = None):
         super().__init__()
+        self.numerics = numerics or Numerics()
         vocab, dim, L = padded_vocab(args.vocab_size), args.model_dim, args.num_layers
         self.plans = layer_plan(args)
         self.num_heads, self.head_dim, self.vocab = dim // args.head_dim, args.head_dim, vocab
         heads = self.num_heads
         self.skip_from, _ = skip_pair(args)
         self.shared_input_layer, self.mudd_gate_layer = args.shared_input_layer, args.mudd_gate_layer
-        self.head_precision = head_precision
         self.cap = (args.logit_cap, args.logit_cap_shift, args.logit_cap_width)
         # embeddings: the token embedding starts as (and, until the untie step, stays) the lm_head's transpose
         self.lm_head = nn.Parameter(torch.empty(dim, vocab))
@@ -1215,7 +1231,7 @@ class GPT(nn.Module):
         for w in (self.mudd_w1, self.mudd_gate_w1):
             for j in range(2):
                 nn.init.kaiming_uniform_(w.data[j], a=math.sqrt(5))
-        self.blocks = nn.ModuleList(Block(plan, args, mlp_precision) for plan in self.plans)
+        self.blocks = nn.ModuleList(Block(plan, args, self.numerics.mlp) for plan in self.plans)
         self.rotary = Rotary(args.head_dim, max_positions(args), args.window_block, Schedule(args).stages[0].windows[1])
         self.mtp_chunk = mtp_chunk  # compile_model puts a compiled one here
 
@@ -1245,7 +1261,7 @@ class GPT(nn.Module):
         return mudd_net(x, self.mudd_w1[net], self.mudd_w2[net, :count], self.mudd_b2[net, :count],
                         MUDD_SCALE).split(1, dim=-1)
 
-    def hidden(self, input_ids: Tensor, masks: Masks, windows: tuple[int, int], caches: "KVCache | None" = None,
+    def hidden(self, input_ids: Tensor, masks: Masks, caches: "KVCache | None" = None,
                separate_documents: bool = False) -> Tensor:
         """input_ids: (T,) one packed sequence. Returns the normed final stream (1, T, dim). With caches
         (generation), input_ids continue the cached positions. separate_documents: a BOS starts a fresh
@@ -1259,7 +1275,7 @@ class GPT(nn.Module):
         starts = input_ids == BOS_ID if separate_documents else None
         position = positions_in_sequence(T, input_ids.device, starts, offset=start)
         if separate_documents:
-            masks = Masks(masks.by_kind, masks.docs, position == 0, position)
+            masks = dataclasses.replace(masks, fresh=position == 0, positions=position)
         last_id = caches.last_id if caches is not None and start else None
         last_embedding = caches.last_embedding if caches is not None and start else None
         if caches is not None:
@@ -1269,7 +1285,7 @@ class GPT(nn.Module):
         resid, post = self.resid_lambdas.bfloat16(), self.post_lambdas.bfloat16()  # as the record, rounded to bf16
         x = x0 + x0_bigram * gates[("bigram", 0)]
         saved = {0: x}  # states MUDD mixes in: the stream's start, the skip source, the shared input
-        inputs = LayerInputs(x0, x0_bigram, ve, gates, saved, masks, windows, self.rotary)
+        inputs = LayerInputs(x0, x0_bigram, ve, gates, saved, masks, self.rotary)
         for plan, block in zip(self.plans, self.blocks):
             i = plan.index
             if i == self.mudd_gate_layer:
@@ -1316,24 +1332,31 @@ class GPT(nn.Module):
 
     def logits(self, x: Tensor) -> Tensor:
         """Evaluation logits, squashed: bf16 (fp32 on CPU) as the record's evaluation."""
-        dtype = torch.float32 if self.head_precision == "fp32" else torch.bfloat16
+        dtype = self.numerics.logits
         u = x.to(dtype) @ self.lm_head.to(dtype)
         A, shift, width = self.cap
         return A * torch.sigmoid((u + shift) / width)
 
-    def forward(self, input_ids: Tensor, target_ids: Tensor, masks: Masks, windows: tuple[int, int],
-                mtp_weights: Tensor | None = None, loss_scale: float = 1.0, reduction: str = "sum",
-                separate_documents: bool = False) -> Tensor:
+    def forward(self, input_ids: Tensor, target_ids: Tensor, masks: Masks, mtp_weights: Tensor | None = None,
+                loss_scale: float = 1.0) -> Tensor:
         """Training: record #85's multi-token loss of one packed sequence, summed over tokens and times
-        loss_scale. Evaluation: the next-token cross-entropy, summed (or per token, reduction="none")."""
-        x = self.hidden(input_ids, masks, windows, separate_documents=separate_documents)[0]
+        loss_scale. Evaluation: the next-token cross-entropy, summed over tokens."""
+        x = self.hidden(input_ids, masks)[0]
         if self.training:
-            return SoftcappedMTPLoss.apply(x, self.lm_head, target_ids, mtp_weights, loss_scale,
-                                           self.head_precision == "fp8", self.cap, LOSS_CHUNK, self.mtp_chunk)
+            head = HeadLoss(self.numerics.head == "fp8", self.cap, LOSS_CHUNK, self.mtp_chunk)
+            return SoftcappedMTPLoss.apply(x, self.lm_head, target_ids, mtp_weights, loss_scale, head)
+        return torch.stack(self.cross_entropy_chunks(x, target_ids, "sum")).sum()
+
+    def token_losses(self, input_ids: Tensor, target_ids: Tensor, masks: Masks,
+                     separate_documents: bool = False) -> Tensor:
+        """Evaluation, each token's next-token cross-entropy (T,); separate_documents as in hidden()."""
+        x = self.hidden(input_ids, masks, separate_documents=separate_documents)[0]
+        return torch.cat(self.cross_entropy_chunks(x, target_ids, "none"))
+
+    def cross_entropy_chunks(self, x: Tensor, target_ids: Tensor, reduction: str) -> list[Tensor]:
         # Validation sequences are long (262,144 tokens): one chunk's logits at a time fit in memory.
-        parts = [F.cross_entropy(self.logits(xs).float(), ts, reduction=reduction)
-                 for xs, ts in zip(x.split(LOSS_CHUNK), target_ids.split(LOSS_CHUNK))]
-        return torch.stack(parts).sum() if reduction == "sum" else torch.cat(parts)
+        return [F.cross_entropy(self.logits(xs).float(), ts, reduction=reduction)
+                for xs, ts in zip(x.split(LOSS_CHUNK), target_ids.split(LOSS_CHUNK))]
 
 
 LOSS_CHUNK = 8192  # rows of logits the loss computes at once: 8,192 x 50,304 fp32 is 1.6 GB
@@ -1388,17 +1411,43 @@ def compute_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+@dataclass(frozen=True)
+class Numerics:
+    """The precisions a run computes in, decided once (resolve_numerics, at start-up) and handed to the model,
+    which the optimizers and the performance count ask. compute: the parameters' and activations' dtype
+    (compute_dtype: bf16 on GPUs, fp32 on CPUs; FP32_PARAMETERS stay fp32), also Polar Express's in NorMuon
+    and the one MFU counts the matmul peak in. head, mlp: the training matmuls of the lm_head and of the MLP's
+    up-projection, "fp8", "bf16" or "fp32". Evaluation never uses FP8: its logits are fp32 under an fp32
+    head, else bf16. The default is a CPU's."""
+    compute: torch.dtype = torch.float32
+    head: str = "fp32"
+    mlp: str = "fp32"
+
+    @property
+    def logits(self) -> torch.dtype:
+        return torch.float32 if self.head == "fp32" else torch.bfloat16
+
+    @staticmethod
+    def for_evaluation(device: torch.device) -> "Numerics":
+        """No FP8 anywhere: the compute dtype for both matmuls (final weights' evaluation, sample.py)."""
+        dtype = compute_dtype(device)
+        return Numerics(dtype, PRECISION_NAMES[dtype], PRECISION_NAMES[dtype])
+
+
+PRECISION_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}  # --lm_head_precision's and --mlp_precision's
+
+
 # Parameters that stay fp32 on GPUs (the record's): the scalars and lambdas, whose small Adam updates bf16
 # would round away. Everything else is bf16 there; NorMuon keeps fp32 masters of its matrices (mantissas).
 FP32_PARAMETERS = ("scalars", "resid_lambdas", "post_lambdas", "mudd_gate_scale")
 
 
-def cast_for_device(model: GPT, device: torch.device) -> GPT:
-    """Record #85's parameter dtypes: the compute dtype (bf16 on GPUs) except FP32_PARAMETERS (and the lm_head
-    under --lm_head_precision=fp32); on CPU all fp32."""
-    dtype = compute_dtype(device)
+def cast_parameters(model: GPT) -> GPT:
+    """Record #85's parameter dtypes: the model's compute dtype (bf16 on GPUs) except FP32_PARAMETERS (and the
+    lm_head under --lm_head_precision=fp32); on CPU all fp32."""
+    dtype = model.numerics.compute
     if dtype != torch.float32:
-        keep = set(FP32_PARAMETERS) | ({"lm_head"} if model.head_precision == "fp32" else set())
+        keep = set(FP32_PARAMETERS) | ({"lm_head"} if model.numerics.head == "fp32" else set())
         for name, p in model.named_parameters():
             if name not in keep:
                 p.data = p.data.to(dtype)
@@ -1981,7 +2030,7 @@ def build_optimizers(model: GPT, args: Hyperparameters) -> tuple[NorMuon, DistAd
     # tools/preflight.py builds the model with no data).
     if not args.init_from or torch.equal(model.embed.weight, model.lm_head.T):
         adam.tie(model.embed.weight, model.lm_head)
-    ns_dtype = compute_dtype(model.embed.weight.device)
+    ns_dtype = model.numerics.compute
     muon = NorMuon(muon_groups, lr=args.muon_lr, momentum=args.muon_momentum_start, beta2=args.muon_beta2,
                    weight_decay=args.muon_weight_decay, ns_dtype=ns_dtype)
     for opt in (adam, muon):
@@ -2027,7 +2076,7 @@ def train_step(model: GPT, optimizers, batch, step: int, schedule: Schedule, arg
         with contextlib.nullcontext() if reduce_now else adam.no_sync():
             # Summed over tokens, averaged over micro-batches and ranks (the record's gradient scale).
             masks = build_masks(inputs, model.plans, windows, args.window_block, use_flex)
-            loss = model(inputs, targets, masks, windows, mtp, loss_scale=1 / len(batch))
+            loss = model(inputs, targets, masks, mtp, loss_scale=1 / len(batch))
             loss.backward()
         loss_sum += loss.detach() * len(batch)
     muon.step()
@@ -2053,7 +2102,7 @@ def evaluate(model: GPT, tokens: Tensor, windows: tuple[int, int], args: Hyperpa
         buf = to_device(tokens[seq * args.val_seq_len:(seq + 1) * args.val_seq_len + 1], env.device)
         inputs, targets = buf[:-1], buf[1:]
         masks = build_masks(inputs, model.plans, windows, args.window_block, use_flex)
-        loss_sum += model(inputs, targets, masks, windows).double()
+        loss_sum += model(inputs, targets, masks).double()
     if env.world_size > 1:
         dist.all_reduce(loss_sum)
     model.train()
@@ -2305,9 +2354,6 @@ def device_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-PRECISION_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}  # --lm_head_precision's and --mlp_precision's
-
-
 def resolve_precision(args: Hyperparameters, device: torch.device, flag: str) -> str:
     """fp8 needs the FP8 tensor cores of compute capability 8.9 (Ada, Hopper) and later, and widths
     FP8 matmuls take (fp8_fits); auto falls back to bf16 without them, and the log header says so."""
@@ -2321,6 +2367,12 @@ def resolve_precision(args: Hyperparameters, device: torch.device, flag: str) ->
     return choice
 
 
+def resolve_numerics(args: Hyperparameters, device: torch.device) -> Numerics:
+    """The run's precisions on this device (Numerics), from --lm_head_precision and --mlp_precision."""
+    return Numerics(compute_dtype(device), resolve_precision(args, device, "lm_head_precision"),
+                    resolve_precision(args, device, "mlp_precision"))
+
+
 # -----------------------------------------------------------------------------
 # Distributed setup: torchrun's environment, or one process without it
 
@@ -2331,6 +2383,7 @@ class DistEnv:
     world_size: int
     device: torch.device
     memory: MemoryPlan | None = None  # plan_memory's, where the memory was checked
+    numerics: Numerics | None = None  # resolve_numerics' for this device (None: tools and tests that build their own)
 
     @property
     def is_main(self) -> bool:
@@ -2377,13 +2430,14 @@ def setup_distributed(args: Hyperparameters) -> tuple[DistEnv, Hyperparameters]:
     # (every rank decides the same).
     check_world_size(args, world_size)
     attention_kind = resolve_attention(args, device)
-    precisions = (resolve_precision(args, device, "lm_head_precision"), resolve_precision(args, device, "mlp_precision"))
-    memory_plan = plan_memory(args, world_size, device, precisions, attention_kind)
+    numerics = resolve_numerics(args, device)
+    memory_plan = plan_memory(args, world_size, device, numerics, attention_kind)
     if world_size > 1 and not dist.is_initialized():  # tools/preflight.py brings its own (fake) group
         dist.init_process_group(backend="nccl" if use_cuda else "gloo",
                                 timeout=datetime.timedelta(seconds=args.pg_timeout_s),
                                 device_id=device if use_cuda else None)
-    return DistEnv(rank, local_rank, world_size, device, memory_plan), memory_plan.config if memory_plan else args
+    env = DistEnv(rank, local_rank, world_size, device, memory_plan, numerics)
+    return env, memory_plan.config if memory_plan else args
 
 
 def all_ranks_ok(ok: bool, device: torch.device) -> bool:
@@ -3123,14 +3177,14 @@ class MemoryModel:
     Not counted (MEMORY_MARGIN is for them): allocator fragmentation, CUDA and NCCL contexts, kernel
     workspaces."""
 
-    def __init__(self, args: Hyperparameters, world_size: int, device: torch.device, precisions: tuple[str, str],
+    def __init__(self, args: Hyperparameters, world_size: int, device: torch.device, numerics: Numerics,
                  attention_kind: str):
         self.args, self.world_size, self.device_type = args, world_size, device.type
         self.use_flex = attention_kind == "flex"
         self.fake = FakeTensorMode()
         with self.fake, warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self.model = cast_for_device(GPT(args, *precisions), device)
+            self.model = cast_parameters(GPT(args, numerics))
             self.muon, self.adam = build_optimizers(self.model, args)
         if self.use_flex:  # through the layers' seam: the model itself knows nothing of this count
             for block in self.model.blocks:
@@ -3172,7 +3226,7 @@ class MemoryModel:
 
             mtp = torch.ones(len(Schedule(args).mtp_weights(0)))
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-                self.model(x[:-1], x[1:], masks, windows, mtp, loss_scale=1.0)
+                self.model(x[:-1], x[1:], masks, mtp, loss_scale=1.0)
         activations, chunk = sum(saved.values()), loss_chunk_bytes(args, micro_tokens, self.device_type)
         tables = (self.model.value_embeds, self.model.embed.weight, self.model.bigram_embed.weight)
         embedding_backward = 2 * max(tensor_bytes([table]) for table in tables)
@@ -3195,7 +3249,7 @@ class MemoryModel:
             with torch.no_grad(), live:
                 live.start()
                 base = live.live
-                self.model(x[:-1], x[1:], masks, windows)
+                self.model(x[:-1], x[1:], masks)
             self.model.train()
         forward = live.peak - base
         persistent = self.weights + self.buffers + self.muon_state + self.adam_state
@@ -3231,14 +3285,14 @@ class MemoryModel:
 MEMORY_MODELS: dict[tuple, MemoryModel] = {}
 
 
-def memory_model(args: Hyperparameters, world_size: int, device: torch.device, precisions: tuple[str, str],
+def memory_model(args: Hyperparameters, world_size: int, device: torch.device, numerics: Numerics,
                  attention_kind: str) -> MemoryModel:
     key = (tuple((k, v) for k, v in dataclasses.asdict(args).items() if k not in RUN_CONTROL_FIELDS), world_size,
-           device.type, tuple(precisions), attention_kind)
+           device.type, numerics, attention_kind)
     if key not in MEMORY_MODELS:
         if len(MEMORY_MODELS) >= 64:  # a long-lived process (the tests) keeps the newest
             MEMORY_MODELS.pop(next(iter(MEMORY_MODELS)))
-        MEMORY_MODELS[key] = MemoryModel(args, world_size, device, precisions, attention_kind)
+        MEMORY_MODELS[key] = MemoryModel(args, world_size, device, numerics, attention_kind)
     return MEMORY_MODELS[key]
 
 
@@ -3299,7 +3353,7 @@ def phase_stage(name: str, stages: int) -> int | None:
     return stages - 1 if name == "extension" else None if name == "validation" else int(name.split()[1]) - 1
 
 
-def fit_micro_batches(args: Hyperparameters, world_size: int, device: torch.device, precisions: tuple[str, str],
+def fit_micro_batches(args: Hyperparameters, world_size: int, device: torch.device, numerics: Numerics,
                       attention_kind: str, budget: int, within: str) -> tuple[tuple[int, ...], dict[str, dict[str, int]]]:
     """The micro-batch count of each stage, and every phase's rows with them: --micro_batches as given, or
     for auto the fewest per stage whose phases fit `budget` (`within` says it in words). Counts only grow
@@ -3314,7 +3368,7 @@ def fit_micro_batches(args: Hyperparameters, world_size: int, device: torch.devi
                               f"{args.window_block} tokens")
     most = [options[-1] if count is None else count for count, options in zip(given, choices)]
     state = memory_model(dataclasses.replace(args, micro_batches=micro_batches_flag(most)), world_size, device,
-                         precisions, attention_kind).state()
+                         numerics, attention_kind).state()
     if state > budget:  # no micro-batch helps; known without the forward passes, which are slow at such sizes
         raise DoesNotFitError(f"the weights, gradients and optimizer state alone take {state / GIB:.2f} GiB per rank, "
                               f"over {within}; more GPUs share the optimizer state")
@@ -3323,7 +3377,7 @@ def fit_micro_batches(args: Hyperparameters, world_size: int, device: torch.devi
 
     def model_of(counts) -> MemoryModel:
         return memory_model(dataclasses.replace(args, micro_batches=micro_batches_flag(counts)), world_size, device,
-                            precisions, attention_kind)
+                            numerics, attention_kind)
 
     while searching:
         rows = model_of(counts).phases(searching, validation=False)
@@ -3346,7 +3400,7 @@ def fit_micro_batches(args: Hyperparameters, world_size: int, device: torch.devi
     return tuple(counts), model_of(counts).phases()
 
 
-def fitting_val_seq_len(args: Hyperparameters, world_size: int, device: torch.device, precisions: tuple[str, str],
+def fitting_val_seq_len(args: Hyperparameters, world_size: int, device: torch.device, numerics: Numerics,
                         attention_kind: str, budget: int) -> int | None:
     """The longest validation sequence, halving --val_seq_len, that splits the same validation tokens over
     the ranks and fits `budget`; None if none does."""
@@ -3355,7 +3409,7 @@ def fitting_val_seq_len(args: Hyperparameters, world_size: int, device: torch.de
         if (length % args.window_block == 0 and args.val_tokens % length == 0
                 and (args.val_tokens // length) % world_size == 0):
             trial = dataclasses.replace(args, val_seq_len=length)
-            model = memory_model(trial, world_size, device, precisions, attention_kind)
+            model = memory_model(trial, world_size, device, numerics, attention_kind)
             if model.validation(length, Schedule(trial).final_val_windows)["peak"] <= budget:
                 return length
         length //= 2
@@ -3369,7 +3423,7 @@ class MemoryPlan:
     config: Hyperparameters  # the config with --micro_batches=auto's counts chosen (a copy: nothing is mutated)
 
 
-def plan_memory(args: Hyperparameters, world_size: int, device: torch.device, precisions: tuple[str, str],
+def plan_memory(args: Hyperparameters, world_size: int, device: torch.device, numerics: Numerics,
                 attention_kind: str) -> MemoryPlan | None:
     """Checks, before anything is built, that every phase fits this device's memory (memory_budget) by the
     memory model, and chooses the counts of --micro_batches=auto (in the plan's copy of the config, which the
@@ -3380,12 +3434,12 @@ def plan_memory(args: Hyperparameters, world_size: int, device: torch.device, pr
         return None
     budget, within = within_margin(*budget_of)
     auto = args.micro_batches.strip() == "auto"
-    counts, rows = fit_micro_batches(args, world_size, device, precisions, attention_kind, budget, within)
+    counts, rows = fit_micro_batches(args, world_size, device, numerics, attention_kind, budget, within)
     stages = len(counts)
     validation = rows["validation"]["peak"]
     if validation > budget:  # auto never shortens it: the measured loss would change
         length = fitting_val_seq_len(dataclasses.replace(args, micro_batches=micro_batches_flag(counts)), world_size,
-                                     device, precisions, attention_kind, budget)
+                                     device, numerics, attention_kind, budget)
         validation_need = (f"--val_seq_len={args.val_seq_len}: a validation sequence needs {validation / GIB:.2f} GiB "
                            f"per rank (predicted)")
         validation_fix = (f"--val_seq_len={length} fits (the same validation tokens)" if length else
@@ -3395,7 +3449,7 @@ def plan_memory(args: Hyperparameters, world_size: int, device: torch.device, pr
             continue
         try:
             fits, _ = fit_micro_batches(dataclasses.replace(args, micro_batches="auto"), world_size, device,
-                                        precisions, attention_kind, budget, within)
+                                        numerics, attention_kind, budget, within)
             remedy = f"--micro_batches={micro_batches_flag(fits)} fits (what --micro_batches=auto chooses)"
         except DoesNotFitError:
             remedy = "no micro-batch count fits; more GPUs share the micro-batches and the optimizer state"
@@ -3699,8 +3753,7 @@ def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters
             raise ValueError(f'"windows" must be the final (short, long) windows in blocks, got {windows!r}')
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise DataError(f"{path / 'config.json'}: not train_gpt.py's final-weights config ({e})") from None
-    precision = PRECISION_NAMES[compute_dtype(device)]  # evaluation never uses FP8
-    model = cast_for_device(GPT(args, precision, precision).to(device), device)
+    model = cast_parameters(GPT(args, Numerics.for_evaluation(device)).to(device))
     try:
         saved = torch.load(path / "model.pt", map_location=device, weights_only=True)
         mismatch = state_dict_mismatch(saved, model.state_dict())
@@ -3990,7 +4043,7 @@ def log_header(run: Run, model: GPT):
     log(f"device: {env.device.type} ({device_name})  world_size: {env.world_size}  "
         f"backend: {dist.get_backend() if distributed() else 'none'}  date: {now}")
     attention_kind = resolve_attention(args, env.device)
-    precisions = {"lm_head": model.head_precision, "mlp": model.blocks[0].mlp.precision}
+    precisions = {"lm_head": model.numerics.head, "mlp": model.numerics.mlp}
     for name, flag in (("lm_head", "lm_head_precision"), ("mlp", "mlp_precision")):
         if precisions[name] == "bf16" and getattr(args, flag) == "auto" and not fp8_fits(args):
             precisions[name] += " (fp8 needs --model_dim and every micro-batch to be multiples of 16)"
@@ -4069,13 +4122,13 @@ def read_init_weights(args: Hyperparameters) -> dict:
 
 def build_model(args: Hyperparameters, env: DistEnv, init_state: dict | None = None) -> GPT:
     """Built and cast on the host, then moved to the device in one go (tools/preflight.py moves it to a
-    fake H100 there); init_state (--init_from) replaces the initial weights."""
+    fake H100 there); init_state (--init_from) replaces the initial weights. The precisions are the run's
+    (setup_distributed resolved them), or resolved here for an env built by hand (tools, tests)."""
     torch.manual_seed(args.seed)
-    model = GPT(args, resolve_precision(args, env.device, "lm_head_precision"),
-                resolve_precision(args, env.device, "mlp_precision"))
+    model = GPT(args, env.numerics or resolve_numerics(args, env.device))
     if init_state is not None:
         model.load_state_dict(init_state, strict=False)
-    model = cast_for_device(model, env.device).to(env.device)
+    model = cast_parameters(model).to(env.device)
     if env.world_size > 1:  # identical weights on every rank whatever the device's RNG does
         for t in [*model.parameters(), model.bigram_signs]:
             dist.broadcast(t.data, src=0)
@@ -4407,13 +4460,12 @@ class Performance:
 
     @staticmethod
     def measure(run: Run, model: GPT, loader) -> "Performance":
-        dtype = compute_dtype(run.env.device)
-        peak = matmul_peak_flops(run.env.device, dtype)
+        peak = matmul_peak_flops(run.env.device, model.numerics.compute)
         position = loader.state_dict()
         tokens = loader.next_batch(0)[0][0]  # the first batch's documents
         flops = schedule_flops_per_token(run.args, model, tokens, run.schedule)
         loader.load_state_dict(position)
-        return Performance(peak, dtype, flops)
+        return Performance(peak, model.numerics.compute, flops)
 
     def mfu(self, tokens_per_s: float, world_size: int) -> float:
         return 100 * self.flops_per_token * tokens_per_s / (self.peak_flops * world_size)

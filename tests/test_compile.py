@@ -42,7 +42,7 @@ def test_gradient_hooks_fire_during_backward_with_per_layer_compile():
     schedule = T.Schedule(args)
     inputs, targets = T.SyntheticLoader(args, env).next_batch(0)[0]
     masks = T.build_masks(inputs, model.plans, schedule.windows(0), args.window_block, False)
-    model(inputs, targets, masks, schedule.windows(0), torch.tensor(schedule.mtp_weights(0)), loss_scale=1.0).backward()
+    model(inputs, targets, masks, torch.tensor(schedule.mtp_weights(0)), loss_scale=1.0).backward()
 
     order = {e: i for i, e in enumerate(events)}
     # The lm_head's reduce-scatter could start before any layer has run its backward ...

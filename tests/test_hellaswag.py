@@ -128,7 +128,7 @@ def test_packed_sequences_score_as_if_each_were_alone():
     windows = tuple(info["windows"])
     with torch.no_grad():
         masks = sample.T.build_masks(seq[:-1], model.plans, windows, args.window_block, use_flex=False)
-        full = model(seq[:-1], seq[1:], masks, windows, reduction="none").float()
+        full = model.token_losses(seq[:-1], seq[1:], masks).float()
     assert_close(token_losses([sequences[2]])[0], full[1:], rtol=1e-5, atol=1e-5)
 
 

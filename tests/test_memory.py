@@ -118,7 +118,7 @@ def test_the_memory_model_predicts_real_cpu_steps_and_validation():
     args = smoke_args()
     model = T.build_model(args, T.DistEnv(0, 0, 1, CPU))
     schedule = T.Schedule(args)
-    memory = T.MemoryModel(args, 1, CPU, ("fp32", "fp32"), "sdpa")
+    memory = T.MemoryModel(args, 1, CPU, T.Numerics(), "sdpa")
     seen = []
     for micro_tokens, stage in ((768, 2), (64, 0)):
         windows = schedule.stages[stage].windows
@@ -127,13 +127,13 @@ def test_the_memory_model_predicts_real_cpu_steps_and_validation():
         masks = T.build_masks(x[:-1], model.plans, windows, args.window_block, False)
         mtp = torch.tensor(schedule.stages[stage].mtp_start)
         model.zero_grad(set_to_none=True)
-        model(x[:-1], x[1:], masks, windows, mtp, loss_scale=1.0).backward()
+        model(x[:-1], x[1:], masks, mtp, loss_scale=1.0).backward()
         live = T.LiveMemory("cpu")
         live.track([*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters())])
         with live:
             live.start()
             base = live.live
-            model(x[:-1], x[1:], masks, windows, mtp, loss_scale=1.0).backward()
+            model(x[:-1], x[1:], masks, mtp, loss_scale=1.0).backward()
         row = memory.training(micro_tokens, windows, 1)
         predicted = max(row["saved activations"] + row["loss chunk"] + row["block masks"], row["embedding backward"])
         seen.append((micro_tokens, live.peak - base, predicted))
@@ -145,7 +145,7 @@ def test_the_memory_model_predicts_real_cpu_steps_and_validation():
     with torch.no_grad(), live:
         live.start()
         base = live.live
-        model(x[:-1], x[1:], T.build_masks(x[:-1], model.plans, windows, args.window_block, False), windows)
+        model(x[:-1], x[1:], T.build_masks(x[:-1], model.plans, windows, args.window_block, False))
     row = memory.validation(args.val_seq_len, windows)
     seen.append(("validation", live.peak - base, row["forward's largest live tensors"] + row["block masks"]))
     for what, measured, predicted in seen:
@@ -163,14 +163,14 @@ def test_auto_choices_are_multiples_of_the_world_size_that_split_the_batch_into_
     assert T.micro_batch_choices(1024, 32, 64) == []
     with pytest.raises(T.ConfigError, match="stage 1's batch of 1,024 tokens cannot split over 32 ranks into "
                                             "micro-batches of a multiple of --window_block=64 tokens"):
-        T.fit_micro_batches(smoke_args("--micro_batches=auto"), 32, CPU, ("fp32", "fp32"), "sdpa", 2 ** 40, "")
+        T.fit_micro_batches(smoke_args("--micro_batches=auto"), 32, CPU, T.Numerics(), "sdpa", 2 ** 40, "")
 
 
 def stage_peak(micro_tokens: int, world_size: int = 1) -> int:
     """The smoke model's predicted training peak at a micro-batch of micro_tokens (stage 3's windows)."""
     args = smoke_args(f"--micro_batches={world_size},{world_size},{3072 // micro_tokens}")
     stage = T.Schedule(args).stages[2]
-    model = T.MemoryModel(args, world_size, CPU, ("fp32", "fp32"), "sdpa")
+    model = T.MemoryModel(args, world_size, CPU, T.Numerics(), "sdpa")
     return model.training(micro_tokens, stage.windows, stage.micro_batches // world_size)["peak"]
 
 
@@ -187,7 +187,7 @@ def test_auto_takes_the_fewest_micro_batches_that_fit_at_any_world_size(limit_gi
     # 1, 2 and 3 at world size 1 (the run below); at world size 2 the counts are even (2, 2, 4), and 2 for
     # stage 3 would not fit.
     budget = int(limit_gib * GIB * (1 - T.MEMORY_MARGIN))
-    counts, rows = T.fit_micro_batches(smoke_args("--micro_batches=auto"), 2, CPU, ("fp32", "fp32"), "sdpa", budget, "")
+    counts, rows = T.fit_micro_batches(smoke_args("--micro_batches=auto"), 2, CPU, T.Numerics(), "sdpa", budget, "")
     assert counts == (2, 2, 4) and all(row["peak"] <= budget for row in rows.values())
     assert stage_peak(1536, world_size=2) > budget  # stage 3 at 2 micro-batches of 1,536 tokens
 

@@ -86,9 +86,9 @@ def small_args(**overrides):
     return T.parse_args(["--preset=smoke", *(f"--{k}={v}" for k, v in overrides.items())], False)
 
 
-def randomized_model(args, seed=0, scale=0.2):
+def randomized_model(args, seed=0, scale=0.2, numerics=None):
     torch.manual_seed(seed)
-    model = T.GPT(args)
+    model = T.GPT(args, numerics)
     with torch.no_grad():  # zero-initialised parts would hide any leak: give every weight a value
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * scale)
@@ -99,7 +99,7 @@ def per_token_losses(model, args, tokens, windows=(1, 2), use_flex=False, separa
     inputs, targets = tokens[:-1], tokens[1:]
     masks = T.build_masks(inputs, model.plans, windows, args.window_block, use_flex)
     with torch.no_grad():
-        return model(inputs, targets, masks, windows, reduction="none", separate_documents=separate_documents)
+        return model.token_losses(inputs, targets, masks, separate_documents=separate_documents)
 
 
 # --- independent definitions, written from the record's code, not from ours -----------------------
@@ -209,7 +209,7 @@ def test_each_kind_of_attention_layer_matches_the_records_definition(layer_index
     gate = per_head() if plan.attn_gate else None
     dc = (per_head(), per_head()) if plan.dc else None
     with torch.no_grad():
-        inputs = T.LayerInputs(None, None, None, {}, {}, masks, windows, model.rotary)  # what attention reads of it
+        inputs = T.LayerInputs(None, None, None, {}, {}, masks, model.rotary)  # what attention reads of it
         ours = layer(x, lambdas, T.AttentionExtras(aux_v, xsa, gate, dc), inputs)[0]
         window = args.window_block * windows[1 if plan.long_window else 0]
         ref = reference_attention_layer(layer, plan, x[0], lambdas, aux_v[0], T.document_ids(tokens),
@@ -258,7 +258,7 @@ def test_dc_correction_matches_its_definition_query_by_query():
     w1, w2 = (torch.randn(1, T_, H, generator=g) for _ in range(2))
     docs = T.document_ids(tokens_with_documents(T_, [0, 31, 32, 70]))
     scale = torch.tensor(0.3)
-    ours = T.dc_correction(q, k, v, docs, F.rms_norm(w1, (H,), eps=1e-6), w2, scale, window, block)
+    ours = T.dc_correction(q, k, v, T.dc_visible(docs, window, block), (F.rms_norm(w1, (H,), eps=1e-6), w2), scale)
     assert_close(ours[0], dense_dc(q[0], k[0], v[0], docs, w1[0], w2[0], 0.3, window), rtol=1e-5, atol=1e-6)
 
 
@@ -282,7 +282,7 @@ def test_multi_token_loss_and_its_gradient_are_the_records(chunk):
     targets = torch.randint(0, V, (T_,), generator=g)
     targets[5] = targets[6] = targets[7]  # repeated targets: one column gets several weights
     weights = torch.tensor([1.0, 0.5, 0.2])
-    loss = T.SoftcappedMTPLoss.apply(x, w, targets, weights, 0.25, False, (23.0, 5.0, 7.5), chunk)
+    loss = T.SoftcappedMTPLoss.apply(x, w, targets, weights, 0.25, T.HeadLoss(False, (23.0, 5.0, 7.5), chunk, T.mtp_chunk))
     (loss * 3).backward()
     xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     ref = reference_mtp_loss(xr @ wr, targets, weights.tolist())
@@ -308,7 +308,7 @@ def test_fp8_head_matches_its_quantised_definition():
     w = torch.randn(D, V, generator=g) * 0.01
     targets = torch.randint(0, V, (T_,), generator=g)
     weights = torch.tensor([1.0, 0.5])
-    loss = T.SoftcappedMTPLoss.apply(x, w, targets, weights, 1.0, True, (23.0, 5.0, 7.5), 16)
+    loss = T.SoftcappedMTPLoss.apply(x, w, targets, weights, 1.0, T.HeadLoss(True, (23.0, 5.0, 7.5), 16, T.mtp_chunk))
     x8 = (x / (100 / 448)).to(torch.float8_e4m3fn).float() * (100 / 448)
     w8 = (w / (1.6 / 448)).to(torch.float8_e4m3fn).float() * (1.6 / 448)
     u = (x8 @ w8).bfloat16().float()
@@ -381,7 +381,7 @@ def test_the_stream_skip_and_mudd_mixing_follow_the_record():
         block.mlp = StubMLP(m)
     masks = T.build_masks(tokens, model.plans, (1, 2), args.window_block, use_flex=False)
     with torch.no_grad():
-        ours = model.hidden(tokens, masks, (1, 2))
+        ours = model.hidden(tokens, masks)
 
         # embedding, smear (from position 1), norm; the bigram row times its sign
         e = model.embed.weight[tokens]
@@ -546,7 +546,7 @@ def test_every_parameter_gets_a_gradient():
     model = T.GPT(args).train()
     tokens = tokens_with_documents(257, [0, 100])
     masks = T.build_masks(tokens[:-1], model.plans, (1, 2), args.window_block, use_flex=False)
-    model(tokens[:-1], tokens[1:], masks, (1, 2), torch.tensor([1.0, 0.5, 0.25])).backward()
+    model(tokens[:-1], tokens[1:], masks, torch.tensor([1.0, 0.5, 0.25])).backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None]
     assert not missing, missing
 
@@ -585,7 +585,7 @@ def test_the_residual_stream_stays_in_bf16_with_gpu_dtypes():
     # Every scalar multiplied into the stream must be 0-dim (or bf16): a 1-element fp32 vector would
     # promote the whole stream, and with it every matmul, to fp32.
     args = small_args()
-    model = T.cast_for_device(randomized_model(args), torch.device("cuda"))
+    model = T.cast_parameters(randomized_model(args, numerics=T.Numerics(torch.bfloat16, "bf16", "bf16")))
     tokens = tokens_with_documents(512, [0, 100])
     masks = T.build_masks(tokens, model.plans, (1, 2), args.window_block, use_flex=False)
     seen = set()
@@ -594,14 +594,14 @@ def test_the_residual_stream_stays_in_bf16_with_gpu_dtypes():
             if module is not None:
                 module.register_forward_hook(lambda m, i, out: seen.add(out.dtype))
     with torch.no_grad():
-        assert model.hidden(tokens, masks, (1, 2)).dtype == torch.bfloat16
+        assert model.hidden(tokens, masks).dtype == torch.bfloat16
     assert seen == {torch.bfloat16}
 
 
 def test_gpu_parameter_dtypes_are_record_85s():
     args = T.parse_args(["--preset=speedrun"], True)
     with torch.device("meta"):
-        model = T.cast_for_device(T.GPT(args, "fp8", "fp8"), torch.device("cuda"))
+        model = T.cast_parameters(T.GPT(args, T.Numerics(torch.bfloat16, "fp8", "fp8")))
     fp32 = sorted(n for n, p in model.named_parameters() if p.dtype == torch.float32)
     assert fp32 == sorted(["scalars", "resid_lambdas", "post_lambdas", "mudd_gate_scale"])
     assert all(p.dtype in (torch.float32, torch.bfloat16) for p in model.parameters())

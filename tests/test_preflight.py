@@ -218,7 +218,7 @@ def test_compile_false_compiles_flex_attention_alone_and_flex_then_runs_fused():
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.filterwarnings("error", message=".*flex_attention called without torch.compile")
-            model(tokens, tokens, masks, windows)
+            model(tokens, tokens, masks)
     finally:
         torch._dynamo.reset()  # dynamo keeps compiled graphs for the whole process
     # one graph per sequence length the attention sees: T, and the paired layers' 2T
@@ -244,7 +244,7 @@ def test_sdpa_is_refused_where_its_dense_mask_cannot_fit_an_h100(monkeypatch):
 
 def test_fp32_head_computes_in_fp32_on_gpus():
     args = T.parse_args(["--preset=smoke", "--lm_head_precision=fp32"], False)
-    model = T.cast_for_device(T.GPT(args, "fp32"), torch.device("cuda"))  # GPU dtypes; nothing moves
+    model = T.cast_parameters(T.GPT(args, T.Numerics(torch.bfloat16, "fp32", "fp32")))  # GPU dtypes; nothing moves
     assert model.embed.weight.dtype == torch.bfloat16  # so the residual stream is bf16 on GPUs
     assert model.lm_head.dtype == torch.float32
     stream = torch.randn(1, 8, args.model_dim, dtype=torch.bfloat16)

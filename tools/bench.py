@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import math
@@ -342,10 +343,10 @@ class Bench:
 # -----------------------------------------------------------------------------
 # Parts
 
-def forward_backward(bench: Bench, inputs, targets, masks, windows, mtp, loss_scale: float) -> torch.Tensor:
+def forward_backward(bench: Bench, inputs, targets, masks, mtp, loss_scale: float) -> torch.Tensor:
     bench.model.zero_grad(set_to_none=True)
     with bench.no_sync():
-        loss = bench.model(inputs, targets, masks, windows, mtp, loss_scale=loss_scale)
+        loss = bench.model(inputs, targets, masks, mtp, loss_scale=loss_scale)
         loss.backward()
     return loss.detach()
 
@@ -377,20 +378,20 @@ def run_stage(bench: Bench, name: str, stage_index: int, row: dict, flush):
 
     graphs = bench.counter.graphs
     start = time.perf_counter()
-    first = forward_backward(bench, inputs, targets, masks, windows, mtp, loss_scale)
+    first = forward_backward(bench, inputs, targets, masks, mtp, loss_scale)
     T.sync(device)
     row["compile_s"] = time.perf_counter() - start
     row["graphs_compiled"] = bench.counter.graphs - graphs
     flush()
 
     for _ in range(options.untimed):
-        forward_backward(bench, inputs, targets, masks, windows, mtp, loss_scale)
+        forward_backward(bench, inputs, targets, masks, mtp, loss_scale)
     reset_peak(device)
     timer, losses, syncs = DeviceTimer(device), [first], []
     with host_syncs(device, syncs):
         for _ in range(options.timed):
             with timer.region():
-                losses.append(forward_backward(bench, inputs, targets, masks, windows, mtp, loss_scale))
+                losses.append(forward_backward(bench, inputs, targets, masks, mtp, loss_scale))
     row["forward_backward"] = stats(timer.ms())
     row["forward_backward_memory"] = memory_now(device)
     values = torch.stack(losses).float().cpu()
@@ -486,7 +487,7 @@ def run_optimizer(bench: Bench, row: dict, flush):
             for rows in batch.bigram_rows:
                 adam.touch_rows(rows)
             adam.start_sparse_exchange()
-            loss = bench.model(inputs, targets, masks, windows, mtp, loss_scale=1 / len(batch))
+            loss = bench.model(inputs, targets, masks, mtp, loss_scale=1 / len(batch))
             loss.backward()  # DistAdam's hooks start its reduce-scatters (and the sparse exchange)
             with timers["NorMuon"].region():
                 muon.step()
@@ -658,7 +659,7 @@ def run_validation(bench: Bench, row: dict, flush):
         with torch.no_grad():
             graphs, start = bench.counter.graphs, time.perf_counter()
             masks = T.build_masks(inputs, bench.model.plans, windows, args.window_block, bench.use_flex)
-            loss = bench.model(inputs, targets, masks, windows)
+            loss = bench.model(inputs, targets, masks)
             T.sync(device)
             row["compile_s"], row["graphs_compiled"] = time.perf_counter() - start, bench.counter.graphs - graphs
             row["loss_per_token"] = float(loss) / args.val_seq_len
@@ -670,7 +671,7 @@ def run_validation(bench: Bench, row: dict, flush):
                 with mask_timer.region():
                     masks = T.build_masks(inputs, bench.model.plans, windows, args.window_block, bench.use_flex)
                 with timer.region():
-                    bench.model(inputs, targets, masks, windows)
+                    bench.model(inputs, targets, masks)
             row["forward"], row["masks"] = stats(timer.ms()), stats(mask_timer.ms())
             row["memory"] = memory_now(device)
             row["recompiles_after_first_call"] = bench.counter.graphs - graphs - row["graphs_compiled"]
@@ -874,7 +875,7 @@ def run_fp8(bench: Bench, row: dict, flush):
     an uncompiled copy (FlexAttention compiled alone) whose precision is switched in place."""
     args, device, schedule = bench.args, bench.device, bench.schedule
     with torch.device(device):
-        model = T.cast_for_device(T.GPT(args, "fp8", "fp8"), device)
+        model = T.cast_parameters(T.GPT(args, T.Numerics(T.compute_dtype(device), "fp8", "fp8")))
     bench.fit_rotary(0)
     model.load_state_dict(bench.model.state_dict())  # the weights, and the rotary state of stage 1
     T.refresh_fp8(model)
@@ -886,10 +887,10 @@ def run_fp8(bench: Bench, row: dict, flush):
     losses = {}
     with torch.no_grad():
         for precision in ("fp8", "bf16"):
-            model.head_precision = precision
+            model.numerics = dataclasses.replace(model.numerics, head=precision)
             for block in model.blocks:
                 block.mlp.precision = precision
-            losses[precision] = float(model(inputs, targets, masks, windows, mtp)) / len(inputs)
+            losses[precision] = float(model(inputs, targets, masks, mtp)) / len(inputs)
     row["loss_per_token"] = losses
     row["relative_difference"] = abs(losses["fp8"] - losses["bf16"]) / abs(losses["bf16"])
     row["weights"] = "after the training part" if "training" in bench.report.data["parts"] else "initial"
@@ -900,9 +901,8 @@ def run_memory_model(bench: Bench, row: dict, flush):
     """train_gpt.MemoryModel's phases for the same configuration at world size W (the trainer's start-up
     check): its predicted peak per phase, and the parts of it."""
     args, device = bench.args, bench.device
-    precisions = (bench.model.head_precision, bench.model.blocks[0].mlp.precision)
     attention_kind = T.resolve_attention(args, device)
-    model = T.memory_model(args, bench.world_size, device, precisions, attention_kind)
+    model = T.memory_model(args, bench.world_size, device, bench.model.numerics, attention_kind)
     row["world_size"] = bench.world_size
     row["phases"] = {name: {key: value / GIB for key, value in phase.items()}
                      for name, phase in model.phases().items()}
@@ -1193,7 +1193,7 @@ def run(options: argparse.Namespace, argv: list[str]) -> Report:
     start = time.perf_counter()
     bench = Bench(args, options, report)
     report.data["header"]["setup_s"] = time.perf_counter() - start
-    report.data["header"]["precisions"] = [bench.model.head_precision, bench.model.blocks[0].mlp.precision]
+    report.data["header"]["precisions"] = [bench.model.numerics.head, bench.model.numerics.mlp]
     report.data["header"]["attention"] = "flex" if bench.use_flex else "sdpa"
     report.flush()
     runners = {"optimizer": run_optimizer, "profile": run_profile, "validation": run_validation,

@@ -48,11 +48,12 @@ GIB = T.GIB
 CUDA = torch.device("cuda")  # the memory model casts for it; nothing is moved, fake tensors stay on the host
 
 
-def gpu_precisions(args: T.Hyperparameters, fp8: bool = True) -> tuple[str, str]:
-    """The lm_head and MLP precisions `auto` resolves to on a GPU with FP8 matmuls (an H100) or without."""
+def gpu_numerics(args: T.Hyperparameters, fp8: bool = True) -> T.Numerics:
+    """The precisions the trainer resolves on a GPU with FP8 matmuls (an H100) or without: bf16, and the
+    lm_head's and MLP's that `auto` chooses there."""
     pick = lambda flag: (("fp8" if fp8 and T.fp8_fits(args) else "bf16") if getattr(args, flag) == "auto"
                          else getattr(args, flag))
-    return pick("lm_head_precision"), pick("mlp_precision")
+    return T.Numerics(torch.bfloat16, pick("lm_head_precision"), pick("mlp_precision"))
 
 
 def estimate(argv: list[str], world_size: int, card=fake_cuda.H100) -> dict[str, dict[str, float]]:
@@ -64,10 +65,10 @@ def estimate_args(args: T.Hyperparameters, world_size: int, card=fake_cuda.H100)
     """The trainer's memory model (train_gpt.MemoryModel) on the card, with FlexAttention; under
     --micro_batches=auto, at the counts the trainer would choose there (auto_counts)."""
     T.check_world_size(args, world_size)
-    precisions = gpu_precisions(args, fake_cuda.has_fp8(card))
+    numerics = gpu_numerics(args, fake_cuda.has_fp8(card))
     if args.micro_batches.strip() == "auto":
         return auto_counts(args, world_size, card)[1]
-    return T.memory_model(args, world_size, CUDA, precisions, "flex").phases()
+    return T.memory_model(args, world_size, CUDA, numerics, "flex").phases()
 
 
 def card_budget(args: T.Hyperparameters, card) -> tuple[int, str]:
@@ -80,7 +81,7 @@ def auto_counts(args: T.Hyperparameters, world_size: int, card=fake_cuda.H100):
     """(counts per stage, rows) that --micro_batches=auto chooses on world_size of the card."""
     budget, within = card_budget(args, card)
     return T.fit_micro_batches(dataclasses.replace(args, micro_batches="auto"), world_size, CUDA,
-                               gpu_precisions(args, fake_cuda.has_fp8(card)), "flex", budget, within)
+                               gpu_numerics(args, fake_cuda.has_fp8(card)), "flex", budget, within)
 
 
 # -----------------------------------------------------------------------------
@@ -105,20 +106,20 @@ def fitting_flags(flags: list[str], world_size: int, card=fake_cuda.H100) -> Fit
     args = T.parse_args(flags, True)
     budget, within = card_budget(args, card)
     T.check_world_size(args, world_size)
-    precisions = gpu_precisions(args, fake_cuda.has_fp8(card))
+    numerics = gpu_numerics(args, fake_cuda.has_fp8(card))
     try:
-        counts, rows = T.fit_micro_batches(args, world_size, CUDA, precisions, "flex", budget, within)
+        counts, rows = T.fit_micro_batches(args, world_size, CUDA, numerics, "flex", budget, within)
         extra = []
         if any(row["peak"] > budget for name, row in rows.items() if name != "validation"):
             counts, rows = T.fit_micro_batches(dataclasses.replace(args, micro_batches="auto"), world_size, CUDA,
-                                               precisions, "flex", budget, within)
+                                               numerics, "flex", budget, within)
             extra.append(f"--micro_batches={T.micro_batches_flag(counts)}")
     except T.DoesNotFitError as e:
         return Fit([], {}, budget, within, str(e).removeprefix("--micro_batches=auto: "))
     peaks = {name: row["peak"] for name, row in rows.items()}
     if peaks["validation"] > budget:
         fitted = dataclasses.replace(args, micro_batches=T.micro_batches_flag(counts))
-        length = T.fitting_val_seq_len(fitted, world_size, CUDA, precisions, "flex", budget)
+        length = T.fitting_val_seq_len(fitted, world_size, CUDA, numerics, "flex", budget)
         if length is None:
             return Fit([], peaks, budget, within, f"no validation sequence length fits {within}")
         extra.append(f"--val_seq_len={length}")

@@ -482,11 +482,11 @@ def run_steps(args: T.Hyperparameters, world_size: int, backend: str) -> Report:
             val_tokens = torch.randint(0, T.BOS_ID, (args.val_seq_len * world_size + 1,))
         attention = "flex" if use_flex else "sdpa"
         compiled = "per layer" if args.compile else ("FlexAttention only" if use_flex else "off")
-        report.decisions = (f"attention {attention}, lm_head {model.head_precision}, MLP {model.blocks[0].mlp.precision}, "
+        report.decisions = (f"attention {attention}, lm_head {model.numerics.head}, MLP {model.numerics.mlp}, "
                             f"compile {compiled}")
         card = fake_cuda.gpu
-        for flag, part, chosen in (("lm_head_precision", "lm_head", model.head_precision),
-                                   ("mlp_precision", "MLP up-projections", model.blocks[0].mlp.precision)):
+        for flag, part, chosen in (("lm_head_precision", "lm_head", model.numerics.head),
+                                   ("mlp_precision", "MLP up-projections", model.numerics.mlp)):
             if getattr(args, flag) == "auto" and T.fp8_fits(args) and chosen != "fp8":
                 report.fallbacks.append(f"{part} in {chosen}, not FP8: the {card.short_name} has compute capability "
                                         f"{card.major}.{card.minor}, FP8 matmuls need 8.9")

@@ -106,8 +106,7 @@ def card_decisions() -> dict:
             except T.ConfigError as e:
                 seen[key] = f"error: {e}"
         args = T.parse_args(["--preset=speedrun", *ONE_LENGTH, "--micro_batches=auto"], True)
-        precisions = tuple(T.resolve_precision(args, cuda, flag) for flag in ("lm_head_precision", "mlp_precision"))
-        plan = T.plan_memory(args, 8, cuda, precisions, T.resolve_attention(args, cuda))
+        plan = T.plan_memory(args, 8, cuda, T.resolve_numerics(args, cuda), T.resolve_attention(args, cuda))
         seen["plan"] = {"micro_batches": plan.config.micro_batches, "lines": plan.lines,
                         "peaks": {phase: row["peak"] for phase, row in plan.rows.items()}}
         cards[name] = seen
