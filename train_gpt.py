@@ -566,7 +566,7 @@ class Rotary(nn.Module):
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x (..., D) turned pair by pair: (x0, x1) -> (x0 cos + x1 sin, x1 cos - x0 sin), with cos and sin
     (..., D) broadcast over x (sin holds -sin at odd indices)."""
-    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (..., D/2, 2) pairs, each swapped: (x1, x0)
     return x * cos.type_as(x) + swapped * sin.type_as(x)
 
 
@@ -670,7 +670,7 @@ def dc_visible(docs: Tensor, window: int, block: int) -> Tensor:
     """dc_correction's mask, (T / block, block, 2 block): which keys of its own block and the block before
     (those columns first) each query of a block sees: 0 <= t - s < window, in t's document. docs: (T,)."""
     n = docs.numel() // block
-    docs_p = torch.cat([docs.new_full((block,), -1), docs]).view(n + 1, block)
+    docs_p = torch.cat([docs.new_full((block,), -1), docs]).view(n + 1, block)  # a block of no document first
     key_docs = torch.cat([docs_p[:-1], docs_p[1:]], dim=1)  # (n, 2 block)
     query_pos = torch.arange(block, device=docs.device)[:, None] + block
     distance = query_pos - torch.arange(2 * block, device=docs.device)[None, :]
@@ -690,6 +690,7 @@ def dc_correction(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, dc_w: tuple[
     n, block = visible.shape[:2]
     w1, w2 = dc_w
     qb = q.view(B, n, block, H, D)
+    # keys and values with a zero block in front, (B, n + 1, block, H, D): block i's keys are padded blocks i, i + 1
     pad = lambda t: torch.cat([t.new_zeros(B, block, *t.shape[2:]), t], dim=1).view(B, n + 1, block, *t.shape[2:])
     kp, vp = pad(k), pad(v)
     kb, vb = torch.cat([kp[:, :-1], kp[:, 1:]], dim=2), torch.cat([vp[:, :-1], vp[:, 1:]], dim=2)  # (B, n, 2blk, H, D)
@@ -749,7 +750,7 @@ class CausalSelfAttention(nn.Module):
         H, D, plan = self.num_heads, self.head_dim, self.plan
         masks, rotary, aux_v = inputs.masks, inputs.rotary, extras.aux_v
         w_qkv = torch.cat([self.qk.flatten(0, 1), self.vo[0]])
-        q, k, v = F.linear(x, lambdas[0] * w_qkv.type_as(x)).view(B, T, 3 * H, D).chunk(3, dim=-2)
+        q, k, v = F.linear(x, lambdas[0] * w_qkv.type_as(x)).view(B, T, 3 * H, D).chunk(3, dim=-2)  # (B, T, H, D) each
         q, k = norm(q), norm(k)  # QK-norm bounds the logits
         start = cache.length // (2 if plan.paired else 1) if cache is not None else 0
         # rotary positions: the packed sequence's (the record's), or each document's own (separate_documents)
@@ -758,6 +759,7 @@ class CausalSelfAttention(nn.Module):
             # each head pair's 2D dims turn at positions 2t (first head) and 2t+1 (second head)
             rows2 = (2 * rows[:, None] + torch.arange(2, device=x.device)).flatten()
             cos, sin = rotary.cos[rows2].view(T, 1, 2 * D), rotary.sin[rows2].view(T, 1, 2 * D)
+            # (B, T, H/2, 2D): heads j and j + H/2 side by side, turned at their two positions
             q = apply_rotary(q.reshape(B, T, H // 2, 2 * D), cos, sin)
             k = apply_rotary(k.reshape(B, T, H // 2, 2 * D), cos, sin)
             q, k, v = paired_view(q.view(B, T, H, D)), paired_view(k.view(B, T, H, D)), paired_view(v)
@@ -771,7 +773,7 @@ class CausalSelfAttention(nn.Module):
             if aux_v is not None:
                 v = v + aux_v.view_as(v)
         scale = rotary.attn_scale
-        if cache is None:
+        if cache is None:  # the kernels take (B, H, T, D)
             y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                             masks.get(plan.long_window, plan.paired), scale).transpose(1, 2)
             keys, values, docs = k, v, masks.docs
@@ -865,7 +867,7 @@ class ReluSquaredMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, fc: Tensor, proj: Tensor, fc_f8: Tensor, fc_scale: Tensor) -> Tensor:
-        x2 = x.flatten(0, -2)
+        x2 = x.flatten(0, -2)  # (tokens, dim): _scaled_mm takes 2-D operands
         amax = x2.detach().abs().amax().float().clamp(min=1e-12)
         x8 = (x2.detach().float() * (FP8_E4M3_MAX / amax)).to(torch.float8_e4m3fn)
         pre = scaled_mm(x8, fc_f8.T, amax / FP8_E4M3_MAX, fc_scale, x.dtype, fast_accum=True)
@@ -1010,6 +1012,7 @@ class Block(nn.Module):
         else:
             attn_in = norm(saved[self.shared_layer] if plan.shared_input else x)
             H = self.attn.num_heads
+            # this layer's value-embedding rows, per head: (1, T, H, D), like the values
             table = inputs.ve[plan.value_embed].view(1, T, H, -1) if plan.value_embed is not None else None
             if mu is not None:  # the MUDD layer
                 shared = saved[self.shared_layer]
@@ -1281,7 +1284,7 @@ class GPT(nn.Module):
         if caches is not None:
             caches.last_embedding, caches.last_id = self.embed(input_ids[-1:]), input_ids[-1:]
         x0, x0_bigram, ve, gates = self.stem(input_ids, position, last_id, last_embedding)
-        sa_lambdas = self.scalars[:2 * len(self.plans)].view(-1, 2)
+        sa_lambdas = self.scalars[:2 * len(self.plans)].view(-1, 2)  # (layers, 2): qkv and output lambdas
         resid, post = self.resid_lambdas.bfloat16(), self.post_lambdas.bfloat16()  # as the record, rounded to bf16
         x = x0 + x0_bigram * gates[("bigram", 0)]
         saved = {0: x}  # states MUDD mixes in: the stream's start, the skip source, the shared input
@@ -1320,7 +1323,7 @@ class GPT(nn.Module):
                                                                             self.bigram_signs.size(0)), 0)]
         hashed = bigram_hash(input_ids, previous, position, self.bigram_embed.num_embeddings)
         x0_bigram = (self.bigram_embed(hashed) * signs.type_as(x))[None]
-        ve = self.value_embeds.view(-1, self.vocab, self.value_embeds.size(-1))[:, input_ids]
+        ve = self.value_embeds.view(-1, self.vocab, self.value_embeds.size(-1))[:, input_ids]  # (tables, T, dim)
         return x0, x0_bigram, ve, self.gates(x0, 0)
 
     def head_mix(self, x: Tensor, saved: dict, ve0: Tensor) -> Tensor:
