@@ -87,7 +87,7 @@ def _help(text: str, default):
     return field(default=default, metadata={"help": text})
 
 
-@dataclass
+@dataclass(frozen=True)  # the config never changes after parsing: a resolved one is a copy (dataclasses.replace)
 class Hyperparameters:
     preset: str = _help("named set of values: speedrun (8xH100 record) or smoke (CPU, bundled corpus)", "speedrun")
     # data
@@ -193,7 +193,8 @@ class Hyperparameters:
     force_resume: bool = _help("resume even if the config or code differs from the checkpoint's", False)
 
     def __post_init__(self):
-        self.micro_batches = str(self.micro_batches)  # the config.json of older final weights holds an int
+        # the config.json of older final weights holds an int
+        object.__setattr__(self, "micro_batches", str(self.micro_batches))
 
 
 PRESETS: dict[str, dict] = {
