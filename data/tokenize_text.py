@@ -122,9 +122,11 @@ _ENCODING = None  # per process: set in the main process, or by _init_worker in 
 
 def _init_worker(bpe_file):
     global _ENCODING
-    # A forked worker inherits the SIGTERM handler of the parent's write (safe_write.sigterm_exits); the pool
-    # stops its workers with SIGTERM, which should end them at once, as it does by default.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # Ctrl-C and SIGTERM reach the whole process group: the parent alone handles them, and ends the pool with
+    # close() and join() once the batch in flight is encoded. A worker that died mid-task would leave the
+    # pool waiting for that task forever, and Pool.terminate() can deadlock (python/cpython#78178, #96995).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if _ENCODING is None:  # forked workers inherit the parent's; spawned ones load their own
         _ENCODING = load_encoding(bpe_file)
 
@@ -532,8 +534,8 @@ def write_dataset(out_dir, prefix, train_docs, val_docs=None, val_tokens=0, *, b
                 raise TokenizeError(f"--out {out_dir}: cannot move the new shards in ({e.strerror or e})",
                                     code=2) from None
         finally:
-            if pool is not None:
-                pool.terminate()
+            if pool is not None:  # not terminate(): see _init_worker
+                pool.close()
                 pool.join()
 
     def listing(seq):
