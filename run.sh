@@ -5,7 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
-gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+if ! gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null); then
+  echo "error: $PYTHON cannot import torch; install it first (README, Quick start), or set PYTHON to an interpreter that has it" >&2
+  exit 1
+fi
 if [ "$gpus" -gt 0 ]; then
   exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$gpus" train_gpt.py "$@"
 fi

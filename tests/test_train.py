@@ -5,6 +5,8 @@ import errno
 import io
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -128,3 +130,15 @@ def test_init_from_starts_from_a_final_weights_folder(final_folder, short_run, t
     assert trained < 10.3 and first < trained + 0.3, (first, trained)
     other = run_main("--model_dim=128", "--head_dim=32", f"--init_from={final_folder}", f"--logs_dir={tmp_path}")
     one_line_error(other, f"--init_from={final_folder}: its weights do not fit this config's model")
+
+
+def test_run_sh_without_torch_says_so_in_one_line(tmp_path):
+    # An interpreter that cannot import torch (-S: no site-packages), as on a machine where the install was skipped.
+    no_torch = tmp_path / "python"
+    no_torch.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    no_torch.chmod(0o755)
+    proc = subprocess.run([str(REPO / "run.sh")], env={**os.environ, "PYTHON": str(no_torch)},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [f"error: {no_torch} cannot import torch; install it first "
+                                                f"(README, Quick start), or set PYTHON to an interpreter that has it"]
