@@ -887,6 +887,13 @@ class ReluSquaredMLP(torch.autograd.Function):
         return grad_x.view(grad.shape), grad_fc, grad_proj, None, None
 
 
+def mlp_fp8(fc: Tensor) -> tuple[Tensor, Tensor]:
+    """An MLP up-projection's e4m3 copy and its scale (fp32), by the weight's absolute maximum: the scale and
+    the division in fc's dtype (bf16 on GPUs), as the record's."""
+    scale = fc.abs().amax().clamp(min=1e-12) / FP8_E4M3_MAX
+    return (fc / scale).to(torch.float8_e4m3fn), scale.float()
+
+
 class MLP(nn.Module):
     """ReLU^2 MLP. fc is (hidden, dim), proj (hidden, dim): the record's layouts, x @ proj for the
     down-projection."""
@@ -904,13 +911,11 @@ class MLP(nn.Module):
 
     @torch.no_grad()
     def refresh_fp8(self):
-        """The FP8 copy of fc the forward reads: call after every change of fc (optimizer step, loading). The
-        scale and the division are in fc's dtype (bf16 on GPUs), as the record's."""
+        """The FP8 copy of fc the forward reads: after every change of fc (the model's refresh_fp8 does all
+        layers at once)."""
         if self.precision == "fp8":
-            scale = self.fc.abs().amax().clamp(min=1e-12) / FP8_E4M3_MAX
             # assigned, not copied into: a module-wide cast such as .bfloat16() must not change their dtypes
-            self.fc_scale = scale.float()
-            self.fc_f8 = (self.fc / scale).to(torch.float8_e4m3fn)
+            self.fc_f8, self.fc_scale = mlp_fp8(self.fc)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.precision == "fp8" and self.training:
@@ -1043,22 +1048,23 @@ class Block(nn.Module):
 
 
 class HeadLoss(NamedTuple):
-    """How SoftcappedMTPLoss computes: with FP8 or not, the softcap (A, shift, width), the rows of logits per
-    chunk, and the chunk's element-wise function (mtp_chunk, compiled on CUDA)."""
-    fp8: bool
+    """How SoftcappedMTPLoss computes: the softcap (A, shift, width), the rows of logits per chunk, the lm_head's
+    FP8 copies ((dim, vocab) and (vocab, dim) in e4m3, refreshed by refresh_fp8; None: no FP8), and the function
+    that computes the loss and both gradients (head_loss, compiled on CUDA)."""
     cap: tuple
     chunk: int
-    chunk_fn: Callable
+    fp8_weights: tuple | None
+    fn: Callable
 
 
 class SoftcappedMTPLoss(torch.autograd.Function):
     """Record #85's training loss and its gradient, without a full logits tensor. Logits u = x @ W (FP8 or
     not), z = cap * sigmoid((u + shift) / width); the loss is sum_t sum_k w_k (lse_t - z_t[y_{t+k}]) over the
-    k with t + k inside the sequence, times loss_scale. Chunk by chunk of rows, the forward computes the
-    loss and both gradients (kept for backward, which scales them by its incoming gradient), as the
-    record's fused kernel does, and with its gradient: on the last rows of a sequence, where some of the
-    k have no target, the softmax term still carries the sum of all the weights (autograd of the loss
-    above would carry only the valid ones').
+    k with t + k inside the sequence, times loss_scale. The forward (head_loss) computes the loss and both
+    gradients, chunk by chunk of rows, as the record's fused kernel does, and keeps them for backward, which
+    scales them by its incoming gradient; and with the kernel's gradient: on the last rows of a sequence, where
+    some of the k have no target, the softmax term still carries the sum of all the weights (autograd of the
+    loss above would carry only the valid ones').
 
     With FP8 (the record's head): x / x_s and W / w_s in e4m3, the gradient of u divided by g_s in e5m2,
     g_s = loss_scale * 0.75/448; the backward matmuls in FP8 too. Otherwise the logits are computed in the
@@ -1067,36 +1073,11 @@ class SoftcappedMTPLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, targets: Tensor, mtp_weights: Tensor, loss_scale: float,
                 head: HeadLoss) -> Tensor:
-        fp8, chunk = head.fp8, head.chunk
-        T, n_predict = x.size(0), mtp_weights.numel()
-        grad_x = torch.empty_like(x)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        total = torch.zeros((), dtype=torch.float32, device=x.device)
-        weights32 = mtp_weights.float()
-        # targets for offsets k = 0..n-1, padded with -1 past the sequence's end
-        shifted = torch.stack([F.pad(targets[k:], (0, k), value=-1) for k in range(n_predict)], dim=1)
-        if fp8:
-            w8 = (weight.float() / HEAD_W_SCALE).to(torch.float8_e4m3fn)
-            grad_s = loss_scale * HEAD_GRAD_SCALE
-        for lo in range(0, T, chunk):
-            xc, tc = x[lo:lo + chunk], shifted[lo:lo + chunk]
-            if fp8:
-                x8 = (xc.float() / HEAD_X_SCALE).to(torch.float8_e4m3fn)
-                u = scaled_mm(x8, w8.T.contiguous().T, HEAD_X_SCALE, HEAD_W_SCALE, torch.bfloat16, fast_accum=True)
-            else:
-                u = xc @ weight.type_as(xc)
-            chunk_loss, g_u = head.chunk_fn(u, tc, weights32, head.cap, loss_scale)
-            total += chunk_loss
-            if fp8:
-                g8 = (g_u / grad_s).to(torch.float8_e5m2)
-                grad_x[lo:lo + chunk] = scaled_mm(g8, w8.T, grad_s, HEAD_W_SCALE, x.dtype)
-                grad_w += scaled_mm(x8.T.contiguous(), g8.T.contiguous().T, HEAD_X_SCALE, grad_s, torch.float32)
-            else:
-                grad_x[lo:lo + chunk] = (g_u.to(x.dtype) @ weight.T.type_as(xc))
-                grad_w += xc.float().T @ g_u
+        loss, grad_x, grad_w = head.fn(x, weight, targets, mtp_weights, head.cap, loss_scale, head.chunk,
+                                       head.fp8_weights)
         ctx.save_for_backward(grad_x, grad_w)
         ctx.weight_dtype = weight.dtype
-        return total * loss_scale
+        return loss
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -1104,26 +1085,90 @@ class SoftcappedMTPLoss(torch.autograd.Function):
         return grad_x * grad.to(grad_x.dtype), (grad_w * grad).to(ctx.weight_dtype), None, None, None, None
 
 
-def mtp_chunk(u: Tensor, targets: Tensor, weights: Tensor, cap: tuple, loss_scale: float) -> tuple[Tensor, Tensor]:
+def head_loss(x: Tensor, weight: Tensor, targets: Tensor, mtp_weights: Tensor, cap: tuple, loss_scale: float,
+              chunk: int, fp8_weights: tuple | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """SoftcappedMTPLoss's forward: the summed loss times loss_scale and the gradients of x (T, dim) and of the
+    lm_head (dim, vocab, fp32), `chunk` rows of logits at a time. With FP8 (fp8_weights: the lm_head's e4m3
+    copies in both layouts, since _scaled_mm takes its first operand row-major and its second column-major),
+    each chunk's logit gradient is kept transposed, in e5m2, and the lm_head's gradient is one matmul over all
+    the rows, accumulated once. Compiled on CUDA (compile_model), a chunk's element-wise work fuses into a few
+    passes over its logits, with no fp32 copy of them."""
+    T, n = x.size(0), mtp_weights.numel()
+    weights = mtp_weights.float()
+    # targets for offsets k = 0..n-1, padded with -1 past the sequence's end: (T, n)
+    shifted = torch.stack([F.pad(targets[k:], (0, k), value=-1) for k in range(n)], dim=1)
+    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    grad_x = torch.empty_like(x)
+    if fp8_weights is None:
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for lo in range(0, T, chunk):
+            xc = x[lo:lo + chunk]
+            chunk_loss, g_u = mtp_chunk(xc @ weight.type_as(xc), shifted[lo:lo + chunk], weights, cap, loss_scale)
+            total += chunk_loss
+            grad_x[lo:lo + chunk] = g_u.to(x.dtype) @ weight.T.type_as(xc)
+            grad_w += xc.float().T @ g_u
+        return total * loss_scale, grad_x, grad_w
+    w8, w8_t = fp8_weights
+    grad_s = loss_scale * HEAD_GRAD_SCALE
+    x8 = (x.float() / HEAD_X_SCALE).to(torch.float8_e4m3fn)
+    g8_t = []  # (vocab, rows) each: the chunks' logit gradients, transposed for the lm_head's gradient
+    for lo in range(0, T, chunk):
+        u = scaled_mm(x8[lo:lo + chunk], w8_t.T, HEAD_X_SCALE, HEAD_W_SCALE, torch.bfloat16, fast_accum=True)
+        chunk_loss, g8 = mtp_chunk(u, shifted[lo:lo + chunk], weights, cap, loss_scale, grad_s)
+        total += chunk_loss
+        grad_x[lo:lo + chunk] = scaled_mm(g8, w8.T, grad_s, HEAD_W_SCALE, x.dtype)
+        g8_t.append(g8.T)
+    grad_w = scaled_mm(x8.T.contiguous(), torch.cat(g8_t, dim=1).T, HEAD_X_SCALE, grad_s, torch.float32)
+    return total * loss_scale, grad_x, grad_w
+
+
+def head_fp8(lm_head: Tensor) -> tuple[Tensor, Tensor]:
+    """The lm_head's e4m3 copies at its fixed scale (the division in fp32, as the record's compiled code does),
+    (dim, vocab) and (vocab, dim)."""
+    w8 = (lm_head.float() / HEAD_W_SCALE).to(torch.float8_e4m3fn)
+    return w8, w8.T.contiguous()
+
+
+def fp8_copies(fcs: list[Tensor], lm_head: Tensor | None) -> tuple[list, tuple | None]:
+    """Every FP8 copy the forward reads, from the current weights (refresh_fp8): one compiled call on CUDA."""
+    return [mlp_fp8(fc) for fc in fcs], (head_fp8(lm_head) if lm_head is not None else None)
+
+
+def mtp_chunk(u: Tensor, targets: Tensor, weights: Tensor, cap: tuple, loss_scale: float,
+              grad_s: float | None = None) -> tuple[Tensor, Tensor]:
     """One chunk of SoftcappedMTPLoss: its summed loss and the gradient of its logits u (rows, vocab), given
-    each row's targets for the k offsets (-1: none) and the softcap (A, shift, width). The element-wise passes
-    over rows x vocab are what costs here: compile_model fuses them on CUDA; eager, they work in place."""
+    each row's targets for the k offsets (-1: none) and the softcap (A, shift, width); with grad_s, that
+    gradient divided by grad_s, in e5m2. Every column's gradient is first computed as if it were no row's
+    target, in one element-wise pass (compiled, it never holds the gradient in fp32); then the few target
+    columns of each row are computed apart, from their gathered values, and written over it. Eager, the
+    passes over rows x vocab work in place."""
     A, shift, width = cap
     s = u.float() if u.dtype != torch.float32 else u.clone()
     s.mul_(1 / width).add_(shift / width).sigmoid_()  # the kernel's u / C + B / C
     if u.dtype != torch.float32:
-        s = s.to(u.dtype).float()  # the kernel keeps the squashed logits in bf16
-    valid = targets >= 0
-    s_target = torch.gather(s, 1, targets.clamp(min=0))
+        s = s.to(u.dtype).float()  # the kernel keeps the squashed logits in bf16 (compiled too: compile_model)
+    valid, columns = targets >= 0, targets.clamp(min=0)
     e = s.mul(A).exp_()  # z = A * s is below 23: exp(z) cannot overflow, no max to subtract
     sum_exp = e.sum(dim=-1, keepdim=True)
+    s_target, e_target = torch.gather(s, 1, columns), torch.gather(e, 1, columns)
     loss = (weights * valid * (sum_exp.log() - A * s_target)).sum()
     # dL/du = (S_w softmax(z) - the weights of the k whose target is this column) * dz/du,
     # dz/du = A / width * s (1 - s): S_w keeps every weight, also where a row has fewer targets (the kernel's)
     scale = A / width * loss_scale
-    g_u = e.mul_((weights.sum() * scale) / sum_exp)
-    g_u.scatter_add_(1, targets.clamp(min=0), -(weights * valid * scale).expand_as(s_target))
-    return loss, g_u.mul_(s.addcmul_(s, s, value=-1))
+    softmax_scale = (weights.sum() * scale) / sum_exp
+    g_u = e.mul_(softmax_scale).mul_(s.addcmul_(s, s, value=-1))
+    # The target columns: each offset's weight taken from its column, in offset order (as the kernel adds them;
+    # a column several offsets name loses each of their weights; a missing target's weight is 0).
+    target_grad, target_weights = e_target * softmax_scale, weights * valid * scale
+    for k in range(targets.size(1)):
+        target_grad = target_grad - torch.where(columns == columns[:, k:k + 1], target_weights[:, k:k + 1], 0.0)
+    target_grad = target_grad * s_target.addcmul(s_target, s_target, value=-1)
+    if grad_s is None:
+        return loss, g_u.scatter_(1, columns, target_grad)
+    g8 = (g_u / grad_s).to(torch.float8_e5m2)
+    # (scattered as bytes: the float8 types have no scatter kernel of their own)
+    g8.view(torch.uint8).scatter_(1, columns, (target_grad / grad_s).to(torch.float8_e5m2).view(torch.uint8))
+    return loss, g8
 
 
 def padded_vocab(vocab_size: int) -> int:
@@ -1237,7 +1282,13 @@ class GPT(nn.Module):
                 nn.init.kaiming_uniform_(w.data[j], a=math.sqrt(5))
         self.blocks = nn.ModuleList(Block(plan, args, self.numerics.mlp) for plan in self.plans)
         self.rotary = Rotary(args.head_dim, max_positions(args), args.window_block, Schedule(args).stages[0].windows[1])
-        self.mtp_chunk = mtp_chunk  # compile_model puts a compiled one here
+        self.head_loss = head_loss  # compile_model puts a compiled one here
+        if self.numerics.head == "fp8":  # the lm_head's e4m3 copies in both layouts (refresh_fp8)
+            self.register_buffer("lm_head_f8", torch.zeros(dim, vocab, dtype=torch.float8_e4m3fn), persistent=False)
+            self.register_buffer("lm_head_f8_t", torch.zeros(vocab, dim, dtype=torch.float8_e4m3fn), persistent=False)
+        self.fp8_copies = fp8_copies  # compile_model puts a compiled one here
+        # loaded weights come with their FP8 copies (as the rotary tables come with their state)
+        self.register_load_state_dict_post_hook(lambda module, incompatible: refresh_fp8(module))
 
     def _mudd_bias(self) -> Tensor:
         """The last layer's coefficients start where the per-layer values would (the value-embedding gates at
@@ -1347,7 +1398,8 @@ class GPT(nn.Module):
         loss_scale. Evaluation: the next-token cross-entropy, summed over tokens."""
         x = self.hidden(input_ids, masks)[0]
         if self.training:
-            head = HeadLoss(self.numerics.head == "fp8", self.cap, LOSS_CHUNK, self.mtp_chunk)
+            fp8 = (self.lm_head_f8, self.lm_head_f8_t) if self.numerics.head == "fp8" else None
+            head = HeadLoss(self.cap, LOSS_CHUNK, fp8, self.head_loss)
             return SoftcappedMTPLoss.apply(x, self.lm_head, target_ids, mtp_weights, loss_scale, head)
         return torch.stack(self.cross_entropy_chunks(x, target_ids, "sum")).sum()
 
@@ -1380,8 +1432,8 @@ class KVCache:
         self.last_embedding = self.last_id = None
 
 def compile_model(model: GPT, backend="inductor", attention_only: bool = False):
-    """Compile each layer (Block.forward), the stem, the final mixing and the loss's element-wise chunk
-    on their own, not the whole model: backward then runs graph by graph, so the gradient hooks of each
+    """Compile each layer (Block.forward), the stem, the final mixing, the loss head (head_loss: its matmuls and
+    element-wise passes) and the FP8 refresh on their own, not the whole model: backward then runs graph by graph, so the gradient hooks of each
     layer's parameters fire as soon as its backward is done and DistAdam's reduce-scatters overlap the
     rest of backward; a whole-model graph would hold every gradient back until the very end.
 
@@ -1404,7 +1456,18 @@ def compile_model(model: GPT, backend="inductor", attention_only: bool = False):
         block.forward = torch.compile(block.forward, **options)
     model.stem = torch.compile(model.stem, **options)
     model.head_mix = torch.compile(model.head_mix, **options)
-    model.mtp_chunk = torch.compile(mtp_chunk, **options)
+    model.head_loss = keeping_casts(torch.compile(head_loss, **options))
+    model.fp8_copies = torch.compile(fp8_copies, **options)
+
+
+def keeping_casts(compiled: Callable) -> Callable:
+    """A compiled function whose graphs inductor builds keeping each rounding to bf16 that is converted back up
+    (x.to(bf16).float()), which it otherwise drops as a no-op: the loss head rounds its squashed logits to bf16,
+    as the record's kernel does, and computes on those."""
+    def call(*args, **kwargs):
+        with torch._inductor.config.patch(emulate_precision_casts=True):
+            return compiled(*args, **kwargs)
+    return call
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
@@ -1513,11 +1576,11 @@ def neuron_dim(shape) -> int:
     return -1 if shape[-2] >= shape[-1] else -2
 
 
-def normalize_neurons(v: Tensor, second_moment: Tensor, beta2: float) -> Tensor:
+def normalize_neurons(v: Tensor, second_moment: Tensor, one_minus_beta2) -> Tensor:
     """NorMuon (arXiv:2510.05491): divide each neuron's slice of the orthogonalised update by the root
     of its running mean square, then restore the update's overall norm."""
     norm_before = v.norm(dim=(-2, -1), keepdim=True)
-    second_moment.lerp_(v.square().mean(dim=neuron_dim(v.shape), keepdim=True), 1 - beta2)
+    second_moment.lerp_(v.square().mean(dim=neuron_dim(v.shape), keepdim=True), one_minus_beta2)
     v = v * second_moment.clamp_min(1e-10).rsqrt()
     return v * (norm_before / v.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10))
 
@@ -1528,12 +1591,57 @@ def bf16_with_mantissa(weight: Tensor, mantissa: Tensor) -> Tensor:
     return ((high << 16) | (mantissa.to(torch.int32) & 0xFFFF)).view(torch.float32)
 
 
-def split_mantissa(precise: Tensor, weight: Tensor, mantissa: Tensor):
-    """Stores fp32 `precise` as its upper 16 bits in the bf16 weight (truncated, as the record) and the
-    lower 16 in the mantissa."""
+def split_mantissa(precise: Tensor, mantissa: Tensor) -> Tensor:
+    """fp32 `precise` as the bf16 weight of its upper 16 bits (truncated, as the record), returned, and its
+    lower 16 bits, stored in the mantissa."""
     raw = precise.view(torch.int32)
-    weight.view(torch.int16).copy_((raw >> 16).to(torch.int16))
     mantissa.copy_(raw.to(torch.int16))
+    return (raw >> 16).to(torch.int16).view(torch.bfloat16)
+
+
+class NorMuonHyper(NamedTuple):
+    """One NorMuon step's settings for a stack of k matrices, each (k, 1, 1) fp32 on the device: a tensor,
+    not a constant, so that a compiled update never recompiles as the schedule moves them."""
+    momentum: Tensor
+    one_minus_momentum: Tensor
+    one_minus_beta2: Tensor
+    step: Tensor  # lr * sqrt(max(1, rows / cols)) * lr_mul
+    decay: Tensor  # weight_decay * lr
+
+
+def normuon_update(grad: Tensor, weight: Tensor, state: dict, hyper: NorMuonHyper, world_size: int,
+                   ns_dtype: torch.dtype) -> Tensor:
+    """NorMuon's step for a stack of same-shape matrices (k, rows, cols): their summed gradients over
+    world_size ranks and their weights in, their new weights out (the weights' dtype); the state (momentum,
+    second moment, and for bf16 weights the mantissas) is updated in place. One compiled call per shape on
+    CUDA (compile_optimizers)."""
+    grad = grad.float().div_(world_size)
+    buf = state["momentum_buffer"]
+    buf.lerp_(grad, hyper.one_minus_momentum)
+    update = grad.lerp(buf, hyper.momentum)  # Nesterov
+    v = polar_express(update, ns_dtype).float()
+    v = normalize_neurons(v, state["second_moment"], hyper.one_minus_beta2)
+    mantissa = state.get("mantissa")
+    precise = bf16_with_mantissa(weight, mantissa) if mantissa is not None else weight
+    cautious = (v * precise) >= 0
+    new = precise - precise * cautious * hyper.decay * hyper.step - v * hyper.step
+    return split_mantissa(new, mantissa) if mantissa is not None else new
+
+
+class _MatrixStack:
+    """NorMuon's matrices of one shape, updated as one stack. Matrix q of the shape belongs to rank q mod W
+    (round robin, as in chunks of W); the stack for the reduce-scatter and the all-gather lists rank 0's
+    matrices, then rank 1's, and so on, each rank's padded with zero matrices to `per_rank` slots, so that
+    every rank receives the same count. `mine`: this rank's matrices (None: a padding slot)."""
+
+    def __init__(self, members: list[int], world_size: int, rank: int):
+        self.members = members
+        self.per_rank = math.ceil(len(members) / world_size)
+        position = lambda r, j: j * world_size + r  # slot j of rank r holds matrix q = j * W + r of the shape
+        self.order = [members[q] if (q := position(r, j)) < len(members) else None
+                      for r in range(world_size) for j in range(self.per_rank)]
+        self.mine = self.order[rank * self.per_rank:(rank + 1) * self.per_rank]
+        self.state: dict[str, Tensor] = {}  # stacked: (per_rank, ...) each
 
 
 class NorMuon(torch.optim.Optimizer):
@@ -1549,10 +1657,12 @@ class NorMuon(torch.optim.Optimizer):
     value live in the optimizer state (the record's "mantissa"), so updates far below bf16's resolution
     accumulate, and the other ranks receive (and compute with) the bf16 upper half, the value truncated.
 
-    Distributed: same-shape matrices are dealt out round robin, in chunks of world_size. One
-    reduce-scatter per chunk hands each rank the mean gradient of the matrix it owns; it keeps that
-    matrix's state, computes its update, and an all-gather shares the result. At world size 1 there is
-    no communication. The state is fp32 whatever the parameter's dtype."""
+    The matrices of one shape are updated together, as one stack (normuon_update: a few batched operations,
+    one compiled call on CUDA, whatever the number of matrices). Distributed: same-shape matrices are dealt out
+    round robin (_MatrixStack). One reduce-scatter per shape hands each rank the summed gradients of the
+    matrices it owns; it keeps their state, computes their update, and one all-gather shares the results. At
+    world size 1 there is no communication. The state is fp32 whatever the parameter's dtype; a matrix
+    without a gradient is updated as if its gradient were zero."""
 
     def __init__(self, params, lr: float = 0.023, momentum: float = 0.95, beta2: float = 0.9,
                  weight_decay: float = 0.0, ns_dtype: torch.dtype = torch.bfloat16):
@@ -1564,84 +1674,100 @@ class NorMuon(torch.optim.Optimizer):
                 if p.ndim not in (2, 3):
                     raise ValueError(f"NorMuon takes matrices or stacks of them; got a shape {tuple(p.shape)}")
                 self.matrices += [(p, None, group)] if p.ndim == 2 else [(p, j, group) for j in range(p.size(0))]
-        self.matrix_state: list[dict] = [{} for _ in self.matrices]
-
-    @staticmethod
-    def _view(t: Tensor, index: int | None) -> Tensor:
-        return t if index is None else t[index]
-
-    def chunks(self, world_size: int) -> list[list[int]]:
-        """Indices into self.matrices: chunks of at most world_size same-shape matrices, in the same order on
-        every rank."""
+        self.world_size = dist.get_world_size() if distributed() else 1
+        rank = dist.get_rank() if distributed() else 0
         by_shape: dict[tuple, list[int]] = {}
-        for m, (p, j, _) in enumerate(self.matrices):
-            by_shape.setdefault(tuple(p.shape[-2:]), []).append(m)
-        return [ms[i:i + world_size] for ms in by_shape.values() for i in range(0, len(ms), world_size)]
+        for m, (p, _, _) in enumerate(self.matrices):
+            by_shape.setdefault((tuple(p.shape[-2:]), p.dtype), []).append(m)
+        self.stacks = [_MatrixStack(members, self.world_size, rank) for members in by_shape.values()]
+        # each matrix's state, as views of its stack's (empty: not this rank's, or no step yet)
+        self.matrix_state: list[dict] = [{} for _ in self.matrices]
+        self.update = normuon_update  # compile_optimizers puts a compiled one here
 
-    def _update(self, m: int, grad: Tensor):
-        p, j, group = self.matrices[m]
-        weight, state = self._view(p, j), self.matrix_state[m]
-        if not state:
-            state["momentum_buffer"] = torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
-            moment_shape = list(grad.shape)
-            moment_shape[neuron_dim(grad.shape)] = 1
-            state["second_moment"] = torch.zeros(moment_shape, dtype=torch.float32, device=grad.device)
-            if weight.dtype == torch.bfloat16:
-                state["mantissa"] = torch.zeros(weight.shape, dtype=torch.int16, device=weight.device)
-        buf = state["momentum_buffer"]
-        buf.lerp_(grad, 1 - group["momentum"])
-        update = grad.lerp(buf, group["momentum"])  # Nesterov
-        v = polar_express(update, self.ns_dtype).float()
-        v = normalize_neurons(v, state["second_moment"], group["beta2"])
-        lr, rows, cols = group["lr"], weight.size(-2), weight.size(-1)
-        step = lr * max(1.0, rows / cols) ** 0.5 * group["lr_mul"]
-        precise = bf16_with_mantissa(weight, state["mantissa"]) if "mantissa" in state else weight
-        cautious = (v * precise) >= 0
-        new = precise - precise * cautious * (group["weight_decay"] * lr) * step - v * step
-        if "mantissa" in state:
-            split_mantissa(new, weight, state["mantissa"])
-        else:
-            weight.copy_(new)
+    def _view(self, t: Tensor, m: int) -> Tensor:
+        _, j, _ = self.matrices[m]
+        return t if j is None else t[j]
+
+    def _stacked(self, stack: _MatrixStack, slots: list, of) -> Tensor:
+        """One tensor (len(slots), rows, cols) of of(matrix) for each slot; zeros for padding slots and for
+        matrices without a gradient."""
+        values = [of(m) if m is not None else None for m in slots]
+        if any(v is None for v in values):
+            p = self.matrices[stack.members[0]][0]
+            zero = p.new_zeros(p.shape[-2:])
+            values = [zero if v is None else v for v in values]
+        return torch.stack(values)
+
+    def _grad(self, m: int) -> Tensor | None:
+        p = self.matrices[m][0]
+        return self._view(p.grad, m) if p.grad is not None else None
+
+    def _make_state(self, stack: _MatrixStack):
+        p = self.matrices[stack.members[0]][0]
+        shape = (stack.per_rank, *p.shape[-2:])
+        moment_shape = list(shape)
+        moment_shape[neuron_dim(shape)] = 1
+        state = {"momentum_buffer": torch.zeros(shape, dtype=torch.float32, device=p.device),
+                 "second_moment": torch.zeros(moment_shape, dtype=torch.float32, device=p.device)}
+        if p.dtype == torch.bfloat16:
+            state["mantissa"] = torch.zeros(shape, dtype=torch.int16, device=p.device)
+        stack.state = state
+        for j, m in enumerate(stack.mine):
+            if m is not None:
+                self.matrix_state[m] = {key: t[j] for key, t in state.items()}
+
+    def _hyper(self) -> list[NorMuonHyper]:
+        """Every stack's settings for this step from its matrices' groups, in one copy to the device."""
+        rows = []
+        for stack in self.stacks:
+            for m in stack.mine:
+                p, _, group = self.matrices[m if m is not None else stack.members[0]]
+                lr, (r, c) = group["lr"], p.shape[-2:]
+                rows.append((group["momentum"], 1 - group["momentum"], 1 - group["beta2"],
+                             lr * max(1.0, r / c) ** 0.5 * group["lr_mul"], group["weight_decay"] * lr))
+        device = self.matrices[0][0].device
+        values = host_to_device(torch.tensor(rows, dtype=torch.float32), device).view(-1, 5, 1, 1)
+        out, start = [], 0
+        for stack in self.stacks:
+            part = values[start:start + stack.per_rank]
+            out.append(NorMuonHyper(*part.unbind(1)))
+            start += stack.per_rank
+        return out
 
     @torch.no_grad()
     def step(self):
-        if not distributed():
-            for m, (p, j, _) in enumerate(self.matrices):
-                if p.grad is not None:
-                    self._update(m, self._view(p.grad, j).float())
-            return
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        pending = []
-        for chunk in self.chunks(world_size):  # launch every reduce-scatter, then compute while they fly
-            ref, j, _ = self.matrices[chunk[0]]
-            shape, dtype = ref.shape[-2:], ref.dtype
-            stacked = torch.zeros((world_size, *shape), dtype=dtype, device=ref.device)
-            for i, m in enumerate(chunk):
-                p, j, _ = self.matrices[m]
-                if p.grad is not None:
-                    stacked[i].copy_(self._view(p.grad, j))
-            mine = torch.empty(shape, dtype=dtype, device=ref.device)
-            pending.append((chunk, mine, reduce_scatter_async(mine.view(-1), stacked.view(-1))))
+        W = self.world_size
+        hypers = self._hyper()
+        pending = []  # launch every reduce-scatter, then compute while they fly
+        for stack in self.stacks:
+            if not stack.state:
+                self._make_state(stack)
+            grads = self._stacked(stack, stack.order, self._grad)
+            if W > 1:
+                mine = grads.new_empty((stack.per_rank, *grads.shape[1:]))
+                pending.append((stack, mine, reduce_scatter_async(mine.view(-1), grads.view(-1))))
+            else:
+                pending.append((stack, grads, None))
         gathers = []
-        for chunk, mine, work in pending:
-            work.wait()
-            ref = self.matrices[chunk[0]][0]
-            gathered = torch.empty((world_size, *mine.shape), dtype=ref.dtype, device=ref.device)
-            if rank < len(chunk):
-                p, j, _ = self.matrices[chunk[rank]]
-                self._update(chunk[rank], mine.float().div_(world_size))
-                local = self._view(p, j).detach()
-            else:  # this rank owns nothing in a short chunk but still takes part in the gather
-                local = torch.zeros(mine.shape, dtype=ref.dtype, device=ref.device)
-            gathers.append((chunk, gathered, all_gather_async(gathered.view(-1), local.reshape(-1))))
-        for chunk, gathered, work in gathers:
-            work.wait()
-            for i, m in enumerate(chunk):
-                p, j, _ = self.matrices[m]
-                self._view(p, j).copy_(gathered[i])
+        for (stack, grad, work), hyper in zip(pending, hypers):
+            if work is not None:
+                work.wait()
+            weights = self._stacked(stack, stack.mine, lambda m: self._view(self.matrices[m][0], m))
+            new = self.update(grad, weights, stack.state, hyper, W, self.ns_dtype)
+            if W > 1:
+                gathered = new.new_empty((W * stack.per_rank, *new.shape[1:]))
+                gathers.append((stack, gathered, all_gather_async(gathered.view(-1), new.reshape(-1))))
+            else:
+                gathers.append((stack, new, None))
+        for stack, gathered, work in gathers:
+            if work is not None:
+                work.wait()
+            slots = [(i, m) for i, m in enumerate(stack.order) if m is not None]
+            torch._foreach_copy_([self._view(self.matrices[m][0].data, m) for _, m in slots],
+                                 [gathered[i] for i, _ in slots])
 
     # torch.optim.Optimizer.load_state_dict would cast the fp32 state to each parameter's dtype (bf16 on
-    # CUDA): save and restore it as it is, one entry per matrix in order.
+    # CUDA): save and restore it as it is, one entry per matrix in order (this rank's; the others' empty).
     def state_dict(self) -> dict:
         return {"state": [dict(s) for s in self.matrix_state], "param_groups": group_settings(self)}
 
@@ -1650,9 +1776,16 @@ class NorMuon(torch.optim.Optimizer):
             raise ValueError(f"NorMuon state holds {len(state_dict['state'])} matrices; this one has "
                              f"{len(self.matrices)}")
         restore_group_settings(self, state_dict["param_groups"])
-        for m, saved in enumerate(state_dict["state"]):
-            device = self.matrices[m][0].device
-            self.matrix_state[m] = {k: v.to(device, copy=True) for k, v in saved.items()}
+        self.matrix_state = [{} for _ in self.matrices]
+        for stack in self.stacks:
+            stack.state = {}
+            saved = [state_dict["state"][m] for m in stack.mine if m is not None]
+            if not any(saved):
+                continue  # made at the next step, as at the first
+            self._make_state(stack)
+            for m in stack.mine:
+                for key, value in (state_dict["state"][m] if m is not None else {}).items():
+                    self.matrix_state[m][key].copy_(value)
 
 
 def group_settings(opt: torch.optim.Optimizer) -> list[dict]:
@@ -1666,6 +1799,29 @@ def restore_group_settings(opt: torch.optim.Optimizer, saved: list[dict]):
 
 # -----------------------------------------------------------------------------
 # DistAdam: ZeRO-style sharded Adam whose reduce-scatters start during backward
+
+def adam_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, betas: tuple[float, float],
+                eps: float, step_size: Tensor, decay: Tensor):
+    """Record #85's Adam step on one shard, in place: m / (sqrt(v) + eps) * step_size, then cautious weight
+    decay: where the update and the weight agree in sign, the update also takes decay * p (decay = lr^2 * wd).
+    betas and eps are the group's constants; step_size and decay 0-dim tensors, so that a compiled update
+    (compile_optimizers: one graph per kind of bucket, any size) never recompiles as the schedule moves them."""
+    beta1, beta2 = betas
+    grad = grad.float()
+    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    update = exp_avg.div(exp_avg_sq.sqrt().add_(eps)).mul_(step_size)
+    update.add_(param.float() * ((update * param) > 0) * decay)  # (adds zeros where the decay is 0)
+    param.sub_(update.to(param.dtype))
+
+
+def add_transposed(target: Tensor, source: Tensor):
+    target.add_(source.T)
+
+
+def copy_transposed(target: Tensor, source: Tensor):
+    target.copy_(source.T)
+
 
 class _Bucket:
     """Parameters reduced and gathered together: one large parameter, or all small ones of a group.
@@ -1785,6 +1941,8 @@ class DistAdam(torch.optim.Optimizer):
                 self._touched, self._rows_known = np.zeros(rows, dtype=bool), True
                 # the counts travel between host memories: a CPU group beside NCCL (a CPU run's group is one)
                 self._host_group = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
+        # compile_optimizers puts compiled ones here
+        self.update, self.add_transposed, self.copy_transposed = adam_update, add_transposed, copy_transposed
         self._hooks = []
         if self.world_size > 1:
             for bucket in self.buckets:
@@ -1848,7 +2006,7 @@ class DistAdam(torch.optim.Optimizer):
                 if target.grad is None:
                     target.grad = source.grad.T.contiguous()
                 else:
-                    target.grad.add_(source.grad.T)
+                    self.add_transposed(target.grad, source.grad)
 
     def touch_rows(self, rows: np.ndarray | None):
         """Rows of the sparse table a micro-batch's forward reads (host indices): their gradients may be
@@ -1911,30 +2069,33 @@ class DistAdam(torch.optim.Optimizer):
         bucket.grad_shard = torch.empty(bucket.shard_numel, dtype=flat.dtype, device=flat.device)
         bucket.work = reduce_scatter_async(bucket.grad_shard, flat)
 
-    def _adam(self, bucket: _Bucket, param_shard: Tensor, grad_shard: Tensor):
+    def _adam(self, bucket: _Bucket, param_shard: Tensor, grad_shard: Tensor, hyper: Tensor):
         group = self.param_groups[bucket.group_index]
         state = self.state[bucket.params[0]]  # a bucket's state lives under its first parameter
-        if not state:
-            state["step"] = 0  # a Python int: reading it needs no device sync
+        if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(param_shard, dtype=torch.float32)
             state["exp_avg_sq"] = torch.zeros_like(param_shard, dtype=torch.float32)
-        state["step"] += 1
-        step = state["step"]
-        (beta1, beta2), lr = group["betas"], group["lr"]
-        grad = grad_shard.float()
-        state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
-        state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        step_size = lr * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
-        update = state["exp_avg"].div(state["exp_avg_sq"].sqrt().add_(group["eps"])).mul_(step_size)
-        if group["weight_decay"]:  # cautious: only where the update already pulls the weight toward zero
-            agree = (update * param_shard) > 0
-            update.addcmul_(param_shard, agree, value=lr * lr * group["weight_decay"])
-        param_shard.sub_(update.to(param_shard.dtype) if param_shard.dtype != update.dtype else update)
+        self.update(param_shard, grad_shard, state["exp_avg"], state["exp_avg_sq"], group["betas"], group["eps"],
+                    hyper[0], hyper[1])
+
+    def _hyper(self, buckets: list[_Bucket]) -> Tensor:
+        """Each bucket's step size (bias corrections included) and cautious decay for this step, counting the
+        step (a Python int: reading it needs no device sync), in one copy to the device: (buckets, 2)."""
+        rows = []
+        for bucket in buckets:
+            group, state = self.param_groups[bucket.group_index], self.state[bucket.params[0]]
+            state["step"] = step = state.get("step", 0) + 1
+            (beta1, beta2), lr = group["betas"], group["lr"]
+            rows.append((lr * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step), lr * lr * group["weight_decay"]))
+        return host_to_device(torch.tensor(rows, dtype=torch.float32), buckets[0].params[0].device)
 
     @torch.no_grad()
     def step(self):
         gathers = []
         tied_source = self.tied[0] if self.tied is not None else None
+        buckets = [b for b in reversed(self.buckets) if tied_source is None or b.params[0] is not tied_source]
+        hypers = self._hyper(buckets)
+        position = {id(b): i for i, b in enumerate(buckets)}
         for bucket in reversed(self.buckets):
             if tied_source is not None and bucket.params[0] is tied_source:
                 bucket.work, bucket.grad_shard, bucket.ready = None, None, 0
@@ -1954,7 +2115,7 @@ class DistAdam(torch.optim.Optimizer):
                 else:
                     bucket.work.wait()  # gloo has no futures for reduce-scatter: wait on the handle
                     grad_shard = bucket.grad_shard.div_(self.world_size)
-            self._adam(bucket, param_shard, grad_shard)
+            self._adam(bucket, param_shard, grad_shard, hypers[position[id(bucket)]])
             if self.world_size > 1:
                 gathers.append((bucket, flat_param, all_gather_async(flat_param, param_shard)))
             else:
@@ -1965,7 +2126,7 @@ class DistAdam(torch.optim.Optimizer):
             bucket.write_back(flat_param)
         if self.tied is not None:
             source, target = self.tied
-            source.data.copy_(target.data.T)
+            self.copy_transposed(source.data, target.data)
 
     # The state is this rank's shards, kept in fp32 (torch.optim.Optimizer.load_state_dict would cast
     # it to the parameters' dtype, bf16 on CUDA). Checkpoints hold one such dict per rank.
@@ -2046,6 +2207,19 @@ def build_optimizers(model: GPT, args: Hyperparameters) -> tuple[NorMuon, DistAd
     return muon, adam
 
 
+def compile_optimizers(optimizers, backend="inductor"):
+    """The optimizers' arithmetic compiled, so that a step is a few graph calls rather than thousands of small
+    kernels launched one by one from Python: NorMuon's update once per shape of stack, DistAdam's once per kind
+    of bucket (betas, eps and dtype; any size) and the tied embedding's transposes (tiled kernels). Their
+    settings reach them as tensors, so nothing recompiles as the schedule moves."""
+    muon, adam = optimizers
+    options = dict(backend=backend, fullgraph=True)
+    muon.update = torch.compile(normuon_update, dynamic=False, **options)
+    adam.update = torch.compile(adam_update, dynamic=True, **options)
+    adam.add_transposed = torch.compile(add_transposed, dynamic=False, **options)
+    adam.copy_transposed = torch.compile(copy_transposed, dynamic=False, **options)
+
+
 def set_schedules(step: int, optimizers, schedule: Schedule, args: Hyperparameters):
     multiplier = schedule.lr(step)
     for opt in optimizers:
@@ -2055,9 +2229,19 @@ def set_schedules(step: int, optimizers, schedule: Schedule, args: Hyperparamete
         group["momentum"] = schedule.momentum(step)
 
 
+@torch.no_grad()
 def refresh_fp8(model: GPT):
-    for block in model.blocks:
-        block.mlp.refresh_fp8()
+    """The FP8 copies of the MLPs' up-projections and of the lm_head, after every change of those weights (each
+    step, loading): all of them in one call, compiled on CUDA."""
+    mlps = [block.mlp for block in model.blocks if block.mlp.precision == "fp8"]
+    head = model.lm_head if model.numerics.head == "fp8" else None
+    if not mlps and head is None:
+        return
+    mlp_copies, head_copies = model.fp8_copies([mlp.fc for mlp in mlps], head)
+    for mlp, (fc_f8, fc_scale) in zip(mlps, mlp_copies):
+        mlp.fc_f8, mlp.fc_scale = fc_f8, fc_scale
+    if head_copies is not None:
+        model.lm_head_f8, model.lm_head_f8_t = head_copies
 
 
 def train_step(model: GPT, optimizers, batch, step: int, schedule: Schedule, args: Hyperparameters,
@@ -3112,19 +3296,21 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def normuon_bytes(muon: NorMuon, world_size: int, rank: int = 0) -> tuple[int, int]:
-    """(state bytes this rank keeps, communication buffer bytes of one step) for NorMuon."""
-    state = buffers = 0
-    for chunk in muon.chunks(world_size):
-        p, j, _ = muon.matrices[chunk[0]]
-        matrix = p if j is None else p[j]
-        n, size = matrix.numel(), matrix.element_size()
-        if rank < len(chunk):
-            state += 4 * (n + max(matrix.shape))  # fp32 momentum + per-neuron second moment
-            state += 2 * n if matrix.dtype == torch.bfloat16 else 0  # the mantissas of the fp32 master
-        if world_size > 1:  # stacked gradients, the owned mean (and its fp32 copy), gathered matrices
-            buffers += 2 * size * world_size * n + (size + 4) * n
-    return state, buffers
+def normuon_bytes(muon: NorMuon, world_size: int) -> tuple[int, int]:
+    """(state bytes rank 0 keeps, buffer bytes of one step) for NorMuon at world_size. Each shape's matrices are
+    one stack (_MatrixStack), ceil(n / world_size) of them rank 0's. The step holds every shape's stacked
+    gradients at once (the reduce-scatters fly together) with, at world size > 1, the owned sums and the
+    gathered weights, and the largest stack's update in flight: its fp32 gradient, momentum lerp, Polar
+    Express iterates and normalised update, about six fp32 copies, and its weights in and out."""
+    shapes = collections.Counter((tuple(p.shape[-2:]), p.dtype) for p, _, _ in muon.matrices)
+    state = buffers = largest = 0
+    for ((rows, cols), dtype), count in shapes.items():
+        n, size, per_rank = rows * cols, dtype.itemsize, math.ceil(count / world_size)
+        state += per_rank * (4 * (n + max(rows, cols)) + (2 * n if dtype == torch.bfloat16 else 0))
+        buffers += world_size * per_rank * n * size * (2 if world_size > 1 else 1) + \
+            (per_rank * n * size if world_size > 1 else 0)
+        largest = max(largest, per_rank * n * (6 * 4 + 2 * size))
+    return state, buffers + largest
 
 
 def dist_adam_bytes(adam: DistAdam, world_size: int, sparse_table: Tensor, touched_rows: int) -> tuple[int, int]:
@@ -4272,7 +4458,10 @@ def prepare_training(model: GPT, args: Hyperparameters, env: DistEnv, backend="i
     use_flex = resolve_attention(args, env.device) == "flex"
     if args.compile or use_flex:
         compile_model(model, backend, attention_only=not args.compile)
-    return build_optimizers(model, args), use_flex
+    optimizers = build_optimizers(model, args)
+    if args.compile:
+        compile_optimizers(optimizers, backend)
+    return optimizers, use_flex
 
 
 def warmup_steps(args: Hyperparameters, schedule: Schedule) -> list[int]:

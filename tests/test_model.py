@@ -282,7 +282,7 @@ def test_multi_token_loss_and_its_gradient_are_the_records(chunk):
     targets = torch.randint(0, V, (T_,), generator=g)
     targets[5] = targets[6] = targets[7]  # repeated targets: one column gets several weights
     weights = torch.tensor([1.0, 0.5, 0.2])
-    loss = T.SoftcappedMTPLoss.apply(x, w, targets, weights, 0.25, T.HeadLoss(False, (23.0, 5.0, 7.5), chunk, T.mtp_chunk))
+    loss = T.SoftcappedMTPLoss.apply(x, w, targets, weights, 0.25, T.HeadLoss((23.0, 5.0, 7.5), chunk, None, T.head_loss))
     (loss * 3).backward()
     xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     ref = reference_mtp_loss(xr @ wr, targets, weights.tolist())
@@ -308,7 +308,7 @@ def test_fp8_head_matches_its_quantised_definition():
     w = torch.randn(D, V, generator=g) * 0.01
     targets = torch.randint(0, V, (T_,), generator=g)
     weights = torch.tensor([1.0, 0.5])
-    loss = T.SoftcappedMTPLoss.apply(x, w, targets, weights, 1.0, T.HeadLoss(True, (23.0, 5.0, 7.5), 16, T.mtp_chunk))
+    loss = T.SoftcappedMTPLoss.apply(x, w, targets, weights, 1.0, T.HeadLoss((23.0, 5.0, 7.5), 16, T.head_fp8(w), T.head_loss))
     x8 = (x / (100 / 448)).to(torch.float8_e4m3fn).float() * (100 / 448)
     w8 = (w / (1.6 / 448)).to(torch.float8_e4m3fn).float() * (1.6 / 448)
     u = (x8 @ w8).bfloat16().float()

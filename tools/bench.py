@@ -32,7 +32,12 @@ Parts, in the order they run (the most valuable first, so that a run cut short k
   memory_model  the trainer's memory model for the same shapes at --world_size, beside the measured peaks
 
 DIR/bench.json and DIR/bench.md are rewritten as soon as anything is measured: a run cut short keeps what
-it measured. The markdown ends with an estimated 8xH100 time (see estimate()). At the speedrun's sizes the
+it measured. The profile keeps every kernel's row in bench.json (the markdown shows the top 15), so that a CPU
+count can be joined to a measurement kernel by kernel.
+
+--counts needs no GPU: the CPU mode (tools/op_counts.py) runs rank 0's steps on a fake H100 and counts what
+makes a step slow there: eager kernel-launching ops by source, compiled-graph calls, gradient-accumulation
+adds, and with --kernels every compiled kernel's bytes and the loss head's bytes per logit. The markdown ends with an estimated 8xH100 time (see estimate()). At the speedrun's sizes the
 bench needs CUDA and refuses in one line without it; --small runs every part on a CPU at a toy size.
 """
 
@@ -53,6 +58,21 @@ import traceback
 import unittest.mock
 import warnings
 from pathlib import Path
+
+
+def wants_counts(argv: list[str]) -> bool:
+    return "--counts" in (argv[:argv.index("--")] if "--" in argv else argv)
+
+
+if __name__ == "__main__" and wants_counts(sys.argv[1:]):
+    # The CPU mode holds its tensors on a fake H100, whose CUDA hooks PyTorch reads once, when it is imported.
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import fake_cuda
+    try:
+        fake_cuda.load()
+    except fake_cuda.ShimError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 import numpy as np
 import torch
@@ -184,7 +204,7 @@ class RankOfMany:
     onto rows it owns, with as many rows received as sent), and their buffers' bytes are counted as the
     preflight counts them: a reduce-scatter's input, an all-gather's output, an all-to-all's send buffer."""
 
-    def __init__(self, model: T.GPT, args: T.Hyperparameters, world_size: int):
+    def __init__(self, model: T.GPT, args: T.Hyperparameters, world_size: int, backend):
         from torch.testing._internal.distributed.fake_pg import FakeStore
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
         self.world_size = world_size
@@ -195,6 +215,8 @@ class RankOfMany:
         for patch in self.patches:
             patch.start()
         self.optimizers = T.build_optimizers(model, args)
+        if args.compile:  # as the trainer's prepare_training
+            T.compile_optimizers(self.optimizers, backend)
         self.adam = self.optimizers[1]
         self.tie_pair = self.adam.tie_pair
 
@@ -304,7 +326,7 @@ class Bench:
 
     def rank0(self) -> RankOfMany:
         if self.rank is None:
-            self.rank = RankOfMany(self.model, self.args, self.world_size)
+            self.rank = RankOfMany(self.model, self.args, self.world_size, self.counter)
         return self.rank
 
     def close_rank0(self):
@@ -462,11 +484,12 @@ def run_optimizer(bench: Bench, row: dict, flush):
     rank = bench.rank0()
     muon, adam = rank.optimizers
     W = bench.world_size
-    chunks = muon.chunks(W)
-    weights = sum(muon._view(*muon.matrices[chunk[0]][:2]).numel() for chunk in chunks)
-    row["share"] = (f"NorMuon: the {len(muon.matrices)} matrices in {len(chunks)} chunks of at most {W} of one "
-                    f"shape; rank 0 updates the first of each chunk ({len(chunks)} matrices, {weights:,} weights) "
-                    f"and stacks and copies back all of them. DistAdam: {len(adam.buckets)} buckets, rank 0 updates "
+    owned = [m for stack in muon.stacks for m in stack.mine if m is not None]
+    weights = sum(muon.matrices[m][0][0].numel() if muon.matrices[m][1] is not None else muon.matrices[m][0].numel()
+                  for m in owned)
+    row["share"] = (f"NorMuon: the {len(muon.matrices)} matrices in {len(muon.stacks)} stacks of one shape, dealt "
+                    f"round robin; rank 0 updates {len(owned)} of them ({weights:,} weights), one batched update per "
+                    f"stack, and stacks and copies back all of them. DistAdam: {len(adam.buckets)} buckets, rank 0 updates "
                     f"elements [0, ceil(numel / {W})) of each ({sum(b.shard_numel for b in adam.buckets):,} in all); "
                     f"the bigram table's gradient rows travel by the sparse exchange")
     for label, stage_index in (("tied", 0), ("untied", len(schedule.stages) - 2)):
@@ -535,9 +558,10 @@ def summarize_kernels(kernels: list[tuple[str, float, float]], top: int = PROFIL
         by_kind[kernel_kind(name)] += total
     shares = {kind: total / span for kind, total in sorted(by_kind.items())}
     shares["idle gaps"] = (span - busy) / span
+    rows = [{"name": name[:160], "ms": total / 1000, "calls": calls, "kind": kernel_kind(name)}
+            for name, (total, calls) in ranked]
     return {"span_ms": span / 1000, "busy_ms": busy / 1000, "kernel_count": len(kernels),
-            "top": [{"name": name[:160], "ms": total / 1000, "calls": calls, "kind": kernel_kind(name)}
-                    for name, (total, calls) in ranked[:top]],
+            "top": rows[:top], "every_kernel": rows,
             "shares_by_kind": shares}
 
 
@@ -1104,6 +1128,9 @@ def render_markdown(data: dict) -> str:
                     numerics_markdown, profile_markdown):
         lines += section(parts)
     lines += estimate_markdown(data.get("estimate"))
+    if data.get("counts"):
+        import op_counts
+        lines += op_counts.markdown(data["counts"])
     errors = [(name, row["error"]) for name, row in parts.items() if row.get("error")]
     if errors:
         lines += ["## Errors", ""] + [f"- {name}: {error}" for name, error in errors] + [""]
@@ -1126,6 +1153,12 @@ def parse_options(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--untimed", type=int, help="untimed repetitions before them (default 3; --small: 1)")
     parser.add_argument("--training_steps", type=int, help=f"steps of the training part (default {TRAINING_STEPS}; "
                                                             f"--small: {SMALL_TRAINING_STEPS})")
+    parser.add_argument("--counts", action="store_true",
+                        help="the CPU mode: no GPU needed; count rank 0's eager ops, graph calls and gradient adds per "
+                             "step on a fake H100 (tools/op_counts.py) instead of timing anything")
+    parser.add_argument("--kernels", action="store_true",
+                        help="with --counts: also compile with inductor (fake Triton, sm_90) and count every kernel's "
+                             "launches and bytes")
     parser.add_argument("--bus_gbps", type=float, default=360.0,
                         help="NVLink bus bandwidth the estimate assumes, GB/s (default 360: nccl-tests' large-message "
                              "all-gather on 8xH100 SXM; not measured here)")
@@ -1151,6 +1184,8 @@ def parse_options(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--timed={options.timed}: at least 2 (the rank steps time one of each kind past the first)")
     if not options.bus_gbps > 0:
         parser.error(f"--bus_gbps={options.bus_gbps}: must be positive")
+    if options.kernels and not options.counts:
+        parser.error("--kernels counts compiled kernels in the CPU mode: add --counts")
     return options
 
 
@@ -1171,7 +1206,36 @@ def header(options: argparse.Namespace, argv: list[str]) -> dict:
             "world_size": options.world_size, "timed": options.timed, "untimed": options.untimed}
 
 
+def run_counts(options: argparse.Namespace, argv: list[str]) -> Report:
+    """The CPU mode: tools/op_counts.py's counts of rank 0's steps on a fake H100, in bench.json and bench.md."""
+    import logging
+
+    import fake_cuda
+    import op_counts
+    if fake_cuda.loaded is None:
+        raise BenchError("--counts: run tools/bench.py as a script (the fake H100 goes in before torch is imported)")
+    if options.kernels and importlib.util.find_spec("triton") is None:
+        raise BenchError("--kernels needs triton, the version your PyTorch's CUDA wheel pins (PyTorch 2.13: "
+                         "pip install triton==3.7.1)")
+    fake_cuda.pretend_gpu()
+    torch._logging.set_logs(all=logging.CRITICAL)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    report = Report(Path(options.out))
+    report.data["header"] = header(options, argv)
+    flags = (SMALL_FLAGS if options.small else []) + options.flags
+    report.data["header"].update(flags=flags, device=f"fake {fake_cuda.gpu.name} on this CPU ({platform.machine()})")
+    report.flush()
+    start = time.perf_counter()
+    report.data["counts"] = op_counts.count_stages(flags, options.world_size, options.kernels,
+                                                   progress=lambda line: print(line, flush=True))
+    report.data["header"]["total_s"] = time.perf_counter() - start
+    report.flush()
+    return report
+
+
 def run(options: argparse.Namespace, argv: list[str]) -> Report:
+    if options.counts:
+        return run_counts(options, argv)
     cuda = torch.cuda.is_available()
     if not options.small and not cuda:
         raise BenchError("the speedrun's sizes need a CUDA device (none here); --small runs every part at a toy size "

@@ -314,7 +314,8 @@ class GraphCounter:
         for block in model.blocks:
             block.register_forward_pre_hook(lambda module, inputs: setattr(self, "part", layers))
         if compiled:
-            for attribute, part in (("stem", "stem"), ("head_mix", "final mix"), ("mtp_chunk", "loss chunk")):
+            for attribute, part in (("stem", "stem"), ("head_mix", "final mix"), ("head_loss", "loss head"),
+                                    ("fp8_copies", "FP8 refresh")):
                 setattr(model, attribute, self.naming(part, getattr(model, attribute)))
 
     def naming(self, part: str, fn):

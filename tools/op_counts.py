@@ -1,0 +1,355 @@
+"""The bench's CPU mode (`python tools/bench.py --counts`): what makes rank 0's step slow on a GPU, counted on
+this CPU, so that work without a GPU sees its effect.
+
+    python tools/bench.py --counts --out=DIR                 # the speedrun preset as rank 0 of 8, a few minutes
+    python tools/bench.py --counts --kernels --out=DIR       # also every compiled kernel's bytes (inductor, longer)
+    python tools/bench.py --counts --small --out=DIR         # the smoke preset (the suite runs this)
+
+The trainer's own code runs as tools/preflight.py runs it: on fake tensors held on a fake H100 (tools/fake_cuda.py),
+as rank 0 of a fake process group of --world_size ranks, on synthetic tokens. For each stage it runs a first Adam
+cycle (compiling the stage's graphs), then counts a second one, a step without Adam and a step with it:
+
+- eager ops: the aten operations dispatched outside compiled graphs that launch a kernel on a GPU (views, shape
+  queries and allocations launch none), by where in train_gpt.py they come from (the loss head, the block masks,
+  the FP8 refresh, NorMuon, DistAdam, the model's code between its graphs, train_step, and the autograd engine,
+  which runs the backward of eager code and adds gradients together); each costs the host ~20 us on the GPU
+  machine (notes/speed.md);
+- compiled-graph calls, forward and backward (torch.compile's aot_eager backend: the same graphs inductor gets);
+- gradient-accumulation adds: the adds the autograd engine makes where a tensor's gradient arrives from several
+  consumers, or into a parameter's .grad, with their shapes;
+- with --kernels: inductor's kernels for sm_90 (fake Triton: compiled, never run), each launch with the bytes its
+  inductor metadata says it moves (`kernel_num_gb`, torch._inductor.config.benchmark_kernel), the matmuls and
+  other extern kernels with the bytes of their operands, and the loss head's bytes per logit: everything the
+  loss moves, eager passes included, over the logits it computes (rows x padded vocabulary).
+
+Byte counts are inductor's own (in-place buffers once, a looped reduction's re-read once) and operand sizes for
+the rest: a lower bound on what a kernel moves, never a time.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import math
+import os
+import sys
+import time
+import unittest.mock
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+TOOLS = Path(__file__).resolve().parent
+import preflight  # noqa: E402  (tools/ is on the path: bench.py and the tests put it there)
+import train_gpt as T  # noqa: E402
+
+TRAINER = Path(T.__file__).resolve()
+
+# Aten operations that launch no kernel on a GPU: views, metadata and allocation.
+NO_KERNEL = {
+    "aten::view", "aten::_unsafe_view", "aten::as_strided", "aten::t", "aten::transpose", "aten::permute",
+    "aten::expand", "aten::select", "aten::slice", "aten::unsqueeze", "aten::squeeze", "aten::detach",
+    "aten::alias", "aten::unbind", "aten::split", "aten::split_with_sizes", "aten::chunk", "aten::narrow",
+    "aten::diagonal", "aten::view_as", "aten::unflatten", "aten::_reshape_alias", "aten::empty",
+    "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::new_empty_strided", "aten::lift_fresh",
+    "aten::_local_scalar_dense", "aten::sym_size", "aten::sym_stride", "aten::sym_numel", "aten::is_same_size",
+    "aten::set_", "aten::resize_", "aten::record_stream", "aten::_pin_memory", "aten::is_pinned",
+    "aten::_has_compatible_shallow_copy_type", "aten::real", "aten::view_as_real", "aten::view_as_complex",
+    "aten::_nested_tensor_from_mask_left_aligned", "aten::result_type", "aten::_to_copy_meta",
+    "aten::expand_as", "aten::reshape", "aten::flatten", "aten::movedim", "aten::mT", "aten::numpy_T",
+}
+COLLECTIVE_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::")
+
+# Where an eager op comes from: the first category any of its train_gpt.py frames belongs to, by the frame's
+# qualified name. The more specific categories come first (a loss computed inside GPT.forward is the loss head's).
+CATEGORIES = (
+    ("loss head", ("SoftcappedMTPLoss", "mtp_chunk", "head_loss")),
+    ("block masks", ("build_masks", "flex_block_mask", "_ordered_blocks", "block_mask")),
+    ("FP8 refresh", ("refresh_fp8", "MLP.refresh_fp8", "fp8_copies", "mlp_fp8", "head_fp8")),
+    ("NorMuon", ("NorMuon", "polar_express", "normalize_neurons", "bf16_with_mantissa", "split_mantissa",
+                 "normuon")),
+    ("DistAdam", ("DistAdam", "_Bucket", "adam_update", "add_transposed", "copy_transposed")),
+    ("model, between its graphs", ("GPT.", "Block.", "CausalSelfAttention.", "MLP.", "Rotary.", "mudd_net", "norm",
+                                   "bigram_hash", "positions_in_sequence", "apply_rotary", "attention")),
+)
+ENGINE = "autograd engine (backward of eager code, gradient adds)"
+STEP = "train_step and the rest"
+GENERATED = ("<eval_with_key",)  # FX's generated code (aot_eager); inductor's modules live in its cache folder
+
+
+def category(frame) -> str | None:
+    """The category of the op being dispatched, from the Python frames above it; None inside a compiled graph
+    (FX's generated code for aot_eager, inductor's generated module), whose ops are the graph's, not eager."""
+    trainer_frames = []
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.startswith(GENERATED) or "torchinductor" in code.co_filename:  # a compiled graph
+            return None
+        if code.co_filename == str(TRAINER):
+            trainer_frames.append(getattr(code, "co_qualname", code.co_name))
+        frame = frame.f_back
+    if not trainer_frames:
+        return ENGINE
+    for name, prefixes in CATEGORIES:
+        if any(q.startswith(prefixes) for q in trainer_frames):
+            return name
+    return STEP
+
+
+def tensor_bytes(values) -> int:
+    seen, total = set(), 0
+    for t in values:
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def flat_tensors(values):
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from flat_tensors(v)
+
+
+@dataclasses.dataclass
+class StepCounts:
+    """What one training step dispatched."""
+    eager_ops: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # category -> ops
+    eager_bytes: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # category -> bytes
+    collectives: int = 0
+    graph_calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # forward/backward
+    adds: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # (shape, dtype, into) -> n
+    kernels: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # (category, name) -> n
+    kernel_bytes: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # category -> bytes
+    extern_bytes: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # category -> bytes
+
+    def as_dict(self) -> dict:
+        adds = [{"shape": list(shape), "dtype": dtype, "into": into, "count": n}
+                for (shape, dtype, into), n in self.adds.most_common()]
+        return {"eager_ops": sum(self.eager_ops.values()), "eager_ops_by_source": dict(self.eager_ops.most_common()),
+                "eager_bytes_by_source": dict(self.eager_bytes), "collectives": self.collectives,
+                "graph_calls": dict(self.graph_calls), "gradient_adds": sum(self.adds.values()), "adds": adds,
+                "kernel_launches": sum(self.kernels.values()),
+                "kernel_launches_by_source": dict(self._launches_by_source()),
+                "kernel_bytes_by_source": dict(self.kernel_bytes), "extern_bytes_by_source": dict(self.extern_bytes)}
+
+    def _launches_by_source(self) -> collections.Counter:
+        counts = collections.Counter()
+        for (source, _), n in self.kernels.items():
+            counts[source] += n
+        return counts
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every op the trainer dispatches (it sits below tools/preflight.py's FakeGPU, which makes them fake),
+    into `counts` while a step is counted (`counts` set), nothing otherwise."""
+
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self, model: T.GPT):
+        super().__init__()
+        self.model = model
+        self.counts: StepCounts | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if self.counts is not None and not isinstance(func, torch._ops.HigherOrderOperator):
+            self.count(func._schema.name, args, kwargs, result)
+        return result
+
+    def count(self, name: str, args, kwargs, result):
+        counts = self.counts
+        if name.startswith(COLLECTIVE_PREFIXES):
+            counts.collectives += 1
+            return
+        if name in NO_KERNEL or name.startswith("prim::"):  # prim::device and the like: attribute reads
+            return
+        where = category(sys._getframe(2))
+        moved = tensor_bytes([*flat_tensors(args), *flat_tensors(kwargs.values()), *flat_tensors([result])])
+        if where is None:  # an extern kernel of a compiled graph (inductor calls aten for matmuls)
+            counts.extern_bytes[self.graph_source()] += moved
+            return
+        counts.eager_ops[where] += 1
+        counts.eager_bytes[where] += moved
+        if where == ENGINE and name in ("aten::add", "aten::add_"):
+            target = args[0]
+            into = "a parameter's .grad" if any(p.grad is target for p in self.model.parameters()) else "an activation"
+            counts.adds[(tuple(target.shape), str(target.dtype).removeprefix("torch."), into)] += 1
+
+    @staticmethod
+    def graph_source() -> str:
+        """Which part of the step a compiled graph's kernel belongs to: the train_gpt.py frames above it, or the
+        backward's (run by the autograd engine, with no frame of ours)."""
+        frame = sys._getframe(2)
+        trainer_frames = []
+        while frame is not None:
+            if frame.f_code.co_filename == str(TRAINER):
+                trainer_frames.append(getattr(frame.f_code, "co_qualname", frame.f_code.co_name))
+            frame = frame.f_back
+        if not trainer_frames:
+            return "backward graphs"
+        for name, prefixes in CATEGORIES:
+            if any(q.startswith(prefixes) for q in trainer_frames):
+                return name if name != "model, between its graphs" else "forward graphs"
+        return STEP
+
+
+class CountingBackend:
+    """A torch.compile backend: aot_eager (the graphs and their backward, run op by op, which OpCounter leaves out
+    as compiled) with a count of the calls of each forward and backward graph; with kernels=True, inductor."""
+
+    def __init__(self, counter: OpCounter, kernels: bool):
+        self.counter, self.kernels, self.graphs = counter, kernels, 0
+
+    def __call__(self, graph_module, example_inputs):
+        self.graphs += 1
+        if self.kernels:
+            from torch._inductor.compile_fx import compile_fx
+            return compile_fx(graph_module, example_inputs)
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        def counted(kind):
+            def compiler(fx_graph, inputs):
+                run = fx_graph.forward
+
+                def call(*args):
+                    if self.counter.counts is not None:
+                        self.counter.counts.graph_calls[kind] += 1
+                    return run(*args)
+                return make_boxed_func(call)
+            return compiler
+        return aot_autograd(fw_compiler=counted("forward"), bw_compiler=counted("backward"))(graph_module,
+                                                                                            example_inputs)
+
+
+@contextlib.contextmanager
+def kernel_launches(counter: OpCounter):
+    """Each launch of an inductor-generated Triton kernel (fake Triton launches nothing) noted with the bytes its
+    metadata says it moves."""
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    run = CachingAutotuner.run
+
+    def counted_run(self, *args, **kwargs):
+        counts = counter.counts
+        if counts is not None:
+            source = OpCounter.graph_source()
+            name = self.inductor_meta.get("kernel_name") or getattr(self.fn, "__name__", "kernel")
+            counts.kernels[(source, name)] += 1
+            counts.kernel_bytes[source] += int(round(1e9 * (self.inductor_meta.get("kernel_num_gb") or 0.0)))
+        return run(self, *args, **kwargs)
+
+    with unittest.mock.patch.object(CachingAutotuner, "run", counted_run):
+        yield
+
+
+def count_stages(flags: list[str], world_size: int, kernels: bool, progress=print) -> dict:
+    """Per stage, the counts of a step without Adam and a step with it (rank 0 of world_size, fake H100)."""
+    args = T.parse_args(flags, True)
+    T.check_world_size(args, world_size)
+    if kernels:
+        fake_cuda_kernels = preflight.fake_cuda.fake_triton()
+        import torch._inductor.config as inductor_config
+        inductor_config.benchmark_kernel = True  # kernel_num_gb in each kernel's metadata
+    torch._dynamo.reset()
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size))  # what torchrun tells rank 0
+    if world_size > 1:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        return _count(args, world_size, kernels, progress)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _count(args: T.Hyperparameters, world_size: int, kernels: bool, progress) -> dict:
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    gpu = preflight.FakeGPU(fake_mode)
+    with gpu:
+        env, args = T.setup_distributed(args)
+        schedule = T.Schedule(args)
+        with torch.device("meta"):
+            model = T.build_model(args, env)
+    counter = OpCounter(model)
+    backend = CountingBackend(counter, kernels)
+    result = {"stages": {}, "world_size": world_size, "preset": args.preset, "kernels": kernels}
+    with fake_mode, gpu, warnings.catch_warnings(), \
+            unittest.mock.patch.object(T, "host_bigram_rows", preflight.on_host), \
+            unittest.mock.patch.object(dist, "all_to_all_single", gpu.all_to_all_single), \
+            unittest.mock.patch.object(torch, "from_numpy", preflight.real_from_numpy), \
+            kernel_launches(counter) if kernels else contextlib.nullcontext(), counter:
+        warnings.filterwarnings("ignore")
+        optimizers, use_flex = T.prepare_training(model, args, env, backend=backend)
+        loader = T.SyntheticLoader(args, env, schedule)
+        for index, stage in enumerate(schedule.stages):
+            name = "extension" if index == len(schedule.stages) - 1 else f"stage {index + 1}"
+            start = time.perf_counter()
+            cycle = 2 * args.adam_every
+            steps = [s for s in range(stage.start, min(stage.start + cycle, stage.end))]
+            if len(steps) < cycle:
+                continue
+            row = {"micro_tokens": stage.micro_tokens, "micro_batches_per_rank": stage.micro_batches // world_size,
+                   "logits_per_micro_batch": stage.micro_tokens * model.vocab, "steps": {}}
+            for i, step in enumerate(steps):
+                model.rotary.set_window(schedule.windows(step)[1])
+                T.set_schedules(step, optimizers, schedule, args)
+                batch = loader.next_batch(step)
+                counted = i >= args.adam_every  # the second cycle: every graph compiled, every state made
+                counter.counts = StepCounts() if counted else None
+                T.train_step(model, optimizers, batch, step, schedule, args, use_flex)
+                if counted:
+                    kind = "with Adam" if schedule.adam_steps(step) else "without Adam"
+                    row["steps"][kind] = counter.counts.as_dict()
+                counter.counts = None
+            for kind, counts in row["steps"].items():
+                head = counts["eager_bytes_by_source"].get("loss head", 0) + \
+                    counts["kernel_bytes_by_source"].get("loss head", 0)
+                counts["loss_head_bytes_per_logit"] = head / (row["logits_per_micro_batch"] *
+                                                              row["micro_batches_per_rank"])
+            row["seconds"] = time.perf_counter() - start
+            result["stages"][name] = row
+            progress(f"counts: {name} done in {row['seconds']:.1f} s")
+    result["graphs_compiled"] = backend.graphs
+    return result
+
+
+def markdown(result: dict) -> list[str]:
+    """The counts as tables for bench.md."""
+    lines = [f"## CPU counts: rank 0 of {result['world_size']}, fake H100, the {result['preset']} preset", "",
+             "Per step (the second Adam cycle of each stage). Eager ops: aten operations outside compiled graphs "
+             "that launch a kernel; gradient adds: the autograd engine's; loss head B/logit: every byte the loss "
+             "moves outside its matmuls" + (" (inductor's kernel_num_gb and eager operand bytes)" if result["kernels"]
+                                            else " (eager operand bytes only: run with --kernels for the compiled "
+                                                 "kernels' bytes)") + " per logit.", "",
+             "| stage | step | eager ops | graph calls fwd / bwd | collectives | gradient adds | kernel launches | "
+             "loss head B/logit |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, row in result["stages"].items():
+        for kind, c in row["steps"].items():
+            calls = c["graph_calls"]
+            lines.append(f"| {name} | {kind} | {c['eager_ops']:,} | {calls.get('forward', 0)} / "
+                         f"{calls.get('backward', 0)} | {c['collectives']} | {c['gradient_adds']} | "
+                         f"{c['kernel_launches'] or '-'} | {c['loss_head_bytes_per_logit']:.2f} |")
+    lines.append("")
+    sources = sorted({s for row in result["stages"].values() for c in row["steps"].values()
+                      for s in c["eager_ops_by_source"]})
+    lines += ["Eager ops by source:", "", "| stage | step | " + " | ".join(sources) + " |",
+              "| --- | --- | " + " | ".join("---" for _ in sources) + " |"]
+    for name, row in result["stages"].items():
+        for kind, c in row["steps"].items():
+            lines.append(f"| {name} | {kind} | " + " | ".join(str(c["eager_ops_by_source"].get(s, 0))
+                                                                 for s in sources) + " |")
+    lines.append("")
+    return lines
