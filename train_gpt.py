@@ -602,26 +602,54 @@ def _ordered_blocks(visible: Tensor) -> tuple[Tensor, Tensor]:
     return counts[None, None], order[None, None]
 
 
-def flex_block_mask(docs: Tensor, window: int, block_size: int):
-    from torch.nn.attention.flex_attention import BlockMask
-
-    length = docs.numel()
-    window_t = torch.full((), window, dtype=docs.dtype, device=docs.device)
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        distance = q_idx - kv_idx
-        return (distance >= 0) & (distance <= window_t) & (docs[q_idx] == docs[kv_idx])
-
-    # Which (query block, key block) pairs have some visible pair of positions, and which have only
-    # visible ones (those skip mask_mod): from each block's first and last document id and distances.
-    blocks = torch.arange(length // block_size, device=docs.device)
+def block_mask_parts(docs: Tensor, window: Tensor, block_size: int) -> tuple[Tensor, ...]:
+    """The index tensors of a BlockMask for documents `docs` and a window (a 0-dim tensor): which (query block,
+    key block) pairs have some visible pair of positions, and which have only visible ones (those skip the
+    mask_mod), from each block's first and last document id and distances; as counts and indices per query
+    block (the key side), then per key block (the query side, which the backward reads)."""
+    blocks = torch.arange(docs.numel() // block_size, device=docs.device)
     first, last = docs[::block_size], docs[block_size - 1::block_size]
     q, kv = blocks[:, None], blocks[None, :]
     distance = (q - kv) * block_size
-    some = (kv <= q) & (last[None, :] >= first[:, None]) & (distance - (block_size - 1) <= window_t)
-    every = (kv < q) & (first[None, :] == last[:, None]) & (distance + (block_size - 1) <= window_t)
-    return BlockMask.from_kv_blocks(*_ordered_blocks(some & ~every), *_ordered_blocks(every), BLOCK_SIZE=block_size,
-                                    mask_mod=mask_mod, seq_lengths=(length, length))
+    some = (kv <= q) & (last[None, :] >= first[:, None]) & (distance - (block_size - 1) <= window)
+    every = (kv < q) & (first[None, :] == last[:, None]) & (distance + (block_size - 1) <= window)
+    partial = some & ~every
+    return (*_ordered_blocks(partial), *_ordered_blocks(every), *_ordered_blocks(partial.mT),
+            *_ordered_blocks(every.mT))
+
+
+def mask_parts(tokens: Tensor, kinds: tuple, windows: Tensor, block_size: int) -> tuple[Tensor, dict]:
+    """The document ids of a packed sequence and, for each kind of layer (long window, paired), its documents
+    (a paired layer's doubled), its window (a 0-dim tensor of `windows`: short, long, in tokens) and its
+    block mask's index tensors: everything build_masks computes on the device, one compiled call on CUDA."""
+    docs = document_ids(tokens)
+    parts = {}
+    for long_window, paired in kinds:
+        layer_docs = docs.repeat_interleave(2) if paired else docs
+        window = windows[int(long_window)]
+        parts[(long_window, paired)] = (layer_docs, window, block_mask_parts(layer_docs, window, block_size))
+    return docs, parts
+
+
+def flex_block_mask(docs: Tensor, window: int | Tensor, block_size: int, parts: tuple[Tensor, ...] | None = None):
+    """The BlockMask of documents `docs` and a window (tokens; an int or a 0-dim tensor), with the mask_mod its
+    partial blocks apply; parts: its index tensors, when block_mask_parts has computed them already."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if not isinstance(window, Tensor):
+        window = torch.full((), window, dtype=docs.dtype, device=docs.device)
+    if parts is None:
+        parts = block_mask_parts(docs, window, block_size)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        distance = q_idx - kv_idx
+        return (distance >= 0) & (distance <= window) & (docs[q_idx] == docs[kv_idx])
+
+    kv, kv_index, full_kv, full_kv_index, q, q_index, full_q, full_q_index = parts
+    return BlockMask(seq_lengths=(docs.numel(), docs.numel()), kv_num_blocks=kv, kv_indices=kv_index,
+                     full_kv_num_blocks=full_kv, full_kv_indices=full_kv_index, q_num_blocks=q, q_indices=q_index,
+                     full_q_num_blocks=full_q, full_q_indices=full_q_index, BLOCK_SIZE=(block_size, block_size),
+                     mask_mod=mask_mod)
 
 
 @dataclass
@@ -641,20 +669,20 @@ class Masks:
 
 
 def build_masks(tokens: Tensor, plans: list[LayerPlan], windows: tuple[int, int], window_block: int,
-                use_flex: bool) -> Masks:
-    """One mask per kind of layer: (short or long window) x (paired or not); layers of a kind share it."""
-    docs = document_ids(tokens)
-    by_kind = {}
-    for plan in plans:
-        if not plan.attention:
-            continue
-        kind = (plan.long_window, plan.paired)
-        if kind not in by_kind:
-            window = window_tokens(windows, plan.long_window, window_block)
-            layer_docs = docs.repeat_interleave(2) if plan.paired else docs
-            by_kind[kind] = (flex_block_mask(layer_docs, window, window_block) if use_flex
-                             else dense_attention_mask(layer_docs, window))
-    return Masks(by_kind, docs, windows)
+                use_flex: bool, parts: Callable = mask_parts) -> Masks:
+    """One mask per kind of layer: (short or long window) x (paired or not); layers of a kind share it. With
+    FlexAttention, `parts` computes the block masks' tensors (the model's mask_parts: compiled on CUDA)."""
+    kinds = tuple(dict.fromkeys((plan.long_window, plan.paired) for plan in plans if plan.attention))
+    tokens_of = lambda long_window: window_tokens(windows, long_window, window_block)
+    if not use_flex:
+        docs = document_ids(tokens)
+        return Masks({(long_window, paired): dense_attention_mask(docs.repeat_interleave(2) if paired else docs,
+                                                                  tokens_of(long_window))
+                      for long_window, paired in kinds}, docs, windows)
+    window_t = host_to_device(torch.tensor([tokens_of(False), tokens_of(True)]), tokens.device)
+    docs, by_kind = parts(tokens, kinds, window_t, window_block)
+    return Masks({kind: flex_block_mask(kind_docs, window, window_block, parts)
+                  for kind, (kind_docs, window, parts) in by_kind.items()}, docs, windows)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask, scale: Tensor) -> Tensor:
@@ -926,12 +954,12 @@ class MLP(nn.Module):
 @dataclass
 class LayerInputs:
     """What every layer reads besides the stream: the embedding's normed state x0, the bigram injection,
-    the value-embedding rows of each table (tables, T, dim), the per-token gates by name (GateLayout), the
+    the value-embedding rows of each table (a (T, dim) tensor each), the per-token gates by name (GateLayout), the
     states MUDD and the skip read (0: the stream's start; the skip source; the shared-input layer; "last":
     the MUDD layer's input), the masks (with their windows) and the rotary module."""
     x0: Tensor
     x0_bigram: Tensor
-    ve: Tensor
+    ve: tuple
     gates: dict
     saved: dict
     masks: Masks
@@ -1282,7 +1310,8 @@ class GPT(nn.Module):
                 nn.init.kaiming_uniform_(w.data[j], a=math.sqrt(5))
         self.blocks = nn.ModuleList(Block(plan, args, self.numerics.mlp) for plan in self.plans)
         self.rotary = Rotary(args.head_dim, max_positions(args), args.window_block, Schedule(args).stages[0].windows[1])
-        self.head_loss = head_loss  # compile_model puts a compiled one here
+        # compile_model puts compiled ones here
+        self.head_loss, self.mask_parts = head_loss, mask_parts
         if self.numerics.head == "fp8":  # the lm_head's e4m3 copies in both layouts (refresh_fp8)
             self.register_buffer("lm_head_f8", torch.zeros(dim, vocab, dtype=torch.float8_e4m3fn), persistent=False)
             self.register_buffer("lm_head_f8_t", torch.zeros(vocab, dim, dtype=torch.float8_e4m3fn), persistent=False)
@@ -1310,7 +1339,12 @@ class GPT(nn.Module):
             return {}
         out = mudd_net(x, self.mudd_gate_w1[net], self.mudd_gate_w2[net, :width], self.mudd_gate_b2[net, :width],
                        self.mudd_gate_scale.type_as(x))
-        return {name: out[..., where] for name, where in self.gate_layout.slots[net].items()}
+        slots = self.gate_layout.slots[net]
+        # Separate tensors, not views of `out`: a compiled graph returns views of its result by rebuilding them
+        # outside, and each one's gradient then arrives as a zero-padded copy of the whole (1, T, width) (an add
+        # per gate); split's backward joins the pieces' gradients in one copy.
+        pieces = out.split([where.stop - where.start for where in slots.values()], dim=-1)
+        return {name: piece.clone() for name, piece in zip(slots, pieces)}
 
     def mudd(self, x: Tensor, net: int, count: int) -> tuple[Tensor, ...]:
         return mudd_net(x, self.mudd_w1[net], self.mudd_w2[net, :count], self.mudd_b2[net, :count],
@@ -1375,7 +1409,9 @@ class GPT(nn.Module):
                                                                             self.bigram_signs.size(0)), 0)]
         hashed = bigram_hash(input_ids, previous, position, self.bigram_embed.num_embeddings)
         x0_bigram = (self.bigram_embed(hashed) * signs.type_as(x))[None]
-        ve = self.value_embeds.view(-1, self.vocab, self.value_embeds.size(-1))[:, input_ids]  # (tables, T, dim)
+        rows = self.value_embeds.view(-1, self.vocab, self.value_embeds.size(-1))[:, input_ids]  # (tables, T, dim)
+        # one tensor per table, not views (see gates): a layer's gradient then covers its own table's rows alone
+        ve = tuple(table.clone() for table in rows.unbind(0))
         return x0, x0_bigram, ve, self.gates(x0, 0)
 
     def head_mix(self, x: Tensor, saved: dict, ve0: Tensor) -> Tensor:
@@ -1457,6 +1493,7 @@ def compile_model(model: GPT, backend="inductor", attention_only: bool = False):
     model.stem = torch.compile(model.stem, **options)
     model.head_mix = torch.compile(model.head_mix, **options)
     model.head_loss = keeping_casts(torch.compile(head_loss, **options))
+    model.mask_parts = torch.compile(mask_parts, **options)
     model.fp8_copies = torch.compile(fp8_copies, **options)
 
 
@@ -2263,7 +2300,7 @@ def train_step(model: GPT, optimizers, batch, step: int, schedule: Schedule, arg
             adam.start_sparse_exchange()
         with contextlib.nullcontext() if reduce_now else adam.no_sync():
             # Summed over tokens, averaged over micro-batches and ranks (the record's gradient scale).
-            masks = build_masks(inputs, model.plans, windows, args.window_block, use_flex)
+            masks = build_masks(inputs, model.plans, windows, args.window_block, use_flex, model.mask_parts)
             loss = model(inputs, targets, masks, mtp, loss_scale=1 / len(batch))
             loss.backward()
         loss_sum += loss.detach() * len(batch)
@@ -2289,7 +2326,7 @@ def evaluate(model: GPT, tokens: Tensor, windows: tuple[int, int], args: Hyperpa
     for seq in range(env.rank, num_seqs, env.world_size):
         buf = to_device(tokens[seq * args.val_seq_len:(seq + 1) * args.val_seq_len + 1], env.device)
         inputs, targets = buf[:-1], buf[1:]
-        masks = build_masks(inputs, model.plans, windows, args.window_block, use_flex)
+        masks = build_masks(inputs, model.plans, windows, args.window_block, use_flex, model.mask_parts)
         loss_sum += model(inputs, targets, masks).double()
     if env.world_size > 1:
         dist.all_reduce(loss_sum)

@@ -396,7 +396,7 @@ def run_stage(bench: Bench, name: str, stage_index: int, row: dict, flush):
                micro_batches_per_rank=len(batch), windows=list(windows), max_seq_len=stage.max_seq_len,
                mtp_weights=list(schedule.mtp_weights(step)), attn_scale=float(bench.model.rotary.attn_scale),
                documents=int((inputs == T.BOS_ID).sum()))
-    masks = T.build_masks(inputs, bench.model.plans, windows, args.window_block, bench.use_flex)
+    masks = T.build_masks(inputs, bench.model.plans, windows, args.window_block, bench.use_flex, bench.model.mask_parts)
 
     graphs = bench.counter.graphs
     start = time.perf_counter()
@@ -425,7 +425,7 @@ def run_stage(bench: Bench, name: str, stage_index: int, row: dict, flush):
     timer = DeviceTimer(device)
     for repetition in range(options.untimed + options.timed):
         with timer.region():
-            T.build_masks(inputs, bench.model.plans, windows, args.window_block, bench.use_flex)
+            T.build_masks(inputs, bench.model.plans, windows, args.window_block, bench.use_flex, bench.model.mask_parts)
     row["masks"] = stats(timer.ms()[options.untimed:])
     flush()
 
@@ -501,7 +501,7 @@ def run_optimizer(bench: Bench, row: dict, flush):
         batch = bench.batch(stage_index)
         inputs, targets = batch[0]
         windows, mtp = schedule.windows(step), bench.mtp(step)
-        masks = T.build_masks(inputs, bench.model.plans, windows, args.window_block, bench.use_flex)
+        masks = T.build_masks(inputs, bench.model.plans, windows, args.window_block, bench.use_flex, bench.model.mask_parts)
         T.set_schedules(step, rank.optimizers, schedule, args)
         timers = {"NorMuon": DeviceTimer(device), "DistAdam": DeviceTimer(device)}
         for repetition in range(options.untimed + options.timed):
@@ -682,7 +682,7 @@ def run_validation(bench: Bench, row: dict, flush):
     try:
         with torch.no_grad():
             graphs, start = bench.counter.graphs, time.perf_counter()
-            masks = T.build_masks(inputs, bench.model.plans, windows, args.window_block, bench.use_flex)
+            masks = T.build_masks(inputs, bench.model.plans, windows, args.window_block, bench.use_flex, bench.model.mask_parts)
             loss = bench.model(inputs, targets, masks)
             T.sync(device)
             row["compile_s"], row["graphs_compiled"] = time.perf_counter() - start, bench.counter.graphs - graphs
@@ -693,7 +693,7 @@ def run_validation(bench: Bench, row: dict, flush):
             timer, mask_timer = DeviceTimer(device), DeviceTimer(device)
             for _ in range(reps):
                 with mask_timer.region():
-                    masks = T.build_masks(inputs, bench.model.plans, windows, args.window_block, bench.use_flex)
+                    masks = T.build_masks(inputs, bench.model.plans, windows, args.window_block, bench.use_flex, bench.model.mask_parts)
                 with timer.region():
                     bench.model(inputs, targets, masks)
             row["forward"], row["masks"] = stats(timer.ms()), stats(mask_timer.ms())
