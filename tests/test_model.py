@@ -319,6 +319,53 @@ def test_fp8_head_matches_its_quantised_definition():
     assert_close(loss, ref, rtol=1e-5, atol=1e-4)
 
 
+def test_fp8_head_gradients_are_the_e5m2_gradient_times_the_e4m3_operands():
+    # The logits' gradient (the record's kernel's, from the bf16-rounded squashed logits), divided by
+    # g_s = loss_scale * 0.75/448 and rounded to e5m2, then both FP8 matmuls: grad_x = g8 W8^T and the
+    # lm_head's grad_w = x8^T g8, the latter one matmul over every chunk's rows (several chunks here, a repeated
+    # target, and the last rows' missing targets).
+    g = torch.Generator().manual_seed(7)
+    T_, D, V, scale = 40, 64, 256, 0.25
+    x = T.norm(torch.randn(T_, D, generator=g)).requires_grad_()
+    w = (torch.randn(D, V, generator=g) * 0.01).requires_grad_()
+    targets = torch.randint(0, V, (T_,), generator=g)
+    targets[10] = targets[11] = targets[12]
+    weights = torch.tensor([1.0, 0.5, 0.25])
+    head = T.HeadLoss((23.0, 5.0, 7.5), 16, T.head_fp8(w.detach()), T.head_loss)
+    T.SoftcappedMTPLoss.apply(x, w, targets, weights, scale, head).backward()
+    x8 = (x.detach() / (100 / 448)).to(torch.float8_e4m3fn).float() * (100 / 448)
+    w8 = (w.detach() / (1.6 / 448)).to(torch.float8_e4m3fn).float() * (1.6 / 448)
+    u = (x8 @ w8).bfloat16().float()
+    s = torch.sigmoid((u + 5) / 7.5).bfloat16().float()
+    p = torch.softmax(23 * s, -1)
+    target_weights = torch.zeros(T_, V)
+    for k, wk in enumerate(weights.tolist()):
+        target_weights[torch.arange(T_ - k), targets[k:]] += wk
+    g_u = scale * (weights.sum() * p - target_weights) * 23 / 7.5 * s * (1 - s)
+    grad_s = scale * 0.75 / 448
+    g8 = (g_u / grad_s).to(torch.float8_e5m2).float() * grad_s
+    assert_close(x.grad, (g8 @ w8.T).to(x.dtype), rtol=1e-5, atol=1e-6)
+    assert_close(w.grad, x8.T @ g8, rtol=1e-5, atol=1e-6)
+    assert (g8 != 0).float().mean() > 0.9  # a gradient, not mostly zeros that would pass any comparison
+
+
+def test_block_masks_query_side_is_what_flex_attention_derives_from_the_key_side():
+    # block_mask_parts computes the query side (which the backward reads) itself, in the same call; PyTorch's
+    # BlockMask.from_kv_blocks derives it from the key side: they must agree, for every kind of layer.
+    from torch.nn.attention.flex_attention import BlockMask
+    args = T.parse_args(["--preset=speedrun"], True)
+    tokens = tokens_with_documents(2048, [0, 100, 101, 700, 1500, 1501], seed=3)
+    masks = T.build_masks(tokens, T.layer_plan(args), (3, 7), 128, use_flex=True)
+    assert len(masks.by_kind) == 3
+    for kind, mask in masks.by_kind.items():
+        derived = BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
+                                           mask.full_kv_indices, BLOCK_SIZE=128, mask_mod=mask.mask_mod,
+                                           seq_lengths=mask.seq_lengths)
+        for name in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+            assert torch.equal(getattr(mask, name), getattr(derived, name)), (kind, name)
+        assert mask.full_q_num_blocks.sum() > 0 and mask.q_num_blocks.sum() > 0, kind  # both kinds of block
+
+
 def test_fp8_mlp_matches_its_quantised_definition_and_backward_is_bf16():
     g = torch.Generator().manual_seed(6)
     mlp = T.MLP(64, 4, "fp8")
