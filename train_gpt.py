@@ -1370,8 +1370,12 @@ class GPT(nn.Module):
         if caches is not None:
             caches.last_embedding, caches.last_id = self.embed(input_ids[-1:]), input_ids[-1:]
         x0, x0_bigram, ve, gates = self.stem(input_ids, position, last_id, last_embedding)
-        sa_lambdas = self.scalars[:2 * len(self.plans)].view(-1, 2)  # (layers, 2): qkv and output lambdas
-        resid, post = self.resid_lambdas.bfloat16(), self.post_lambdas.bfloat16()  # as the record, rounded to bf16
+        # Per layer, unbound rather than indexed: each layer's gradient then joins the others' in one stack
+        # (unbind's backward), where an index would pad it with zeros to the whole tensor and add.
+        sa_lambdas = self.scalars[:2 * len(self.plans)].view(-1, 2).unbind(0)  # (qkv, output) lambdas per layer
+        resid = self.resid_lambdas.bfloat16().unbind(0)  # as the record, rounded to bf16
+        post = self.post_lambdas.bfloat16().unbind(0)
+        ve_gates = self.ve_gates.unbind(0)
         x = x0 + x0_bigram * gates[("bigram", 0)]
         saved = {0: x}  # states MUDD mixes in: the stream's start, the skip source, the shared input
         inputs = LayerInputs(x0, x0_bigram, ve, gates, saved, masks, self.rotary)
@@ -1384,7 +1388,7 @@ class GPT(nn.Module):
                 saved["last"] = x
                 mix = LayerMix(*self.mudd(x, 0, MUDD_LAYER_COEFS))
             weights = LayerWeights(sa_lambdas[i], resid[i], post[i],
-                                   self.ve_gates[plan.ve_gate] if plan.ve_gate is not None else None,
+                                   ve_gates[plan.ve_gate] if plan.ve_gate is not None else None,
                                    self.scalars[-1] if plan.skip_target else None, mix)
             x = block(x, inputs, weights, caches.layers[i] if caches is not None else None)
             if i in (self.skip_from, self.shared_input_layer):
@@ -3377,16 +3381,20 @@ def mask_bytes(masks: Masks) -> int:
     return total
 
 
-def loss_chunk_bytes(args: Hyperparameters, tokens: int, device_type: str) -> int:
-    """The loss's transient, one chunk of LOSS_CHUNK rows of logits at a time (the full logits are never
-    held). On GPUs: the bf16 logits, the FP8 gradient and the chunk's fp32 passes (mtp_chunk), of which the
-    eager chunk (--compile=false) keeps two at once, working in place, and the compiled one five as
-    tools/preflight.py measures it (aot_eager keeps every pass; inductor fuses most: fewer). On CPU: fp32
-    logits and two passes (tests/test_memory.py measures it)."""
+def loss_chunk_bytes(args: Hyperparameters, tokens: int, device_type: str, head: str) -> int:
+    """The loss's transient: one chunk of LOSS_CHUNK rows of logits at a time (the full logits are never
+    held), and with the FP8 head (head: the lm_head's precision) the e5m2 gradient of every row's logits,
+    transposed, for the lm_head's one weight-gradient matmul (head_loss). On GPUs a chunk holds its bf16
+    logits and fp32 passes of mtp_chunk: the compiled head three at once as tools/preflight.py measures it
+    (aot_eager keeps every pass; inductor fuses most: fewer), the eager one (--compile=false) two, working in
+    place, and its FP8 gradient in fp32 and e5m2 besides. On CPU: fp32 logits and two passes (tests/test_memory.py
+    measures it)."""
     elements = min(LOSS_CHUNK, tokens) * padded_vocab(args.vocab_size)
-    if device_type == "cuda":
-        return elements * (2 + 1 + 4 * (5 if args.compile else 2))
-    return elements * 3 * 4
+    if device_type != "cuda":
+        return elements * 3 * 4
+    fp8 = head == "fp8"
+    per_logit = 2 + 4 * (3 if args.compile else 2) + (1 + (0 if args.compile else 4) if fp8 else 0)
+    return elements * per_logit + (tokens * padded_vocab(args.vocab_size) if fp8 else 0)
 
 
 class MemoryModel:
@@ -3454,7 +3462,8 @@ class MemoryModel:
             mtp = torch.ones(len(Schedule(args).mtp_weights(0)))
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
                 self.model(x[:-1], x[1:], masks, mtp, loss_scale=1.0)
-        activations, chunk = sum(saved.values()), loss_chunk_bytes(args, micro_tokens, self.device_type)
+        activations, chunk = sum(saved.values()), loss_chunk_bytes(args, micro_tokens, self.device_type,
+                                                                       self.model.numerics.head)
         tables = (self.model.value_embeds, self.model.embed.weight, self.model.bigram_embed.weight)
         embedding_backward = 2 * max(tensor_bytes([table]) for table in tables)
         step_buffers = self.muon_buffers + adam_buffers

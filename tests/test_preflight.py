@@ -93,17 +93,46 @@ def test_every_phase_of_the_schedule_passes_at_world_size_8(preflight_runs):
     assert what["training step 851"] == "stage 3, 49,152 tokens per micro-batch, Adam, untie"
     assert what["training step 1276"] == "extension, 49,152 tokens per micro-batch"
     assert what["validation"] == "final windows (6, 20), 262,144-token sequences"
-    # Per layer (11) and for the stem and the final mix, one graph per sequence length: 16,384, 32,768 and
-    # 49,152 tokens, and the validation's 262,144; the loss chunk one per count of MTP targets (3, 2, 1).
-    # All of them in the first step of each stage and the validation, which the warmup runs.
-    assert run["graphs"] == {"stem": 4, "layers": 44, "final mix": 4, "loss chunk": 3}
+    # Per layer (11), for the stem, the final mix and the block masks, one graph per sequence length: 16,384,
+    # 32,768 and 49,152 tokens, and the validation's 262,144; the loss head one per training length (with its
+    # count of MTP targets: 3, 2, 1); NorMuon's update one per shape of stack (3), the FP8 refresh one, and
+    # DistAdam's updates (any size: one per kind of bucket) and the tied embedding's transposes at the first
+    # Adam step. All of them in the first steps of each stage and the validation, which the warmup runs.
+    assert run["graphs"] == {"block masks": 4, "stem": 4, "layers": 44, "final mix": 4, "loss head": 3, "NorMuon": 3,
+                             "FP8 refresh": 1, "DistAdam": 9}
     compiled = {name: phase["graphs"] for name, phase in run["phases"].items() if phase["graphs"]}
-    assert compiled == {"training step 0": 14, "training step 425": 14, "training step 850": 14, "validation": 13}
+    assert compiled == {"training step 0": 19, "training step 1": 9, "training step 425": 15, "training step 850": 15,
+                        "validation": 14}
     assert "dynamo's limit per code object is 64" in run["stdout"]  # 44 layer graphs share one code object
     assert {name: phase["host_syncs"] for name, phase in run["phases"].items() if phase["host_syncs"]} == \
         {"validation": [VALIDATION_SYNC]}
     for name, phase in run["phases"].items():
         assert 0 < phase["peak"] < fake_cuda.H100.total_memory, name
+
+
+@pytest.mark.slow
+def test_a_step_launches_few_eager_ops_whatever_the_number_of_matrices_or_buckets(preflight_runs):
+    # tools/op_counts.py's counts of each training step (the preflight's first steps of each stage): the host
+    # issues each part of the step as a few calls, not an op per matrix, bucket or chunk of rows (before issue 37:
+    # NorMuon 1,338 eager ops a step, DistAdam 232 an Adam step, the block masks 177, the FP8 refresh 77, the
+    # loss head 54-132).
+    run = preflight_runs["world_size_8"]
+    steps = {name: phase["counts"] for name, phase in run["phases"].items() if name.startswith("training step")}
+    assert len(steps) == 9
+    for name, counts in steps.items():
+        by_source = counts["eager_ops_by_source"]
+        assert by_source.get("NorMuon", 0) <= 8 * 3, name  # three stacks (one per shape), a few ops each
+        assert by_source.get("DistAdam", 0) <= 6 * 16 + 8, name  # sixteen buckets
+        assert by_source.get("block masks", 0) <= 2, name  # a windows tensor; the rest is one compiled call
+        assert by_source.get("FP8 refresh", 0) == 0 and by_source.get("loss head", 0) <= 8, name
+        assert counts["eager_ops"] < 500, name
+        # no gradient padded to a whole gathered tensor: no (tables, T, dim) value-embedding rows, no gate net's
+        # full output, no (layers, 2) lambdas
+        shapes = {tuple(add["shape"]) for add in counts["adds"]}
+        assert not any(len(shape) == 3 and shape[0] == 5 for shape in shapes), (name, shapes)
+        assert (11, 2) not in shapes and not any(len(shape) == 3 and shape[0] == 1 and shape[2] in (26, 41)
+                                                 for shape in shapes), (name, shapes)
+    assert steps["training step 851"]["eager_ops_by_source"]["DistAdam"] > 0  # (an Adam step is counted)
 
 
 @pytest.mark.slow

@@ -121,7 +121,7 @@ def test_a_blocking_copy_from_the_host_inside_train_step_fails_the_preflight(pre
 @pytest.mark.slow
 def test_a_cpu_tensor_created_inside_the_step_fails_the_preflight(preflight_runs):
     failed(preflight_runs["cpu_tensor"], "training step 0:", "cuda:0", "cpu",
-           f"in flex_block_mask at train_gpt.py:{line_of('some = (kv <= q)')}")
+           f"in block_mask_parts at train_gpt.py:{line_of('some = (kv <= q)')}")
 
 
 @pytest.mark.slow

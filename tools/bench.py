@@ -1173,6 +1173,7 @@ def parse_options(argv: list[str]) -> argparse.Namespace:
     for name, (real, small) in defaults.items():  # (the speedrun's, --small's)
         if getattr(options, name) is None:
             setattr(options, name, small if options.small else real)
+    options.parts_given = any(arg.startswith("--parts") for arg in ours)
     options.parts = [p.strip() for p in options.parts.split(",") if p.strip()]
     unknown = [p for p in options.parts if p not in PARTS]
     if unknown or not options.parts:
@@ -1186,6 +1187,8 @@ def parse_options(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--bus_gbps={options.bus_gbps}: must be positive")
     if options.kernels and not options.counts:
         parser.error("--kernels counts compiled kernels in the CPU mode: add --counts")
+    if options.counts and options.parts_given and not set(options.parts) & set(STAGE_PARTS):
+        parser.error(f"--counts counts the stages' steps: --parts takes {', '.join(STAGE_PARTS)} there")
     return options
 
 
@@ -1226,8 +1229,16 @@ def run_counts(options: argparse.Namespace, argv: list[str]) -> Report:
     report.data["header"].update(flags=flags, device=f"fake {fake_cuda.gpu.name} on this CPU ({platform.machine()})")
     report.flush()
     start = time.perf_counter()
+    stages = [("extension" if part == "extension" else f"stage {part.removeprefix('stage')}")
+              for part in options.parts if part in STAGE_PARTS]
+
+    def flush(result: dict):
+        report.data["counts"] = result
+        report.flush()
+
     report.data["counts"] = op_counts.count_stages(flags, options.world_size, options.kernels,
-                                                   progress=lambda line: print(line, flush=True))
+                                                   stages if options.parts_given else None,
+                                                   progress=lambda line: print(line, flush=True), flush=flush)
     report.data["header"]["total_s"] = time.perf_counter() - start
     report.flush()
     return report

@@ -44,9 +44,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-TOOLS = Path(__file__).resolve().parent
-import preflight  # noqa: E402  (tools/ is on the path: bench.py and the tests put it there)
-import train_gpt as T  # noqa: E402
+import train_gpt as T  # noqa: E402  (the repository root is on the path: bench.py and preflight.py put it there)
 
 TRAINER = Path(T.__file__).resolve()
 
@@ -255,8 +253,11 @@ def kernel_launches(counter: OpCounter):
         yield
 
 
-def count_stages(flags: list[str], world_size: int, kernels: bool, progress=print) -> dict:
-    """Per stage, the counts of a step without Adam and a step with it (rank 0 of world_size, fake H100)."""
+def count_stages(flags: list[str], world_size: int, kernels: bool, stages: list[str] | None = None,
+                 progress=print, flush=lambda result: None) -> dict:
+    """Per stage ("stage 1", ..., "extension"; None: all), the counts of a step without Adam and a step with it
+    (rank 0 of world_size, fake H100); flush(result) after each stage."""
+    import preflight  # (tools/ is on the path; preflight imports this module, so not at the top)
     args = T.parse_args(flags, True)
     T.check_world_size(args, world_size)
     if kernels:
@@ -269,13 +270,14 @@ def count_stages(flags: list[str], world_size: int, kernels: bool, progress=prin
         from torch.testing._internal.distributed.fake_pg import FakeStore
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        return _count(args, world_size, kernels, progress)
+        return _count(args, world_size, kernels, stages, progress, flush)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _count(args: T.Hyperparameters, world_size: int, kernels: bool, progress) -> dict:
+def _count(args: T.Hyperparameters, world_size: int, kernels: bool, stages, progress, flush) -> dict:
+    import preflight
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     gpu = preflight.FakeGPU(fake_mode)
     with gpu:
@@ -296,6 +298,8 @@ def _count(args: T.Hyperparameters, world_size: int, kernels: bool, progress) ->
         loader = T.SyntheticLoader(args, env, schedule)
         for index, stage in enumerate(schedule.stages):
             name = "extension" if index == len(schedule.stages) - 1 else f"stage {index + 1}"
+            if stages is not None and name not in stages:
+                continue
             start = time.perf_counter()
             cycle = 2 * args.adam_every
             steps = [s for s in range(stage.start, min(stage.start + cycle, stage.end))]
@@ -321,6 +325,8 @@ def _count(args: T.Hyperparameters, world_size: int, kernels: bool, progress) ->
                                                               row["micro_batches_per_rank"])
             row["seconds"] = time.perf_counter() - start
             result["stages"][name] = row
+            result["graphs_compiled"] = backend.graphs
+            flush(result)
             progress(f"counts: {name} done in {row['seconds']:.1f} s")
     result["graphs_compiled"] = backend.graphs
     return result

@@ -104,6 +104,7 @@ from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 
 import estimate_memory  # noqa: E402
+import op_counts  # noqa: E402
 import train_gpt as T  # noqa: E402
 
 GIB = 2 ** 30
@@ -307,16 +308,21 @@ class GraphCounter:
         self.part = None
         self.graphs = collections.Counter()
 
-    def watch(self, model: T.GPT, compiled: bool):
-        """Names the part of the model that compiles: each layer (one code object, Block.forward, for all
-        of them), the stem, the final mix and the loss chunk; with --compile=false the attention calls."""
+    def watch(self, model: T.GPT, optimizers, compiled: bool):
+        """Names the part of the step that compiles: each layer (one code object, Block.forward, for all of
+        them), the stem, the final mix, the loss head, the FP8 refresh, the block masks and the optimizers'
+        updates; with --compile=false the attention calls."""
         layers = "layers" if compiled else "attention calls"
         for block in model.blocks:
             block.register_forward_pre_hook(lambda module, inputs: setattr(self, "part", layers))
         if compiled:
             for attribute, part in (("stem", "stem"), ("head_mix", "final mix"), ("head_loss", "loss head"),
-                                    ("fp8_copies", "FP8 refresh")):
+                                    ("fp8_copies", "FP8 refresh"), ("mask_parts", "block masks")):
                 setattr(model, attribute, self.naming(part, getattr(model, attribute)))
+            muon, adam = optimizers
+            muon.update = self.naming("NorMuon", muon.update)
+            for attribute in ("update", "add_transposed", "copy_transposed"):
+                setattr(adam, attribute, self.naming("DistAdam", getattr(adam, attribute)))
 
     def naming(self, part: str, fn):
         def call(*args, **kwargs):
@@ -350,6 +356,7 @@ class Phase:
     collectives: dict = dataclasses.field(default_factory=dict)  # kind -> bytes
     host_syncs: list = dataclasses.field(default_factory=list)
     graphs: int = 0  # compiled in this phase
+    counts: dict | None = None  # a training step's eager ops and gradient adds (tools/op_counts.py)
 
 
 @dataclasses.dataclass
@@ -452,13 +459,20 @@ def run_steps(args: T.Hyperparameters, world_size: int, backend: str) -> Report:
     torch.cuda.synchronize = lambda device=None: gpu.host_sync("torch.cuda.synchronize")
     counter = GraphCounter(backend)
 
+    ops = None  # the OpCounter, once the model exists
+
     @contextlib.contextmanager
     def phase(name: str, what: str, stage: str | None = None, training_step: bool = False):
         graphs = counter.total
+        if training_step:
+            ops.counts = op_counts.StepCounts()
         with gpu.running(name, training_step):
             yield
+        counts = ops.counts.as_dict() if training_step else None
+        if ops is not None:
+            ops.counts = None
         report.phases[name] = Phase(name, what, stage, gpu.peaks[name], dict(gpu.collective_bytes[name]),
-                                    list(gpu.host_syncs[name]), counter.total - graphs)
+                                    list(gpu.host_syncs[name]), counter.total - graphs, counts)
 
     with phase("setup", "the model built and moved to the GPU, compiled, its optimizers"), gpu:
         env, args = T.setup_distributed(args)  # (auto's counts chosen)
@@ -470,15 +484,16 @@ def run_steps(args: T.Hyperparameters, world_size: int, backend: str) -> Report:
     report.memory_plan = env.memory.lines
     for p in model.parameters():
         report.parameters[str(p.dtype).removeprefix("torch.")] += p.numel()
+    ops = op_counts.OpCounter(model)
 
-    with fake_mode, gpu, warnings.catch_warnings(), unittest.mock.patch.object(T, "host_bigram_rows", on_host), \
+    with fake_mode, gpu, ops, warnings.catch_warnings(), unittest.mock.patch.object(T, "host_bigram_rows", on_host), \
             unittest.mock.patch.object(dist, "all_to_all_single", gpu.all_to_all_single), \
             unittest.mock.patch.object(torch, "from_numpy", real_from_numpy):
         # FlexAttention run uncompiled materialises the whole score matrix: on the GPUs, an out-of-memory.
         warnings.filterwarnings("error", message=".*flex_attention called without torch.compile")
         with gpu.running("setup"):
             optimizers, use_flex = T.prepare_training(model, args, env, backend=counter)
-            counter.watch(model, compiled=args.compile)
+            counter.watch(model, optimizers, compiled=args.compile)
             loader = T.SyntheticLoader(args, env)
             val_tokens = torch.randint(0, T.BOS_ID, (args.val_seq_len * world_size + 1,))
         attention = "flex" if use_flex else "sdpa"
@@ -552,6 +567,12 @@ def save_checkpoints(model, optimizers, loader, args: T.Hyperparameters, env: T.
 # -----------------------------------------------------------------------------
 # Output
 
+def eager_ops(counts: dict) -> str:
+    """A training step's tools/op_counts.py counts in words (the first step of a stage also makes state)."""
+    sources = ", ".join(f"{source.split(' (')[0]} {n}" for source, n in counts["eager_ops_by_source"].items())
+    return f"eager ops {counts['eager_ops']} ({sources}); gradient adds {counts['gradient_adds']}"
+
+
 def megabytes(n: float) -> str:
     return f"{n / 1e6:,.1f} MB" if n >= 100_000 else f"{n:,.0f} bytes"
 
@@ -578,7 +599,7 @@ def print_report(report: Report):
         memory = f"{p.peak / GIB:.2f} GiB" + (f" | {estimate / GIB:.2f}" if estimate is not None else "")
         syncs = ", ".join(sorted(set(p.host_syncs))) or "none"
         print(f"  {p.name} ({p.what}): memory {memory}; collectives {kinds(p.collectives)}; "
-              f"host syncs {syncs}; graphs compiled {p.graphs}")
+              f"host syncs {syncs}; graphs compiled {p.graphs}" + (f"; {eager_ops(p.counts)}" if p.counts else ""))
     print(f"  an {card.short_name} has {card.total_memory / GIB:.2f} GiB")
     print("graphs compiled: " + (", ".join(f"{n} for the {part}" for part, n in report.graphs.items()) or "none") +
           f"; dynamo's limit per code object is {torch._dynamo.config.recompile_limit}")

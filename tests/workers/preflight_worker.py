@@ -54,8 +54,8 @@ SCENARIOS = {
                        "mtp = torch.tensor(schedule.mtp_weights(step)).to(device)")),
     # A CPU tensor created inside the step: harmless on CPU, a device mismatch on CUDA.
     "cpu_tensor": (["--world_size=8", "--", *ONE_LENGTH, "--compile=false"],
-                   ("flex_block_mask", "blocks = torch.arange(length // block_size, device=docs.device)",
-                    "blocks = torch.arange(length // block_size)")),
+                   ("block_mask_parts", "blocks = torch.arange(docs.numel() // block_size, device=docs.device)",
+                    "blocks = torch.arange(docs.numel() // block_size)")),
     # The FP8 MLP's weight operand made row-major: CPU's _scaled_mm takes it, CUDA's refuses it.
     "fp8_layout": (["--world_size=8", "--", *ONE_LENGTH, "--compile=false"],
                    ("ReluSquaredMLP", "scaled_mm(x8, fc_f8.T, amax", "scaled_mm(x8, fc_f8.T.contiguous(), amax")),
