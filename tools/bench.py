@@ -354,6 +354,11 @@ class Bench:
         self.model.zero_grad(set_to_none=True)
         T.refresh_fp8(self.model)
 
+    def masks(self, inputs: torch.Tensor, windows: tuple[int, int]) -> T.Masks:
+        """The block masks as train_step builds them (the model's mask_parts: compiled on CUDA)."""
+        return T.build_masks(inputs, self.model.plans, windows, self.args.window_block, self.use_flex,
+                             self.model.mask_parts)
+
     def mtp(self, step: int) -> torch.Tensor:
         return T.host_to_device(torch.tensor(self.schedule.mtp_weights(step)), self.device)
 
@@ -396,7 +401,7 @@ def run_stage(bench: Bench, name: str, stage_index: int, row: dict, flush):
                micro_batches_per_rank=len(batch), windows=list(windows), max_seq_len=stage.max_seq_len,
                mtp_weights=list(schedule.mtp_weights(step)), attn_scale=float(bench.model.rotary.attn_scale),
                documents=int((inputs == T.BOS_ID).sum()))
-    masks = T.build_masks(inputs, bench.model.plans, windows, args.window_block, bench.use_flex, bench.model.mask_parts)
+    masks = bench.masks(inputs, windows)
 
     graphs = bench.counter.graphs
     start = time.perf_counter()
@@ -425,19 +430,22 @@ def run_stage(bench: Bench, name: str, stage_index: int, row: dict, flush):
     timer = DeviceTimer(device)
     for repetition in range(options.untimed + options.timed):
         with timer.region():
-            T.build_masks(inputs, bench.model.plans, windows, args.window_block, bench.use_flex, bench.model.mask_parts)
+            bench.masks(inputs, windows)
     row["masks"] = stats(timer.ms()[options.untimed:])
     flush()
 
-    rank_steps(bench, stage_index, row)
-    row["recompiles_after_first_call"] = bench.counter.graphs - graphs - row["graphs_compiled"]
+    recompiled = bench.counter.graphs - graphs - row["graphs_compiled"]  # in the timed forward+backward, masks
+    compiled, recompiled_in_steps = rank_steps(bench, stage_index, row)
+    row["graphs_compiled"] += compiled  # the optimizers' and the FP8 refresh's, in the untimed cycle
+    row["recompiles_after_first_call"] = recompiled + recompiled_in_steps
     flush()
 
 
-def rank_steps(bench: Bench, stage_index: int, row: dict):
+def rank_steps(bench: Bench, stage_index: int, row: dict) -> tuple[int, int]:
     """train_step as rank 0 of W runs it on the stage's steps: a step without Adam, then one with it,
-    alternating (the first cycle untimed; the untie happens there in stage 3). Each kind's device time,
-    the bytes its collectives move, its peak memory and any host sync."""
+    alternating (the first cycle untimed: it compiles the optimizers' graphs; the untie happens there in
+    stage 3). Each kind's device time, the bytes its collectives move, its peak memory and any host sync.
+    Returns the graphs compiled in the untimed cycle and in the timed steps (none should be)."""
     args, device, schedule = bench.args, bench.device, bench.schedule
     rank = bench.rank0()
     stage = schedule.stages[stage_index]
@@ -448,9 +456,13 @@ def rank_steps(bench: Bench, stage_index: int, row: dict):
     timers = {"without Adam": DeviceTimer(device), "with Adam": DeviceTimer(device)}
     bytes_by_kind: dict = {}
     syncs: list[str] = []
+    graphs, start = bench.counter.graphs, time.perf_counter()
     for s in first_cycle[:args.adam_every]:
         T.set_schedules(s, rank.optimizers, schedule, args)
         T.train_step(bench.model, rank.optimizers, batch, s, schedule, args, bench.use_flex)
+    T.sync(device)
+    row["untimed_cycle_s"] = time.perf_counter() - start
+    compiled = bench.counter.graphs - graphs
     rank.set_tied(tied_at(schedule, cycle[0]))
     reset_peak(device)
     with host_syncs(device, syncs):
@@ -469,6 +481,7 @@ def rank_steps(bench: Bench, stage_index: int, row: dict):
     row["rank_step_memory"] = memory_now(device)
     row["host_syncs_rank_step"] = syncs
     row["embedding_tied"] = rank.adam.tied is not None
+    return compiled, bench.counter.graphs - graphs - compiled
 
 
 def tied_at(schedule: T.Schedule, step: int) -> bool:
@@ -485,8 +498,7 @@ def run_optimizer(bench: Bench, row: dict, flush):
     muon, adam = rank.optimizers
     W = bench.world_size
     owned = [m for stack in muon.stacks for m in stack.mine if m is not None]
-    weights = sum(muon.matrices[m][0][0].numel() if muon.matrices[m][1] is not None else muon.matrices[m][0].numel()
-                  for m in owned)
+    weights = sum(muon._view(muon.matrices[m][0], m).numel() for m in owned)
     row["share"] = (f"NorMuon: the {len(muon.matrices)} matrices in {len(muon.stacks)} stacks of one shape, dealt "
                     f"round robin; rank 0 updates {len(owned)} of them ({weights:,} weights), one batched update per "
                     f"stack, and stacks and copies back all of them. DistAdam: {len(adam.buckets)} buckets, rank 0 updates "
@@ -501,7 +513,7 @@ def run_optimizer(bench: Bench, row: dict, flush):
         batch = bench.batch(stage_index)
         inputs, targets = batch[0]
         windows, mtp = schedule.windows(step), bench.mtp(step)
-        masks = T.build_masks(inputs, bench.model.plans, windows, args.window_block, bench.use_flex, bench.model.mask_parts)
+        masks = bench.masks(inputs, windows)
         T.set_schedules(step, rank.optimizers, schedule, args)
         timers = {"NorMuon": DeviceTimer(device), "DistAdam": DeviceTimer(device)}
         for repetition in range(options.untimed + options.timed):
@@ -682,7 +694,7 @@ def run_validation(bench: Bench, row: dict, flush):
     try:
         with torch.no_grad():
             graphs, start = bench.counter.graphs, time.perf_counter()
-            masks = T.build_masks(inputs, bench.model.plans, windows, args.window_block, bench.use_flex, bench.model.mask_parts)
+            masks = bench.masks(inputs, windows)
             loss = bench.model(inputs, targets, masks)
             T.sync(device)
             row["compile_s"], row["graphs_compiled"] = time.perf_counter() - start, bench.counter.graphs - graphs
@@ -693,7 +705,7 @@ def run_validation(bench: Bench, row: dict, flush):
             timer, mask_timer = DeviceTimer(device), DeviceTimer(device)
             for _ in range(reps):
                 with mask_timer.region():
-                    masks = T.build_masks(inputs, bench.model.plans, windows, args.window_block, bench.use_flex, bench.model.mask_parts)
+                    masks = bench.masks(inputs, windows)
                 with timer.region():
                     bench.model(inputs, targets, masks)
             row["forward"], row["masks"] = stats(timer.ms()), stats(mask_timer.ms())

@@ -20,7 +20,7 @@ cycle (compiling the stage's graphs), then counts a second one, a step without A
 - with --kernels: inductor's kernels for sm_90 (fake Triton: compiled, never run), each launch with the bytes its
   inductor metadata says it moves (`kernel_num_gb`, torch._inductor.config.benchmark_kernel), the matmuls and
   other extern kernels with the bytes of their operands, and the loss head's bytes per logit: everything the
-  loss moves, eager passes included, over the logits it computes (rows x padded vocabulary).
+  loss moves outside its matmuls, eager passes included, over the logits it computes (rows x padded vocabulary).
 
 Byte counts are inductor's own (in-place buffers once, a looped reduction's re-read once) and operand sizes for
 the rest: a lower bound on what a kernel moves, never a time.
@@ -62,6 +62,7 @@ NO_KERNEL = {
     "aten::expand_as", "aten::reshape", "aten::flatten", "aten::movedim", "aten::mT", "aten::numpy_T",
 }
 COLLECTIVE_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::")
+MATMULS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::_scaled_mm", "aten::matmul"}
 
 # Where an eager op comes from: the first category any of its train_gpt.py frames belongs to, by the frame's
 # qualified name. The more specific categories come first (a loss computed inside GPT.forward is the loss head's).
@@ -127,6 +128,7 @@ class StepCounts:
     kernels: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # (category, name) -> n
     kernel_bytes: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # category -> bytes
     extern_bytes: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # category -> bytes
+    matmul_bytes: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # category -> bytes
 
     def as_dict(self) -> dict:
         adds = [{"shape": list(shape), "dtype": dtype, "into": into, "count": n}
@@ -136,7 +138,8 @@ class StepCounts:
                 "graph_calls": dict(self.graph_calls), "gradient_adds": sum(self.adds.values()), "adds": adds,
                 "kernel_launches": sum(self.kernels.values()),
                 "kernel_launches_by_source": dict(self._launches_by_source()),
-                "kernel_bytes_by_source": dict(self.kernel_bytes), "extern_bytes_by_source": dict(self.extern_bytes)}
+                "kernel_bytes_by_source": dict(self.kernel_bytes), "extern_bytes_by_source": dict(self.extern_bytes),
+                "matmul_bytes_by_source": dict(self.matmul_bytes)}
 
     def _launches_by_source(self) -> collections.Counter:
         counts = collections.Counter()
@@ -177,10 +180,11 @@ class OpCounter(TorchDispatchMode):
         where = category(sys._getframe(2))
         moved = tensor_bytes([*flat_tensors(args), *flat_tensors(kwargs.values()), *flat_tensors([result])])
         if where is None:  # an extern kernel of a compiled graph (inductor calls aten for matmuls)
-            counts.extern_bytes[self.graph_source()] += moved
+            source = self.graph_source()
+            (counts.matmul_bytes if name in MATMULS else counts.extern_bytes)[source] += moved
             return
         counts.eager_ops[where] += 1
-        counts.eager_bytes[where] += moved
+        (counts.matmul_bytes if name in MATMULS else counts.eager_bytes)[where] += moved
         if where == ENGINE and name in ("aten::add", "aten::add_"):
             target = args[0]
             into = "a parameter's .grad" if any(p.grad is target for p in self.model.parameters()) else "an activation"
