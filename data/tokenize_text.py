@@ -378,7 +378,7 @@ def claimed_staging(out_dir: Path, prefix: str, overwrite: bool):
     except OSError as e:
         remove_empty(created)
         raise TokenizeError(f"--out {out_dir}: cannot write there ({e.strerror or e})", code=2) from None
-    except safe_write.FolderBusy as e:
+    except safe_write.LockError as e:  # busy, or a lock file no run made (a planted link)
         raise TokenizeError(str(e)) from None
     stage, finished = None, False
     try:
