@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import bisect
 import datetime as dt
 import errno
 import hashlib
@@ -136,6 +137,7 @@ SMI_DATE_RE = re.compile(r"^(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) ([A-Z][a-z]{2}) +(\d
 # blanks before a `name:`, so a value may hold single blanks.
 DEVICE_SPLIT_RE = re.compile(r"(?<![ \t])[ \t]{2,}(?=\w+:)")
 DEVICE_KEYS = ("device", "world_size", "backend", "date")
+DECLARED_HASH_RE = re.compile(r"^code_sha256:[ \t]*([0-9a-f]{64})[ \t\r]*$", re.MULTILINE)
 
 
 @dataclass
@@ -274,6 +276,39 @@ def parse_body(lines: list[str]) -> dict:
     return b
 
 
+def source_rule(text: str) -> re.Match | None:
+    """The RULE line that ends a log's embedded source, or None when the log has none.
+
+    The source may hold such lines itself (a docstring's underline), so the first one proves nothing: taken as
+    the end, it once made a 4-byte "source" whose hash every edited copy shared. The source is the text before
+    the first RULE whose prefix hashes (with or without the newline the trainer's writer adds) to a code_sha256
+    the header after that RULE declares: what a log can prove. Where no prefix does (the source is stripped or
+    edited, or an older log declares no hash), the RULE that starts the header is found from the end, where a
+    source cannot reach: the header lies between the last two RULE lines (or, in logs without the second one,
+    after the last RULE, when step lines do not follow it at once). An edited source is then the whole text
+    before the header, and its hash disagrees with the declared one (find_problems says so)."""
+    rules = list(RULE_RE.finditer(text))
+    if not rules:
+        return None
+    declared = [(m.start(), m.group(1)) for m in DECLARED_HASH_RE.finditer(text)]
+    if declared:
+        at = [start for start, _ in declared]
+        digest, done = hashlib.sha256(), 0   # the prefix's hash, extended from one RULE to the next
+        for i, rule in enumerate(rules):
+            end = rule.start()
+            digest.update(text[done:max(end - 1, 0)].encode("utf-8"))
+            without_newline = digest.hexdigest()   # a RULE starts a line: the text before it ends in "\n"
+            digest.update(text[max(end - 1, 0):end].encode("utf-8"))
+            done = end
+            header_end = rules[i + 1].start() if i + 1 < len(rules) else len(text)
+            wanted = {h for _, h in declared[bisect.bisect_left(at, rule.end()):bisect.bisect_left(at, header_end)]}
+            if end and wanted & {digest.hexdigest(), without_newline}:
+                return rule
+    last = rules[-1]
+    after = text[last.end():].lstrip("\r\n")
+    return last if len(rules) == 1 or not after.startswith("step:") else rules[-2]
+
+
 def read_log(path: str | Path) -> Log:
     """Parse one log file; raise ToolError when it is not a speedrun log at all."""
     path = Path(path)
@@ -289,7 +324,7 @@ def read_log(path: str | Path) -> Log:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise ToolError(f"{path}: not a speedrun log (not UTF-8 text)") from None
-    rule = RULE_RE.search(text)
+    rule = source_rule(text)
     if rule is None:
         raise ToolError(f"{path}: not a speedrun log (no line of 100 '=')")
 

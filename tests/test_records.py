@@ -1255,3 +1255,40 @@ def test_micro_batches_compare_in_canonical_form(capsys, tmp_path, repo, values,
                                              ("4,x", "4,x")])
 def test_canonical_micro_batches(value, canonical):
     assert rec.canonical_micro_batches(value) == canonical
+
+
+# ---------------------------------------------------------------------------------------
+# Issue 38: what a log can prove
+
+def with_source(text: str, source: str) -> str:
+    """The log text with `source` as its embedded train_gpt.py, written as the trainer writes it (the source, a
+    newline, the RULE) and its code_sha256 line set to the source's hash."""
+    body = text[text.index(RULE):]
+    body = re.sub(r"^code_sha256: .*$", f"code_sha256: {hashlib.sha256(source.encode()).hexdigest()}", body,
+                  flags=re.M)
+    return source + "\n" + body
+
+
+DOCSTRING_RULE = f'"""A trainer.\n\nSettings\n{RULE}\n"""\nprint("trainer")\n'   # an underline of 100 '='
+TWO_RULES = f'"""\n{RULE}\nstep:1/6 val_loss:1.0\ncode_sha256: {"0" * 64}\n{RULE}\n"""\nprint("trainer")\n'
+
+
+@pytest.mark.parametrize("source", [DOCSTRING_RULE, TWO_RULES], ids=["docstring underline", "two rules, a fake header"])
+def test_a_rule_line_inside_the_source_does_not_end_it(capsys, tmp_path, source):
+    """Row 2: the first line of 100 '=' was taken as the source's end: verify said OK with the hash of a 4-byte
+    "source" for logs whose code was edited after it, and extract wrote those 4 bytes."""
+    logs = copies(tmp_path, SAME_CODE, lambda t, i: with_source(t, source))
+    code, out, _ = run(capsys, "extract", logs[0], "-o", tmp_path / "x.py")
+    assert code == 0 and (tmp_path / "x.py").read_text() == source
+    assert hashlib.sha256(source.encode()).hexdigest() in out
+    code, out, _ = run(capsys, "verify", *logs, "--target", "7.5")
+    assert code == 0 and f"same code {hashlib.sha256(source.encode()).hexdigest()[:12]}" in out, out
+    # the code edited below the rule in two of the three logs (their code_sha256 lines as they were), and a setting
+    tampered = [logs[0]] + [edited(tmp_path, path, f"t{i}.txt", lambda t: with_hparams(
+        t.replace('print("trainer")', 'print(1)'), val_tokens=4096)) for i, path in enumerate(logs[1:])]
+    code, out, _ = run(capsys, "verify", *tampered, "--target", "7.5")
+    assert code == 1 and "FAIL not the same experiment: val_tokens is not logged in" in out, out
+    for path in tampered[1:]:
+        assert f"FAIL {path}: edited: embedded source hashes to " in out, out
+    code, _, err = run(capsys, "extract", tampered[1], "-o", tmp_path / "y.py")
+    assert code == 1 and "the log was edited" in err and not (tmp_path / "y.py").exists()
