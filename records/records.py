@@ -253,16 +253,20 @@ def parse_header(lines: list[str]) -> dict:
     return h
 
 
-def parse_body(lines: list[str]) -> dict:
-    """Step lines and end-of-run lines after the second RULE line."""
-    b: dict = {"steps": [], "malformed": [], "summary": None, "peak": None, "error": None, "resumed": None,
-               "step_lines": []}
+def parse_body(lines: list[str], steps: int | None = None) -> dict:
+    """Step lines and end-of-run lines after the second RULE line. A step line is kept only within its run: its
+    step at most its total, and that total the header's num_iterations (`steps`) where the header has one; the
+    others are listed in "beyond" (see missing_from)."""
+    b: dict = {"steps": [], "malformed": [], "beyond": [], "summary": None, "peak": None, "error": None,
+               "resumed": None, "step_lines": []}
     for line in lines:
         if line.startswith("step:"):
             b["step_lines"].append(line.rstrip())
             parsed = parse_step_line(line)
             if parsed is None:
                 b["malformed"].append(line)
+            elif parsed[0] > parsed[1] or (steps is not None and parsed[1] != steps):
+                b["beyond"].append(line)
             else:
                 b["steps"].append(parsed)
         elif line.startswith("summary:"):
@@ -343,8 +347,8 @@ def read_log(path: str | Path) -> Log:
     else:
         header, body_lines = lines[:second], lines[second + 1:]
     h = parse_header(header)
-    body = parse_body(body_lines)
-    if not body["steps"] and not body["malformed"] and "torch" not in h and "code_sha256" not in h:
+    body = parse_body(body_lines, _int(h["hyperparameters"].get("num_iterations")))
+    if not body["steps"] and not body["malformed"] and not body["beyond"] and "torch" not in h and "code_sha256" not in h:
         raise ToolError(f"{path}: not a speedrun log (no 'step:N/M' lines and no 'Running PyTorch' header)")
 
     source = text[:rule.start()] or None
@@ -478,19 +482,41 @@ def _int(value) -> int | None:
 # Completeness and integrity
 # =============================================================================
 
-def expected_val_steps(total: int, every: int | None, seen: list[int]) -> set[int]:
-    """Steps that must carry a val_loss: 0, every k-th and the last. Without a
-    `val_loss_every` hyperparameter (public logs) k is the gcd of the steps seen."""
+# Step numbers come from the log: a forged `step:10000000000/30` once made every subcommand build a set of 10**10
+# integers. Step lines are bounded by the header's num_iterations where it has one (read_log), and what is missing
+# is counted with arithmetic over the numbers present, never by listing every step from 0 to N.
+
+def missing_from(present: list[int], start: int, stop: int, every: int = 1, limit: int = 5) -> tuple[int, list[int]]:
+    """(how many of the multiples of `every` in [start, stop) are not in present, the first `limit` of them), in
+    time linear in len(present) whatever stop is."""
+    if every <= 0 or stop <= start:
+        return 0, []
+    first = -(-start // every) * every
+    expected = max(0, -(-(stop - first) // every))
+    found = sorted({s for s in present if start <= s < stop and s % every == 0})
+    shown, index, step = [], 0, first
+    while len(shown) < limit and step < stop:
+        while index < len(found) and found[index] < step:
+            index += 1
+        if index < len(found) and found[index] == step:
+            index += 1
+        else:
+            shown.append(step)
+        step += every
+    return expected - len(found), shown
+
+
+def val_every(total: int, every: int | None, seen: list[int]) -> int:
+    """The validation period: `val_loss_every`, or without it (public logs) the gcd of the inner steps seen;
+    0 when only step 0 and the last are validated."""
     if every is None:
         inner = [s for s in seen if 0 < s < total]
         every = math.gcd(*inner) if inner else 0
-    grid = set(range(0, total + 1, every)) if every > 0 else set()
-    return grid | {total}
+    return every
 
 
-def _some(numbers: list[int], limit: int = 5) -> str:
-    shown = ", ".join(map(str, numbers[:limit]))
-    return shown + (f", ... ({len(numbers)} in all)" if len(numbers) > limit else "")
+def _some(count: int, shown: list[int]) -> str:
+    return ", ".join(map(str, shown)) + (f", ... ({count} in all)" if count > len(shown) else "")
 
 
 def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[int]) -> list[str]:
@@ -501,6 +527,11 @@ def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[i
     if body["malformed"]:
         problems.append(f"malformed step line: {body['malformed'][0][:60]!r}"
                         + (f" (+{len(body['malformed']) - 1} more)" if len(body["malformed"]) > 1 else ""))
+    if body["beyond"]:
+        bound = f"the header's num_iterations, {log.hyperparameters['num_iterations']}" \
+            if "num_iterations" in log.hyperparameters else "its own total"
+        problems.append(f"step line outside the run ({bound}): {shorten(body['beyond'][0], 60)}"
+                        + (f" (+{len(body['beyond']) - 1} more)" if len(body["beyond"]) > 1 else ""))
     if len(totals) > 1:
         problems.append(f"step lines disagree on the number of steps: {totals}")
     if log.total_steps is None:
@@ -522,15 +553,15 @@ def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[i
         first = body["resumed"] + 1
         problems.append(f"resumed from a checkpoint at step {body['resumed']}: steps 1..{body['resumed']} "
                         "are not in this log")
-    missing = sorted(set(range(first, last + 1)) - set(numbers))
-    if missing:
-        problems.append(f"missing step lines: {_some(missing)}")
+    count, shown = missing_from(numbers, first, last + 1)
+    if count:
+        problems.append(f"missing step lines: {_some(count, shown)}")
     val_steps = [s for s, _, _ in log.vals]
-    val_from = 0 if body["resumed"] is None else first   # step 0 is validated too
-    every = _int(log.hyperparameters.get("val_loss_every"))
-    no_val = sorted(s for s in expected_val_steps(total, every, val_steps) - set(val_steps) if val_from <= s < last)
-    if no_val:
-        problems.append(f"missing val_loss at steps {_some(no_val)}")
+    val_from = 0 if body["resumed"] is None else first   # step 0 is validated too; the last step is checked below
+    count, shown = missing_from(val_steps, val_from, last, val_every(total, _int(log.hyperparameters.get(
+        "val_loss_every")), val_steps))
+    if count:
+        problems.append(f"missing val_loss at steps {_some(count, shown)}")
     if not ended_early:
         if log.final_val_loss is None:
             problems.append(f"no final val_loss at step {total}")

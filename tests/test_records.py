@@ -1292,3 +1292,27 @@ def test_a_rule_line_inside_the_source_does_not_end_it(capsys, tmp_path, source)
         assert f"FAIL {path}: edited: embedded source hashes to " in out, out
     code, _, err = run(capsys, "extract", tampered[1], "-o", tmp_path / "y.py")
     assert code == 1 and "the log was edited" in err and not (tmp_path / "y.py").exists()
+
+
+@pytest.mark.parametrize("source, forged", [(SAME_CODE[0], "step:10000000000/6 val_loss:7.0 train_time:1ms"),
+                                            (PUBLIC[0], "step:10000000000/10000000000 train_time:1ms")],
+                         ids=["bounded by the header", "no header: a total of its own"])
+def test_a_forged_step_number_allocates_nothing(capsys, tmp_path, repo, source, forged):
+    """Row 4: one line `step:10000000000/30` made every subcommand build a set of 10**10 integers (MemoryError, or
+    the OOM killer). A log with num_iterations in its header refuses step lines past it; one without (the public
+    logs) is counted with arithmetic."""
+    text = source.read_text()
+    at = text.index("\nstep:1/") + 1
+    log = tmp_path / "forged.txt"
+    log.write_text(text[:at] + forged + "\n" + text[at:])
+    started = time.perf_counter()
+    code, out, _ = run(capsys, "verify", log, "--target", "8")
+    assert code == 1
+    if "hyperparameters:" in text:
+        assert f"FAIL {log}: step line outside the run (the header's num_iterations, 6): 'step:10000000000/6" in out
+    else:
+        assert "step lines disagree on the number of steps: [2245, 10000000000]" in out, out
+        assert "missing step lines: 2246, 2247, 2248, 2249, 2250, ... (9999997754 in all)" in out, out
+    assert run(capsys, "summarize", log, "--target", "8")[0] == 0
+    assert run(capsys, "new", "forged", log, "--target", "8", "--records-dir", repo)[0] == 1 and not repo.exists()
+    assert time.perf_counter() - started < 2
