@@ -603,7 +603,19 @@ def duplicate_reason(first: Log, later: Log) -> str | None:
         why.append(f"same run id {first.run_id}")
     if first.steps_digest is not None and first.steps_digest == later.steps_digest:
         why.append("identical step lines")
+    elif same_seed_and_config(first, later):
+        why.append(f"same seed {first.hyperparameters['seed'].strip()} and config: one sample")
     return " and ".join(why) or None
+
+
+def same_seed_and_config(first: Log, later: Log) -> bool:
+    """Whether two complete logs ran one code and config with one seed: a rerun of one sample (its losses repeat
+    up to the hardware's nondeterminism), not another sample of the seeds. (An unfinished run is no sample.)"""
+    seed = first.hyperparameters.get("seed")
+    if seed is None or not (first.complete and later.complete) or later.hyperparameters.get("seed", "").strip() != seed.strip():
+        return False
+    return first.code_hash == later.code_hash and all(
+        len(set(values)) == 1 for values in experiment_fields([first, later]).values())
 
 
 def duplicates_line(logs: list[Log], labels: list[str] | None = None) -> str | None:
@@ -870,15 +882,19 @@ def t_ppf(p: float, df: float) -> float:
     return _t_ppf_pure(p, df)
 
 
+# A t-test needs a spread it can measure. Logs print losses to 4 decimals, so runs whose losses tie there (or
+# one run filed under several seeds' names) show a spread of 0, and t = -inf made p = 0 and "met" out of no
+# evidence. Without a spread there is no test: the target is not met (target_rule says why), and compare says
+# it cannot tell. Runs of one seed and config are one sample (duplicate_reason), not several.
+
 def one_sample_less(xs: list[float], target: float) -> tuple[float, int, float] | None:
-    """One-sided one-sample t-test, H1: mean < target. (t, df, p), None for n < 2."""
+    """One-sided one-sample t-test, H1: mean < target. (t, df, p); None for n < 2 and for values without spread."""
     n = len(xs)
     if n < 2:
         return None
     mean, sd = statistics.fmean(xs), statistics.stdev(xs)
-    if sd == 0.0:   # no spread: the sign of the difference decides
-        return (math.copysign(math.inf, mean - target) if mean != target else math.nan,
-                n - 1, 0.0 if mean < target else 1.0)
+    if sd == 0.0:
+        return None
     t = (mean - target) / (sd / math.sqrt(n))
     return t, n - 1, t_cdf(t, n - 1)
 
@@ -898,9 +914,8 @@ def welch(a: list[float], b: list[float], confidence: float = 1 - ALPHA) -> Welc
     va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
     diff = statistics.fmean(b) - statistics.fmean(a)
     se = math.sqrt(va + vb)
-    if se == 0.0:   # both groups without spread
-        return Welch(diff, diff, diff, math.copysign(math.inf, diff) if diff else math.nan,
-                     math.nan, 0.0 if diff < 0 else 1.0)
+    if se == 0.0:   # both groups without spread: no test (see one_sample_less)
+        return Welch(diff, math.nan, math.nan, math.nan, math.nan, math.nan)
     df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
     half = t_ppf(1 - (1 - confidence) / 2, df) * se
     t = diff / se
@@ -926,13 +941,17 @@ def group_stats(logs: list[Log], target: float) -> Stats:
     vals = [lg.final_val_loss for lg in logs]
     test = one_sample_less(vals, target)
     mean = statistics.fmean(vals)
-    met = test[2] < ALPHA if test else mean <= target
+    met = test[2] < ALPHA if test else len(vals) == 1 and mean <= target
     return Stats(len(vals), mean, statistics.stdev(vals) if len(vals) > 1 else math.nan,
                  test, target, met, [lg.train_time_ms / 1000 for lg in logs])
 
 
 def target_rule(st: Stats) -> str:
     """One line: is the val-loss target met, and by which rule."""
+    if st.test is None and st.n > 1:
+        return (f"target {st.target:g}: no t-test: the {st.n} runs' final val losses have no spread (all "
+                f"{st.val_mean:.4f}), so nothing says their mean is below {st.target:g} -> NOT met (runs whose "
+                f"losses differ are needed)")
     if st.test is None:
         verdict = "met" if st.met else "NOT met"
         return (f"target {st.target:g}: single run, final val loss {st.val_mean:.4f} "
@@ -1129,8 +1148,13 @@ def cmd_compare(args) -> int:
     w = welch([lg.train_time_ms / 1000 for lg in base], [lg.train_time_ms / 1000 for lg in cand])
     print(f"train time difference (candidate - baseline): {w.diff:+.3f} s, {level} CI [{w.lo:+.3f}, {w.hi:+.3f}] s "
           f"(Welch t = {w.t:.3f}, df = {w.df:.2f})")
-    faster = w.p_less < ALPHA
-    print(f"candidate faster at p < {ALPHA:g} (one-sided Welch): {'yes' if faster else 'no'} (p = {fmt_p(w.p_less)})")
+    if math.isnan(w.p_less):
+        print(f"candidate faster at p < {ALPHA:g} (one-sided Welch): cannot tell (no train time varies within a "
+              f"group: no t-test)")
+    else:
+        faster = w.p_less < ALPHA
+        print(f"candidate faster at p < {ALPHA:g} (one-sided Welch): {'yes' if faster else 'no'} "
+              f"(p = {fmt_p(w.p_less)})")
     v = welch([lg.final_val_loss for lg in base], [lg.final_val_loss for lg in cand])
     print(f"final val loss difference (candidate - baseline): {v.diff:+.5f}, {level} CI [{v.lo:+.5f}, {v.hi:+.5f}]")
     return 0
@@ -1419,7 +1443,7 @@ def records_markdown(records: list[Record], link_base: Path, level: str) -> str:
             link = urllib.parse.quote(Path(os.path.relpath(r.folder / "README.md", link_base)).as_posix())
             sd = f" ± {st.val_std:.4f}" if st.n > 1 else ""
             tsd = f" ± {statistics.stdev(st.times):.2f}" if st.n > 1 else ""
-            p = fmt_p(st.test[2]) if st.test else "n/a (1 run)"
+            p = fmt_p(st.test[2]) if st.test else "n/a (1 run)" if st.n == 1 else "n/a (no spread)"
             code = Counter(lg.code_hash for lg in r.logs).most_common(1)[0][0]
             rows.append([md_text(r.date), f"[{md_text(r.name)}]({link})", md_text(r.track), str(st.n),
                          f"{st.val_mean:.4f}{sd}", f"{st.target:g}", p + ("" if st.met else " (not met)"),

@@ -134,11 +134,12 @@ def test_one_sample_and_welch_match_scipy_and_the_fallback(monkeypatch):
 
 
 def test_degenerate_spread():
+    # no spread, no test (issue 38 row 3): p = 0 from a spread of 0 once "met" a target
     assert rec.one_sample_less([3.0], 3.28) is None
-    assert rec.one_sample_less([3.0, 3.0], 3.28)[2] == 0.0
-    assert rec.one_sample_less([3.5, 3.5], 3.28)[2] == 1.0
+    assert rec.one_sample_less([3.0, 3.0], 3.28) is None
+    assert rec.one_sample_less([3.5, 3.5], 3.28) is None
     w = rec.welch([2.0, 2.0], [1.0, 1.0])
-    assert (w.diff, w.p_less) == (-1.0, 0.0)
+    assert w.diff == -1.0 and math.isnan(w.p_less)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1316,3 +1317,51 @@ def test_a_forged_step_number_allocates_nothing(capsys, tmp_path, repo, source, 
     assert run(capsys, "summarize", log, "--target", "8")[0] == 0
     assert run(capsys, "new", "forged", log, "--target", "8", "--records-dir", repo)[0] == 1 and not repo.exists()
     assert time.perf_counter() - started < 2
+
+
+def rerun(text: str, i: int, seed=None, final=None) -> str:
+    """Another run in this log's image: its own run id, times shifted by i ms, and the seed and final val loss given."""
+    text = re.sub(r"^run_id: .*$", f"run_id: rerun-{i}", text, flags=re.M)
+    text = re.sub(r"train_time:(\d+)ms", lambda m: f"train_time:{int(m[1]) + i}ms", text)
+    if seed is not None:
+        text = with_hparams(text, seed=seed)
+    if final is not None:
+        text = re.sub(r"^(step:6/6 val_loss:)\S+", rf"\g<1>{final}", text, flags=re.M)
+        text = re.sub(r"final_val_loss:\S+", f"final_val_loss:{final}", text)
+    return text
+
+
+def test_runs_of_one_seed_and_config_are_one_sample(capsys, tmp_path, repo):
+    """Row 3: runs with the same seed (identical losses, other run ids and times) counted as several samples: their
+    spread of 0 gave p = 0, "met at p < 0.01", and `new` filed the record."""
+    logs = copies(tmp_path, SAME_CODE, lambda t, i: rerun(SAME_CODE[0].read_text(), i))   # seed 1, three times
+    code, out, _ = run(capsys, "verify", *logs, "--target", "7.5")
+    assert code == 1
+    assert f"FAIL duplicate runs: {logs[1]} duplicates {logs[0]} (same seed 1 and config: one sample); {logs[2]} " \
+           f"duplicates {logs[0]} (same seed 1 and config: one sample)" in out.splitlines(), out
+    assert run(capsys, "new", "same-seed", *logs, "--target", "7.5", "--records-dir", repo)[0] == 1
+    assert not repo.exists()
+    # the seed spelled with a blank, and the runs split between compare's groups
+    spelled = copies(tmp_path, SAME_CODE[:1], lambda t, i: rerun(t, 9, seed=" 1"), names=["spelled.txt"])
+    code, _, err = run(capsys, "compare", "--baseline", logs[0], SAME_CODE[1], "--candidate", spelled[0],
+                       SAME_CODE[2])
+    assert code == 1 and f"candidate {spelled[0]} duplicates baseline {logs[0]} (same seed 1 and config" in err, err
+
+
+def test_no_t_test_without_a_spread(capsys, tmp_path, repo):
+    """Row 3, its second half: different seeds whose 4-decimal final losses tie had a spread of 0, and p = 0."""
+    logs = copies(tmp_path, SAME_CODE, lambda t, i: rerun(t, i, final="7.1000"))   # seeds 1, 2 and 3
+    code, out, _ = run(capsys, "verify", *logs, "--target", "7.5")
+    assert code == 1 and "FAIL all 3 logs: target 7.5: no t-test: the 3 runs' final val losses have no spread (all " \
+                         "7.1000), so nothing says their mean is below 7.5 -> NOT met" in out, out
+    assert run(capsys, "new", "ties", *logs, "--target", "7.5", "--records-dir", repo)[0] == 1 and not repo.exists()
+    code, out, _ = run(capsys, "summarize", *logs, "--target", "7.5")
+    assert code == 0 and "no t-test" in out and "met at p" not in out
+    # compare: two groups whose train times do not vary within either (every run's summary says 5400 ms or 5300 ms)
+    def timed(ms, seeds):
+        return lambda t, i: re.sub(r"^(summary: .*train_time:)\d+ms", rf"\g<1>{ms}ms",
+                                   rerun(t, 10 * i + ms, seed=seeds[i - 1]), flags=re.M)
+    base = copies(tmp_path, SAME_CODE[:2], timed(5400, [1, 2]), names=["b1.txt", "b2.txt"])
+    faster = copies(tmp_path, SAME_CODE[:2], timed(5300, [3, 4]), names=["f1.txt", "f2.txt"])
+    code, out, _ = run(capsys, "compare", "--baseline", *base, "--candidate", *faster)
+    assert code == 0 and "candidate faster at p < 0.01 (one-sided Welch): cannot tell" in out, out
