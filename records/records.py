@@ -161,7 +161,7 @@ class Log:
     vals: list[tuple[int, float, float | None]]   # (step, val_loss, train_time_ms)
     final_val_loss: float | None    # val loss at step N
     train_time_ms: float | None     # of the whole run (or up to the last line if cut short)
-    problems: list[str] = field(default_factory=list)   # empty for a complete, unedited log
+    problems: list[str] = field(default_factory=list)   # empty for a complete, self-consistent log
     file_id: tuple[int, int] | None = None   # (device, inode): one file under two names is still one run
     steps_digest: str | None = None          # sha256 of the step lines: a renamed copy keeps them
 
@@ -519,6 +519,11 @@ def _some(count: int, shown: list[int]) -> str:
     return ", ".join(map(str, shown)) + (f", ... ({count} in all)" if count > len(shown) else "")
 
 
+def is_cross_entropy(value: float | None) -> bool:
+    """A number a cross-entropy can be: >= 0, or nan or inf, which a diverging run logs before it stops."""
+    return value is not None and not value < 0
+
+
 def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[int]) -> list[str]:
     """One short reason per way the log is incomplete or edited; [] when it is sound."""
     problems = []
@@ -538,6 +543,15 @@ def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[i
         problems.append("no step lines")
         return problems
 
+    # A cross-entropy is >= 0 (nothing bounds it above: a diverging run's grows). A log with a negative loss was
+    # edited (three logs at -5.1, -5.2 and -5.3 once passed at p = 2.3e-5), or written by something that computes
+    # no cross-entropy: it fails, and no number in it is used.
+    impossible = [(s, key, f[key]) for s, _, f in body["steps"] for key in ("val_loss", "train_loss")
+                  if key in f and not is_cross_entropy(parse_number(f[key]))]
+    if impossible:
+        step, key, value = impossible[0]
+        problems.append(f"{key} {shorten(value, 20)} at step {step} cannot be a cross-entropy (one is >= 0)"
+                        + (f" (+{len(impossible) - 1} more)" if len(impossible) > 1 else ""))
     total, last = log.total_steps, log.last_step
     numbers = [s for s, _, _ in body["steps"]]
     if any(b < a for a, b in zip(numbers, numbers[1:])):
@@ -1628,8 +1642,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("verify", "exit 0 only if the logs back a record",
              "Checks: each log is complete (step lines 1..N, val lines every val_loss_every steps, "
-             "final val loss at step N, end-of-run line, no error line, last line not cut) and unedited "
-             "(embedded source matches code_sha256); no run is given twice (same file, run id or step lines); "
+             "final val loss at step N, end-of-run line, no error line, last line not cut) and consistent with "
+             "itself (its embedded source hashes to its code_sha256 line, its summary repeats its step lines, "
+             "every loss is >= 0 as a cross-entropy is; nothing signs a log, so numbers edited consistently pass); "
+             "no run is given twice (same file, run id, step lines, or seed and config); "
              "all ran the same code, preset and experiment (steps, data, validation and batch settings: every "
              "logged hyperparameter but the seed and where files go); the target is met. "
              "Prints 'FAIL <file>: <reason>' per failure. Logs without embedded source only warn.")

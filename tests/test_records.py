@@ -1365,3 +1365,28 @@ def test_no_t_test_without_a_spread(capsys, tmp_path, repo):
     faster = copies(tmp_path, SAME_CODE[:2], timed(5300, [3, 4]), names=["f1.txt", "f2.txt"])
     code, out, _ = run(capsys, "compare", "--baseline", *base, "--candidate", *faster)
     assert code == 0 and "candidate faster at p < 0.01 (one-sided Welch): cannot tell" in out, out
+
+
+def test_losses_that_cannot_be_cross_entropies_are_refused(capsys, tmp_path, repo):
+    """Row 17: three logs edited to final losses of -5.1, -5.2 and -5.3 passed verify at p = 2.3e-5."""
+    logs = copies(tmp_path, SAME_CODE, lambda t, i: rerun(t, i, final=f"-5.{i}"))
+    code, out, _ = run(capsys, "verify", *logs)
+    assert code == 1, out
+    for i, path in enumerate(logs, 1):
+        assert f"FAIL {path}: val_loss '-5.{i}' at step 6 cannot be a cross-entropy (one is >= 0)" in out, out
+    assert run(capsys, "new", "negative", *logs, "--records-dir", repo)[0] == 1 and not repo.exists()
+    code, out, err = run(capsys, "summarize", *logs)
+    assert "runs: 3 (0 complete)" in out and "cannot be a cross-entropy" in err
+    # a train loss, in one log of three that are otherwise sound
+    train = copies(tmp_path, SAME_CODE, lambda t, i: t.replace("train_loss:9.8000", "train_loss:-0.0001") if i == 2
+                   else t, names=["t1.txt", "t2.txt", "t3.txt"])
+    code, out, _ = run(capsys, "verify", *train, "--target", "7.5")
+    assert code == 1 and f"FAIL {train[1]}: train_loss '-0.0001' at step 2 cannot be a cross-entropy" in out, out
+
+
+def test_the_readmes_say_what_verify_checks_and_what_it_cannot():
+    """Row 17, the claim: "checks that the runs are complete and unedited" promised what no check of a log can."""
+    for readme in (ROOT / "README.md", ROOT / "records" / "README.md"):
+        text = " ".join(readme.read_text().split())
+        assert "unedited" not in text, readme
+        assert "consistent with itself" in text and "nothing signs a log" in text.lower(), readme
