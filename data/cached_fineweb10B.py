@@ -163,7 +163,7 @@ def main(argv=None) -> int:
             return 130
         if isinstance(e, OSError):  # the hub's are DownloadErrors by now: this is the folder (mkdir, its lock)
             e = f"--out {args.out}: cannot write there ({e.strerror or e})"
-        print(f"error: {e}", file=sys.stderr)
+        print(safe_write.visible(f"error: {e}"), file=sys.stderr)
         return 1
     print(f"{len(names)} shards in {args.out}")
     return 0

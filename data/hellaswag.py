@@ -262,7 +262,7 @@ def main(argv=None) -> int:
     try:
         print(f"{args.out}: {download(args.out)}")
     except HellaSwagError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(safe_write.visible(f"error: {e}"), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("error: interrupted; nothing was kept, run again", file=sys.stderr)

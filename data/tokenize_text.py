@@ -268,10 +268,10 @@ class DocumentReader:
                     found += 1
                     yield doc
             if not found:
-                self.warn(f"warning: {path}: no text, skipped")
+                self.warn(f"warning: {safe_write.visible(str(path))}: no text, skipped")
             if self._replaced:
                 self.replaced[path] = self._replaced
-                self.warn(f"warning: {path}: {self._replaced} bytes are not valid UTF-8 "
+                self.warn(f"warning: {safe_write.visible(str(path))}: {self._replaced} bytes are not valid UTF-8 "
                           f"and were replaced with U+FFFD")
 
     def _read_txt(self, path):
@@ -667,7 +667,7 @@ def run(args):
     from tqdm import tqdm
 
     def warn(message):  # through tqdm, so that warnings do not garble the progress bar
-        tqdm.write(message, file=sys.stderr)
+        tqdm.write(safe_write.visible(message), file=sys.stderr)
 
     val_files = collect_files(args.val_files, "--val-files") if args.val_files else []
     held_out = {f.resolve() for f in val_files}
@@ -699,7 +699,7 @@ def main(argv=None) -> int:
     try:
         result = run(args)
     except (TokenizeError, shards.ShardError, shakespeare_docs.CorpusError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(safe_write.visible(f"error: {e}"), file=sys.stderr)  # it names files and folders the user's tree holds
         return getattr(e, "code", 1)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

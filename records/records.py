@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import ast
 import bisect
+import contextlib
 import datetime as dt
 import errno
 import hashlib
@@ -69,13 +70,30 @@ class ToolError(Exception):
 
 
 # =============================================================================
-# Log text in the files this tool writes
+# Log text in the files this tool writes, and on the terminal
 # =============================================================================
 # Text from a log (run ids, file names, versions, GPU names, notes, presets and other hyperparameter values)
 # reaches the files this tool writes only through these, each at the point of output: a log cannot add
-# markdown, HTML, shell or plot syntax to a record. Hyperparameter names and code_sha256 are not escaped but
+# markdown, HTML, shell or plot syntax to a record. What the tool prints passes through visible() (TerminalText,
+# set up by main()): a log cannot send the terminal escape sequences either. Hyperparameter names and code_sha256 are not escaped but
 # checked when the log is read (read_log): a log with a bad one is refused.
 MD_SPECIAL_RE = re.compile(r"([\\`*_\[\]<>|&~$])")
+
+
+class TerminalText(io.TextIOBase):
+    """stdout or stderr as main() hands them to a command: every line written shows its log text through visible(),
+    as the files do. A run id, an `error:` line or a file name could otherwise clear the screen, move the cursor
+    and print a green "OK" over the tool's own FAIL. Nothing this tool prints is exempt."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write("\n".join(map(visible, text.split("\n"))))
+        return len(text)
+
+    def flush(self):
+        self.stream.flush()
 
 
 def visible(text: str) -> str:
@@ -1692,12 +1710,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        with contextlib.redirect_stdout(TerminalText(sys.stdout)), contextlib.redirect_stderr(TerminalText(sys.stderr)):
+            return args.func(args)
     except ToolError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(visible(f"error: {e}"), file=sys.stderr)
         return 1
     except OSError as e:   # a folder or file the command had to write
-        print(f"error: {str(e.filename) + ': ' if e.filename else ''}{why_not_written(e)}", file=sys.stderr)
+        print(visible(f"error: {str(e.filename) + ': ' if e.filename else ''}{why_not_written(e)}"), file=sys.stderr)
         return 1
 
 

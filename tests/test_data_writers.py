@@ -260,6 +260,17 @@ def test_a_stale_lock_file_s_content_is_shown_escaped(tmp_path, capsys):
     assert "\x1b" not in note and "(pid 99999999, \\x1b[2J\\x1b[32mOK)" in note, note
 
 
+def test_file_names_reach_the_terminal_escaped(tmp_path, capsys):
+    """Row 5, the data tools: the names of the user's files were printed raw (a warning, an error)."""
+    inputs = corpus(tmp_path / "a", "apple", 1)
+    (inputs / f"e{SECRET.strip()}.txt").write_text("   \n")  # no text: a warning names it
+    assert tokenize_text.main([str(inputs), "--out", str(tmp_path / "out"), *BPE]) == 0
+    (inputs / f"bad{SECRET.strip()}.jsonl").write_text("{not json\n")
+    assert tokenize_text.main([str(inputs), "--out", str(tmp_path / "out2"), *BPE]) == 1
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and err.count("\\x1b[2J") == 2, err
+
+
 def make_fifo(path):
     os.mkfifo(path)
 

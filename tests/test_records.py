@@ -1390,3 +1390,22 @@ def test_the_readmes_say_what_verify_checks_and_what_it_cannot():
         text = " ".join(readme.read_text().split())
         assert "unedited" not in text, readme
         assert "consistent with itself" in text and "nothing signs a log" in text.lower(), readme
+
+
+ESC = "\x1b[2J\x1b[H\x1b[32mOK\x1b[0m"   # clear the screen, home, a green OK
+
+
+def test_log_text_reaches_the_terminal_escaped(capsys, tmp_path):
+    """Row 5: log text (run id, error line, versions, file names) was escaped in files but printed raw: a log could
+    clear the screen and show a green OK over its own FAIL."""
+    def hostile(t, i):
+        t = t.replace("run_id: handmade-cpu-run", f"run_id: {ESC}-")
+        return t.replace("Running PyTorch 2.13.0+cpu", f"Running PyTorch 2.13.0{ESC}")
+    logs = copies(tmp_path, SAME_CODE, hostile, names=["a.txt", "b.txt", f"c{ESC}.txt"])
+    failed = edited(tmp_path, HANDMADE / "b-cuda-failed.txt", "failed.txt",
+                    lambda t: t.replace("error: non-finite loss", f"error: {ESC} non-finite loss"))
+    for argv in (["summarize", *logs, failed], ["verify", *logs, failed], ["plot", *logs, failed, "-o", tmp_path / "p.png"],
+                 ["compare", "--baseline", *logs[:2], "--candidate", logs[2], failed]):
+        code, out, err = run(capsys, *argv, *(["--target", "7.5"] if argv[0] in ("summarize", "verify") else []))
+        assert "\x1b" not in out + err, (argv[0], out, err)
+        assert "\\x1b[2J" in out + err, (argv[0], out, err)
