@@ -1394,6 +1394,23 @@ def run_flags(log: Log) -> list[tuple[str, str]]:
     return sorted(hp.items(), key=lambda kv: kv[0] != "preset")
 
 
+# A record folder holds README.md, record.json and its logs, each as NAME.txt: scan_records reads the logs back
+# by that pattern (record_logs), and new files each log under a name it matches (filed_name). A log filed under its
+# own name once replaced the README (a log named README.md) or was never read again (run.log, .hidden.txt).
+
+def record_logs(folder: Path) -> list[Path]:
+    """The logs of a record folder, in order."""
+    return sorted(p for p in folder.glob("*.txt") if p.is_file())
+
+
+def filed_name(path: Path) -> str:
+    """The name `new` files a log under: its stem in letters, digits and `._-` (a name's other characters and
+    leading dots as `_`), at most 200 characters, then `.txt`; README.md becomes README.md.txt, run.log run.log.txt."""
+    stem = path.stem if path.suffix == ".txt" else path.name
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", stem)[:200]
+    return re.sub(r"^\.", "_", stem or "log") + ".txt"
+
+
 @dataclass
 class Record:
     folder: Path
@@ -1421,7 +1438,7 @@ def scan_records(records_dir: Path) -> list[Record]:
                 warn(f"{folder}/record.json: not an object whose name, date and track are text: left out of the table")
                 continue
         logs = []
-        for path in sorted(folder.glob("*.txt")):
+        for path in record_logs(folder):
             try:
                 logs.append(read_log(path))
             except ToolError as e:
@@ -1532,9 +1549,11 @@ def cmd_new(args) -> int:
         raise ToolError(f"track {shorten(track)}{origin}: no '|' or control characters")
     if conflict := track_conflict(track, logs[0]):
         raise ToolError(conflict)
-    names = [lg.path.name for lg in logs]
+    names = [filed_name(lg.path) for lg in logs]
     if len(set(names)) != len(names):
-        raise ToolError("two logs have the same file name: rename one (the record folder keeps file names)")
+        twice = next(n for n in names if names.count(n) > 1)
+        raise ToolError(f"two logs would be filed as {twice}: rename one (a record folder keeps each log as "
+                        f"NAME.txt)")
     date = args.date or (logs[0].date or dt.date.today()).isoformat()
     folder = records_dir / f"{date}_{args.name}"
     if folder.exists():
@@ -1545,17 +1564,19 @@ def cmd_new(args) -> int:
     tmp = Path(tempfile.mkdtemp(dir=records_dir, prefix=".new-"))
     try:
         os.chmod(tmp, 0o755)   # mkdtemp makes it private; a record is for everyone to read
-        for lg in logs:
-            write_bytes(tmp / lg.path.name, lg.path.read_bytes(), shown=folder / lg.path.name)
+        for lg, name in zip(logs, names):
+            write_bytes(tmp / name, lg.path.read_bytes(), shown=folder / name)
         meta = {"name": args.name, "date": date, "track": track, "target": args.target}
         if differ := experiment_differences(logs):
             meta["allowed_differences"] = list(differ)
         write_bytes(tmp / "record.json", (json.dumps(meta, indent=2) + "\n").encode("utf-8"),
                     shown=folder / "record.json")
         rel = folder.resolve().relative_to(records_dir.resolve().parent).as_posix()
-        copies = [read_log(tmp / lg.path.name) for lg in logs]
-        for copy, lg in zip(copies, logs):
-            copy.path = folder / lg.path.name
+        if sorted(path.name for path in record_logs(tmp)) != sorted(names):   # what scan_records will read
+            raise ToolError(f"{folder}: the logs would not read back as the record's ({', '.join(names)})")
+        copies = [read_log(tmp / name) for name in names]
+        for copy, name in zip(copies, names):
+            copy.path = folder / name
         write_bytes(tmp / "README.md", record_readme(args.name, date, track, args.target, copies, rel).encode("utf-8"),
                     shown=folder / "README.md")
         os.rename(tmp, folder)

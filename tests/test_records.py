@@ -991,8 +991,9 @@ def test_reproduce_block_pasted_into_bash_runs_only_its_commands(capsys, tmp_pat
     assert proc.returncode == 0 and proc.stderr == b""
     assert not (tmp_path / "pwned").exists()
     args = proc.stdout.split(b">\n")
-    assert f"<records/2026-11-22_x/{EVIL_NAME}".encode() in args            # verify's glob and extract's log
-    assert args.count(f"<records/2026-11-22_x/{EVIL_NAME}".encode()) == 2
+    filed = rec.filed_name(Path(EVIL_NAME))   # (issue 38 row 6: a log is filed as NAME.txt, in plain characters)
+    assert f"<records/2026-11-22_x/{filed}".encode() in args            # verify's glob and extract's log
+    assert args.count(f"<records/2026-11-22_x/{filed}".encode()) == 2
     assert f"<--train_files={EVIL_VALUE}".encode() in args
     assert b"<--preset=smoke" in args and b"<--seed=1" in args
 
@@ -1037,7 +1038,7 @@ INJECTIONS = [   # (case, edit(text, i), file names, extra args, raw text that m
     ("hyperparameter values and file names: pipes, backticks, HTML (runs that differ)",
      lambda t, i: header_lines(t, f"  train_files = data/a|`b`<s>{i}"),
      ["a|`b`<i>[c](d).txt", "b.txt", "c.txt"], ["--allow-differences", "train_files"], ["`b`", "<s>", "<i>", "[c]("],
-     "- train\\_files is " + md("data/a|`b`<s>1") + " in " + md("a|`b`<i>[c](d).txt")),
+     "- train\\_files is " + md("data/a|`b`<s>1") + " in " + md("a__b__i__c__d_.txt")),   # filed as NAME.txt
 ]
 
 
@@ -1409,3 +1410,28 @@ def test_log_text_reaches_the_terminal_escaped(capsys, tmp_path):
         code, out, err = run(capsys, *argv, *(["--target", "7.5"] if argv[0] in ("summarize", "verify") else []))
         assert "\x1b" not in out + err, (argv[0], out, err)
         assert "\\x1b[2J" in out + err, (argv[0], out, err)
+
+
+@pytest.mark.parametrize("names, filed", [
+    (["b-cpu-run1.txt", "b-cpu-run2.txt", "README.md"], ["README.md.txt", "b-cpu-run1.txt", "b-cpu-run2.txt"]),
+    (["run1.log", "run2.log", "run3.log"], ["run1.log.txt", "run2.log.txt", "run3.log.txt"]),
+    (["record.json", "a b.txt", ".hidden.txt"], ["_hidden.txt", "a_b.txt", "record.json.txt"]),
+], ids=["a log named README.md", "*.log names", "record.json, a blank, a dot"])
+def test_logs_are_filed_under_names_the_folder_reads_back(capsys, tmp_path, repo, names, filed):
+    """Row 6: logs were filed under their own names: one named README.md was overwritten by the record's README
+    (the record kept 2 of 3 logs, and its p changed), and *.log names were filed but then read as "no logs"."""
+    logs = copies(tmp_path, SAME_CODE, lambda t, i: t, names=names)
+    code, out, err = run(capsys, "new", "names", *logs, "--records-dir", repo, "--target", "7.5")
+    assert code == 0, (out, err)
+    folder = repo / "2026-11-22_names"
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*filed, "README.md", "record.json"])
+    assert sorted(p.read_bytes() for p in folder.glob("*.txt")) == sorted(p.read_bytes() for p in logs)
+    assert "left out" not in err
+    table = (repo / "RECORDS.md").read_text()
+    assert "[names](2026-11-22_names/README.md) | 2×CPU smoke | 3 | 7.1000 ± 0.0200 | 7.5 | 0.0004" in table, table
+
+
+def test_two_logs_that_would_be_filed_under_one_name_are_refused(capsys, tmp_path, repo):
+    logs = copies(tmp_path, SAME_CODE[:2], lambda t, i: t, names=["a b.txt", "a_b.txt"])
+    code, _, err = run(capsys, "new", "clash", *logs, "--records-dir", repo, "--target", "7.5")
+    assert code == 1 and "error: two logs would be filed as a_b.txt: rename one" in err and not repo.exists()
