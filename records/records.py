@@ -450,8 +450,19 @@ def hyperparameter_fields(source: str) -> frozenset[str] | None:
                 _fields_of[key] = frozenset(
                     stmt.target.id for stmt in node.body
                     if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                    and not re.search(r"\b(?:ClassVar|InitVar)\b", ast.unparse(stmt.annotation)))
+                    and not names_class_or_init_var(stmt.annotation))
     return _fields_of[key]
+
+
+def names_class_or_init_var(annotation: ast.AST) -> bool:
+    """Whether an annotation names ClassVar or InitVar (no dataclass field), also inside a string. Walked with
+    ast.walk, which keeps no stack: ast.unparse recursed, and a log's deeply nested annotation (a.a.a...) raised
+    RecursionError in every subcommand that read it, `table` included."""
+    words = re.compile(r"\b(?:ClassVar|InitVar)\b")
+    return any(isinstance(node, ast.Name) and words.fullmatch(node.id)
+               or isinstance(node, ast.Attribute) and words.fullmatch(node.attr)
+               or isinstance(node, ast.Constant) and isinstance(node.value, str) and words.search(node.value)
+               for node in ast.walk(annotation))
 
 
 def defined_hyperparameters(source: str | None) -> tuple[frozenset[str] | None, str]:
@@ -1430,6 +1441,9 @@ def scan_records(records_dir: Path) -> list[Record]:
         if (folder / "record.json").exists():
             try:
                 meta = json.loads((folder / "record.json").read_text())
+            except RecursionError:   # arrays or objects nested thousands deep: no record.json new writes
+                warn(f"{folder}/record.json: unreadable (nested too deeply): left out of the table")
+                continue
             except (OSError, ValueError) as e:
                 warn(f"{folder}/record.json: unreadable ({e}): left out of the table")
                 continue

@@ -1435,3 +1435,29 @@ def test_two_logs_that_would_be_filed_under_one_name_are_refused(capsys, tmp_pat
     logs = copies(tmp_path, SAME_CODE[:2], lambda t, i: t, names=["a b.txt", "a_b.txt"])
     code, _, err = run(capsys, "new", "clash", *logs, "--records-dir", repo, "--target", "7.5")
     assert code == 1 and "error: two logs would be filed as a_b.txt: rename one" in err and not repo.exists()
+
+
+def test_deep_nesting_in_a_record_or_a_log_is_left_out_not_a_traceback(capsys, tmp_path, repo):
+    """Row 8: a deeply nested record.json, or an annotation in a log's embedded source, raised an uncaught
+    RecursionError: one such record stopped `table` for every record."""
+    assert run(capsys, "new", "good", *SAME_CODE, "--records-dir", repo, "--target", "7.5")[0] == 0
+    nested = repo / "2026-11-23_nested"
+    nested.mkdir()
+    for path in SAME_CODE:
+        shutil.copy(path, nested / path.name)
+    (nested / "record.json").write_text("[" * 100_000 + "]" * 100_000)
+    deep = "class Hyperparameters:\n    seed: " + "a." * 1500 + "b = 1\n"   # ast parses it; ast.unparse recursed
+    annotated = repo / "2026-11-24_annotated"
+    annotated.mkdir()
+    for i, path in enumerate(SAME_CODE):
+        (annotated / path.name).write_text(with_source(path.read_text(), deep))
+    code, out, err = run(capsys, "table", "--records-dir", repo)
+    assert code == 0, err
+    assert f"{nested}/record.json: unreadable (nested too deeply): left out of the table" in err
+    table = (repo / "RECORDS.md").read_text()
+    assert "[good](2026-11-22_good/README.md)" in table and "nested" not in table
+    # the annotated logs read: their own Hyperparameters class defines seed, and nothing else they name
+    code, out, _ = run(capsys, "verify", *sorted(annotated.glob("*.txt")), "--target", "7.5")
+    assert code == 1 and "header names hyperparameter 'preset' (+2 more), which its embedded train_gpt.py does not" \
+        in out, out
+    assert "[annotated]" not in table and "annotated: left out of the table" in err
