@@ -1275,7 +1275,20 @@ def cmd_verify(args) -> int:
 # extract
 # =============================================================================
 
+def refuse_an_input(output: str, inputs: list[str]) -> None:
+    """`-o` names the file a command writes, and never one it reads: `extract run.txt -o run.txt` once replaced
+    the log with its source. The same file by any name (./x, a link) counts."""
+    for path in inputs:
+        try:
+            same = os.path.samefile(output, path)
+        except OSError:   # the output does not exist yet (or the input cannot be read: read_log says so)
+            continue
+        if same:
+            raise ToolError(f"-o {output}: that is {path}, which this command reads; choose another output file")
+
+
 def cmd_extract(args) -> int:
+    refuse_an_input(args.output, [args.log])
     log = read_log(args.log)
     if log.source is None:
         raise ToolError(f"{log.name}: no embedded source (the log starts at the '=' line: it was stripped)")
@@ -1300,6 +1313,7 @@ def cmd_plot(args) -> int:
     except ImportError:
         print("error: plotting needs matplotlib: pip install matplotlib", file=sys.stderr)
         return 1
+    refuse_an_input(args.output, args.logs)
     logs = load_logs(args.logs)
     for lg in logs:
         if not lg.complete:

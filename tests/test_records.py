@@ -1461,3 +1461,22 @@ def test_deep_nesting_in_a_record_or_a_log_is_left_out_not_a_traceback(capsys, t
     assert code == 1 and "header names hyperparameter 'preset' (+2 more), which its embedded train_gpt.py does not" \
         in out, out
     assert "[annotated]" not in table and "annotated: left out of the table" in err
+
+
+@pytest.mark.parametrize("how", ["same name", "./name", "hard link", "symlink"])
+@pytest.mark.parametrize("command", ["extract", "plot"])
+def test_the_output_is_never_an_input(capsys, tmp_path, monkeypatch, command, how):
+    """Row 21: `extract run.txt -o run.txt` left only the source."""
+    monkeypatch.chdir(tmp_path)
+    log = Path("run.txt")
+    log.write_bytes(SAME_CODE[0].read_bytes())
+    out = {"same name": "run.txt", "./name": "./run.txt", "hard link": "link.txt", "symlink": "sym.txt"}[how]
+    if how == "hard link":
+        os.link(log, out)
+    elif how == "symlink":
+        os.symlink(log, out)
+    argv = ["extract", log, "-o", out] if command == "extract" else ["plot", SAME_CODE[1], log, "-o", out]
+    code, _, err = run(capsys, *argv)
+    assert code == 1 and err == f"error: -o {out}: that is {log}, which this command reads; choose another output " \
+                                f"file\n", err
+    assert log.read_bytes() == SAME_CODE[0].read_bytes()
