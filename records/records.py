@@ -1607,14 +1607,30 @@ def cmd_new(args) -> int:
             copy.path = folder / name
         write_bytes(tmp / "README.md", record_readme(args.name, date, track, args.target, copies, rel).encode("utf-8"),
                     shown=folder / "README.md")
-        os.rename(tmp, folder)
+        publish_record(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     print(f"created {folder} ({len(logs)} logs, track {track})")
-    for path in write_table(records_dir):
-        print(f"updated {path}")
+    try:
+        for path in write_table(records_dir):
+            print(f"updated {path}")
+    except (ToolError, OSError) as e:   # the record is filed: say what is left to do, not only what failed
+        why = str(e) if isinstance(e, ToolError) else f"{e.filename}: {why_not_written(e)}"
+        raise ToolError(f"{why}; the record {folder} is filed, but the tables do not show it yet: run "
+                        f"`python records/records.py table` once this is fixed") from None
     return 0
+
+
+def publish_record(tmp: Path, folder: Path) -> None:
+    """Renames the finished folder into place; errors name the record, never the temporary (.new-XXXX)."""
+    try:
+        os.rename(tmp, folder)
+    except OSError as e:
+        if os.path.lexists(folder):   # another `new` filed the same name while this one wrote
+            raise ToolError(f"{folder}: already exists (made while this record was written: another "
+                            f"`records.py new`?); nothing of this one was kept") from None
+        raise ToolError(f"{folder}: cannot create ({why_not_written(e)})") from None
 
 
 def cmd_table(args) -> int:

@@ -861,6 +861,23 @@ def test_records_new_on_a_full_disk(small_disk, capsys):
     assert list(small_disk.root.iterdir()) == []  # neither the record nor its temporary folder
 
 
+def test_records_new_says_that_table_completes_a_record_the_disk_left_out(small_disk, capsys, tmp_path):
+    """Issue 38 row 20: a full disk after the record folder was made gave no hint that `records.py table` completes
+    it."""
+    assert records_main(capsys, "new", "x", *HANDMADE, "--records-dir", tmp_path / "scratch", "--target", "7.5",
+                        "--date", "2026-01-01").returncode == 0
+    small_disk.room = sum(p.stat().st_size for p in (tmp_path / "scratch/2026-01-01_x").iterdir()) + 10
+    proc = records_main(capsys, "new", "x", *HANDMADE, "--records-dir", small_disk.root, "--target", "7.5",
+                        "--date", "2026-01-01")
+    one_line(proc, 1, f"error: {small_disk.root}/RECORDS.md: cannot write (the disk is full",
+             f"; the record {small_disk.root}/2026-01-01_x is filed, but the tables do not show it yet: run "
+             f"`python records/records.py table` once this is fixed")
+    assert sorted(p.name for p in small_disk.root.iterdir()) == ["2026-01-01_x"]  # the record, whole; no temporary
+    small_disk.room = 10 ** 6
+    assert records_main(capsys, "table", "--records-dir", small_disk.root).returncode == 0
+    assert "[x](2026-01-01_x/README.md)" in (small_disk.root / "RECORDS.md").read_text()
+
+
 def test_records_plot_on_a_full_disk(small_disk, capsys):
     pytest.importorskip("matplotlib")
     png = small_disk.root / "curves.png"

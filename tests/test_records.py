@@ -1463,6 +1463,28 @@ def test_deep_nesting_in_a_record_or_a_log_is_left_out_not_a_traceback(capsys, t
     assert "[annotated]" not in table and "annotated: left out of the table" in err
 
 
+@pytest.mark.parametrize("winner", ["a record folder", "a file"])
+def test_a_record_filed_meanwhile_is_named_not_the_temporary(capsys, tmp_path, repo, monkeypatch, winner):
+    """Row 18: when another `new` won the race, the error named the tool's temporary: `.new-XXXX: Directory not
+    empty`."""
+    folder = repo / "2026-11-22_race"
+    readme = rec.record_readme
+
+    def meanwhile(*args):   # the other `new` publishes its folder while this one writes its README
+        if winner == "a file":
+            folder.write_text("x")
+        else:
+            folder.mkdir()
+            (folder / "b-cpu-run1.txt").write_text("theirs")
+        return readme(*args)
+
+    monkeypatch.setattr(rec, "record_readme", meanwhile)
+    code, _, err = run(capsys, "new", "race", *SAME_CODE, "--records-dir", repo, "--target", "7.5")
+    assert code == 1 and err == (f"error: {folder}: already exists (made while this record was written: another "
+                                 f"`records.py new`?); nothing of this one was kept\n"), err
+    assert sorted(p.name for p in repo.iterdir()) == ["2026-11-22_race"]   # no .new-XXXX left
+
+
 @pytest.mark.parametrize("how", ["same name", "./name", "hard link", "symlink"])
 @pytest.mark.parametrize("command", ["extract", "plot"])
 def test_the_output_is_never_an_input(capsys, tmp_path, monkeypatch, command, how):
