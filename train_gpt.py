@@ -2417,6 +2417,11 @@ def launch_ranks() -> tuple[int, int, int]:
         raise ConfigError(f"WORLD_SIZE={world_size} in the environment, but {' and '.join(missing)} "
                           f"{'is' if len(missing) == 1 else 'are'} not set: start the ranks with torchrun "
                           f"(torchrun --standalone --nproc_per_node={world_size} train_gpt.py), which sets them")
+    if world_size > 1 and not dist.is_initialized():  # the rendezvous's port: torch's ValueError was a traceback
+        port = os.environ["MASTER_PORT"]
+        if not (port.isdecimal() and 1 <= int(port) <= 65535):
+            raise ConfigError(f"MASTER_PORT={port!r} in the environment is not a port (an integer from 1 to 65535; "
+                              f"torchrun sets it)")
     return rank, local_rank, world_size
 
 

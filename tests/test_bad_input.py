@@ -120,6 +120,10 @@ ENV_CASES = [
       "(torchrun --standalone --nproc_per_node=2 train_gpt.py), which sets them"]),
     ({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"},
      ["WORLD_SIZE=4 in the environment, but MASTER_PORT is not set"]),
+    # issue 38 row 12: a port that is none (was torch's ValueError traceback from the rendezvous)
+    *[({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+       [f"MASTER_PORT={port!r} in the environment is not a port (an integer from 1 to 65535; torchrun sets it)"])
+      for port in ("abc", "99999", "-1", "1e4")],
 ]
 
 
