@@ -2446,7 +2446,10 @@ def setup_distributed(args: Hyperparameters) -> tuple[DistEnv, Hyperparameters]:
                                 timeout=datetime.timedelta(seconds=args.pg_timeout_s),
                                 device_id=device if use_cuda else None)
     env = DistEnv(rank, local_rank, world_size, device, memory_plan, numerics)
-    return env, memory_plan.config if memory_plan else args
+    # --device and --attention settled as --micro_batches=auto is: the run logs, checkpoints and compares what it
+    # trains with, so that spelling out what auto chose (--attention=sdpa on a CPU) is the same setting.
+    config = memory_plan.config if memory_plan else args
+    return env, dataclasses.replace(config, device=device.type, attention=attention_kind)
 
 
 def all_ranks_ok(ok: bool, device: torch.device) -> bool:
@@ -3863,14 +3866,22 @@ def read_checkpoint_file(path: Path, name: str, meta: dict):
 
 
 def comparable_config(saved: dict, args: Hyperparameters) -> dict:
-    """A checkpoint's config as this run's is compared with it: --micro_batches in its canonical spelling (older
-    checkpoints may hold "4,4,4" for "4"), and --packing left to check_resume_shards, which compares what it
-    resolved to for each shard (auto on a shard of documents is documents)."""
+    """A checkpoint's config (or this run's) as the two are compared: every setting as a run settles it, so that
+    two spellings of one setting are equal. --micro_batches in its canonical spelling (older checkpoints may hold
+    "4,4,4" for "4"); --device and --attention as resolved on this run's device (setup_distributed settles them;
+    older checkpoints hold "auto", which resolves here as it would have in this run); --packing left to
+    check_resume_shards, which compares what it resolved to for each shard (auto on a shard of documents is
+    documents)."""
     saved = {k: v for k, v in saved.items() if k != "packing"}
     if isinstance(saved.get("micro_batches"), (str, int)):
         with contextlib.suppress(ConfigError):
             saved["micro_batches"] = canonical_micro_batches(dataclasses.replace(args, micro_batches=str(
                 saved["micro_batches"])))
+    here = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    if saved.get("device") == "auto":
+        saved["device"] = here
+    if saved.get("attention") == "auto":
+        saved["attention"] = "flex" if saved.get("device", here) == "cuda" else "sdpa"
     return saved
 
 
@@ -3903,7 +3914,7 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
                             f"{env.world_size}; DistAdam and NorMuon state are sharded per rank, so resume with "
                             f"{meta['world_size']} ranks")
     if not args.force_resume:
-        ours, theirs = config_for_checkpoint(args), comparable_config(meta["config"], args)
+        ours, theirs = comparable_config(config_for_checkpoint(args), args), comparable_config(meta["config"], args)
         differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
         if differ:
             raise TrainingError(f"--resume={path}: config differs in {', '.join(differ)} "

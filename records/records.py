@@ -702,9 +702,18 @@ def canonical_micro_batches(value: str) -> str:
     return str(counts[0]) if len(set(counts)) == 1 else ",".join(map(str, counts))
 
 
-def experiment_value(name: str, value: str | None) -> str | None:
-    """A hyperparameter's value as experiments are compared: settings that train identically are equal."""
-    return canonical_micro_batches(value) if name == "micro_batches" and value is not None else value
+def experiment_value(name: str, value: str | None, device: str = "unknown") -> str | None:
+    """A hyperparameter's value as experiments are compared: settings that train identically are equal, each as the
+    trainer settles it (train_gpt.setup_distributed, and now logs): --micro_batches in one spelling; --device and
+    --attention "auto" as they resolve on the device the log ran on (older logs wrote "auto"): on a CPU,
+    --attention=sdpa and auto are one setting."""
+    if value is None:
+        return None
+    if name == "micro_batches":
+        return canonical_micro_batches(value)
+    if value.strip() == "auto" and device in ("cpu", "cuda") and name in ("device", "attention"):
+        return device if name == "device" else "flex" if device == "cuda" else "sdpa"
+    return value
 
 
 def experiment_fields(logs: list[Log]) -> dict[str, list[str | None]]:
@@ -718,7 +727,7 @@ def experiment_fields(logs: list[Log]) -> dict[str, list[str | None]]:
         fields["world_size"] = [None if lg.world_size is None else str(lg.world_size) for lg in logs]
     names = set().union(*(lg.hyperparameters for lg in logs)) - FREE_FIELDS - fields.keys()
     for name in sorted(names, key=lambda n: (KEY_FIELDS.index(n) if n in KEY_FIELDS else len(KEY_FIELDS), n)):
-        fields[name] = [experiment_value(name, lg.hyperparameters.get(name)) for lg in logs]
+        fields[name] = [experiment_value(name, lg.hyperparameters.get(name), lg.device) for lg in logs]
     return fields
 
 
@@ -1396,7 +1405,7 @@ def record_readme(name: str, date: str, track: str, target: float, logs: list[Lo
                   f"  torchrun --standalone --nproc_per_node={first.world_size or 1} {script}"
                   + "".join(f" \\\n    {sh_quote(f'--{k}={v}')}" for k, v in run_flags(first)), "```", ""]
         differ = sorted(k for k in first.hyperparameters
-                        if len({experiment_value(k, lg.hyperparameters.get(k)) for lg in logs}) > 1)
+                        if len({experiment_value(k, lg.hyperparameters.get(k), lg.device) for lg in logs}) > 1)
         if first.hyperparameters:
             lines += ["The flags are the hyperparameters in the first run's log header, less those that only "
                       "name where a run writes its files."

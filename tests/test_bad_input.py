@@ -327,6 +327,23 @@ def test_micro_batches_is_one_setting_however_it_is_spelled(checkpoint, tmp_path
     assert "  micro_batches = 1\n" in (tmp_path / "logs/spelled.txt").read_text()
 
 
+@pytest.mark.slow  # the fixture trains two steps
+@pytest.mark.parametrize("saved, flags", [
+    ({"attention": "auto", "device": "auto"}, ["--attention=sdpa", "--device=cpu"]),  # the issue's
+    ({"attention": "sdpa", "device": "cpu"}, []),  # a checkpoint of now (settled), resumed with the defaults
+    ({"attention": "auto", "device": "cpu"}, ["--attention=sdpa"]),
+], ids=["auto saved, spelled out", "settled saved, auto", "device spelled, attention auto"])
+def test_attention_and_device_are_compared_as_resolved(checkpoint, tmp_path, saved, flags):
+    """Issue 38 row 16: --attention=sdpa and --device=cpu train exactly as auto on a CPU, yet a resume that spelled
+    them out was refused ("config differs in attention, device")."""
+    folder = copy_of(checkpoint, tmp_path)
+    edit_meta(lambda meta: {**meta, "config": {**meta["config"], **saved}})(folder)
+    proc = run_main(*TINY, *flags, f"--resume={folder}", f"--logs_dir={tmp_path}/logs", "--run_id=spelled")
+    assert proc.returncode == 0, proc.stderr[-2000:]  # (at its last step: only the final validation runs)
+    log = (tmp_path / "logs/spelled.txt").read_text()
+    assert "  attention = sdpa\n" in log and "  device = cpu\n" in log  # logged as settled
+
+
 def test_a_resume_across_a_packing_change_gets_advice_that_works(tmp_path):
     # The same tokens with another packing in the shard header: auto packs them otherwise, so the checkpoint's
     # position would mean other tokens. The advice once named no value, and following it was refused again

@@ -1502,3 +1502,16 @@ def test_the_output_is_never_an_input(capsys, tmp_path, monkeypatch, command, ho
     assert code == 1 and err == f"error: -o {out}: that is {log}, which this command reads; choose another output " \
                                 f"file\n", err
     assert log.read_bytes() == SAME_CODE[0].read_bytes()
+
+
+@pytest.mark.parametrize("values", [("auto", "auto", "sdpa"), ("sdpa", " auto", "auto")])
+def test_attention_is_compared_as_resolved_on_the_logs_device(capsys, tmp_path, values):
+    """Row 16: --attention=sdpa trains exactly as auto on a CPU, yet verify called such runs different experiments."""
+    logs = copies(tmp_path, SAME_CODE, lambda t, i: with_hparams(t, attention=values[i - 1], device="auto"))
+    code, out, _ = run(capsys, "verify", *logs, "--target", "7.5")
+    assert code == 0, out
+    # on a GPU, auto is flex: sdpa there is another setting
+    gpu = copies(tmp_path, SAME_CODE, lambda t, i: with_hparams(t.replace("device: cpu ", "device: cuda (NVIDIA H100) "),
+                                                                attention=values[i - 1]), names=["g1.txt", "g2.txt", "g3.txt"])
+    code, out, _ = run(capsys, "verify", *gpu, "--target", "7.5")
+    assert code == 1 and "FAIL not the same experiment: attention is " in out, out
