@@ -3707,6 +3707,126 @@ def release_folders(made: list[Path]):
             folder.rmdir()
 
 
+# One reader for every weights file: a final-weights folder's model.pt (sample.py, load_final_weights, to-record),
+# --init_from's, a checkpoint's model.pt (--resume), and, for the tensors themselves, the record's state dict
+# (tools/record_weights.py to-ours). Each file is checked before any model is built from it, in this order: the
+# model of the config (built on the meta device, so without memory) and the file fit this host's memory; the file
+# loads with weights_only, to the CPU; it is a dict whose keys are strings, whose tensors are dense and strided, on
+# the CPU (a tensor saved from the meta device holds no values), of a floating dtype and finite, and whose names
+# and shapes are the model's. A checkpoint once loaded int64 weights as zeros in silence, tracebacked on a
+# non-string key, a non-tensor value or a meta tensor, and NaN weights reached sample.py's multinomial.
+
+WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # cast into our parameters exactly
+
+
+class WeightsError(ValueError):
+    """A weights file that is not the model it should hold: one line, naming the key (the caller names the file)."""
+
+
+def tensor_problem(name: str, value) -> str | None:
+    """Why a stored value cannot be one of a model's tensors, or None: the cheap checks (check_weights adds the
+    shapes and, last, finiteness)."""
+    if type(value) not in (torch.Tensor, nn.Parameter):
+        return f"{name!r} is a {type(value).__name__}, not a tensor"
+    if value.layout != torch.strided or value.is_quantized:
+        return f"{name!r} is a {str(value.layout).removeprefix('torch.')}{' quantized' * value.is_quantized} tensor, " \
+               f"not a dense one"
+    if value.device.type != "cpu":
+        return f"{name!r} holds no values (a tensor of the {value.device.type} device)"
+    if value.dtype not in WEIGHT_DTYPES:
+        return f"{name!r} has dtype {str(value.dtype).removeprefix('torch.')}, expected a floating one (bfloat16, " \
+               f"float16, float32 or float64)"
+    return None
+
+
+def nonfinite_problem(name: str, value: Tensor) -> str | None:
+    bad = int(value.numel() - torch.isfinite(value).sum())
+    return f"{name!r} holds {bad:,} non-finite value(s) (NaN or inf)" if bad else None
+
+
+def extra_state_problem(name: str, value, like) -> str | None:
+    """A module's extra state (the rotary's window and attention scale): the keys the model's has, each a positive
+    finite number of the same kind."""
+    if type(value) is not type(like) or not isinstance(like, dict) or value.keys() != like.keys():
+        return f"{name!r} is not the model's {type(like).__name__} of {', '.join(map(str, like))}"
+    for key, number in value.items():
+        if type(number) is not type(like[key]) or not 0 < number < math.inf:
+            return f"{name!r} holds {key}={number!r}, expected a positive finite {type(like[key]).__name__}"
+    return None
+
+
+def check_weights(state, expected: dict) -> dict:
+    """`state` once it is the model whose state dict (on the meta device) is `expected`, with the checks the block
+    above lists; else a WeightsError naming the first key that is wrong and how many more are."""
+    if not isinstance(state, dict):
+        raise WeightsError(f"not a state dict but a {type(state).__name__}")
+    odd = [k for k in state if not isinstance(k, str)]
+    if odd:
+        more = f"; and {len(odd) - 1} more such key(s)" if len(odd) > 1 else ""
+        raise WeightsError(f"key {odd[0]!r} ({type(odd[0]).__name__}) is not a parameter name (the keys of a state "
+                           f"dict are strings){more}")
+
+    def first_of(problems: list[str]) -> None:
+        if problems:
+            raise WeightsError(problems[0] + (f"; and {len(problems) - 1} more key(s) wrong" if len(problems) > 1
+                                              else ""))
+    first_of([p for k, v in state.items() if k in expected for p in [
+        tensor_problem(k, v) if isinstance(expected[k], Tensor) else extra_state_problem(k, v, expected[k])] if p])
+    mismatch = state_dict_mismatch(state, expected)
+    if mismatch:
+        raise WeightsError(mismatch)
+    first_of([p for k, v in state.items() if isinstance(v, Tensor) and (p := nonfinite_problem(k, v))])
+    return state
+
+
+def check_fits_host(expected: dict, file_bytes: int):
+    """The model of `expected` built on the host and a file of file_bytes read beside it must fit the host's memory:
+    a config describing a larger model was built, and failed in an allocation traceback, before its model.pt was
+    read."""
+    model = tensor_bytes(v for v in expected.values() if isinstance(v, Tensor))
+    have = device_memory_bytes(torch.device("cpu"))
+    if model + file_bytes > have:
+        raise WeightsError(f"the model takes {model / 2 ** 30:,.1f} GiB and the file {file_bytes / 2 ** 30:,.1f} GiB "
+                           f"of host memory, more than this machine's {have / 2 ** 30:,.1f} GiB")
+
+
+def load_weights(source, name: str = "it") -> object:
+    """A weights file (a path or its bytes) loaded to the CPU by torch's safe loader: tensors and plain
+    containers, never code. torch's warnings (sparse layouts, old formats) are not passed on."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise WeightsError(f"cannot load {name} safely ({first_line(e)})") from None
+
+
+def read_json(path: Path):
+    """A JSON file the trainer or sample.py reads (meta.json, config.json); a ValueError says why it is not one
+    (JSON nested thousands deep raised the parser's RecursionError, a traceback). OSErrors are the caller's."""
+    try:
+        return json.loads(path.read_text())
+    except RecursionError:
+        raise ValueError("nested too deeply to be one this trainer wrote") from None
+
+
+def model_state_shapes(args: Hyperparameters) -> dict:
+    """The state dict of the model this config builds, on the meta device: its names, shapes and dtypes, no memory."""
+    with torch.device("meta"):
+        return GPT(args).state_dict()
+
+
+def read_weights(path: Path, args: Hyperparameters, skip: str | None = None) -> dict:
+    """A weights file of ours, checked against the model of `args` (see the block above); keys starting with
+    `skip` are left out first (--init_from's rotary state follows its own run's schedule). Raises WeightsError."""
+    expected = {k: v for k, v in model_state_shapes(args).items() if not (skip and k.startswith(skip))}
+    check_fits_host(expected, path.stat().st_size)
+    state = load_weights(path)
+    if isinstance(state, dict) and skip:
+        state = {k: v for k, v in state.items() if not (isinstance(k, str) and k.startswith(skip))}
+    return check_weights(state, expected)
+
+
 FINAL_WEIGHTS_FORMAT = "train_gpt.py final weights, version 1"
 
 
@@ -3741,14 +3861,15 @@ def save_final_weights(model: GPT, args: Hyperparameters, source: str, run_id: s
 
 
 def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters, dict]:
-    """The model saved by save_final_weights, in eval mode on `device`, its config and config.json."""
+    """The model saved by save_final_weights, in eval mode on `device`, its config and config.json. The config and
+    then model.pt are checked (read_weights) before the model is built."""
     path = Path(path)
     if not path.is_dir():
         raise DataError(f"{path}: no such folder (train with --save_final=true to write <checkpoint_dir>/<run_id>/final)")
     if not (path / "config.json").is_file() or not (path / "model.pt").is_file():
         raise DataError(f"{path}: not a final-weights folder of train_gpt.py (it needs config.json and model.pt)")
     try:
-        info = json.loads((path / "config.json").read_text())
+        info = read_json(path / "config.json")
         if info.get("format") != FINAL_WEIGHTS_FORMAT:
             raise ValueError(f"format {info.get('format')!r}")
         names = {f.name for f in dataclasses.fields(Hyperparameters)}
@@ -3765,16 +3886,13 @@ def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters
             raise ValueError(f'"windows" must be the final (short, long) windows in blocks, got {windows!r}')
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise DataError(f"{path / 'config.json'}: not train_gpt.py's final-weights config ({e})") from None
-    model = cast_parameters(GPT(args, Numerics.for_evaluation(device)).to(device))
     try:
-        saved = torch.load(path / "model.pt", map_location=device, weights_only=True)
-        mismatch = state_dict_mismatch(saved, model.state_dict())
-        if mismatch:
-            raise ValueError(mismatch)
-        model.load_state_dict(saved)
-    except Exception as e:
+        saved = read_weights(path / "model.pt", args)
+    except (WeightsError, OSError) as e:
         raise DataError(f"{path / 'model.pt'}: cannot load these weights into the model of config.json "
                         f"({first_line(e)})") from None
+    model = cast_parameters(GPT(args, Numerics.for_evaluation(device)).to(device))
+    model.load_state_dict(saved)
     return model.eval(), args, info
 
 
@@ -3860,9 +3978,9 @@ def read_checkpoint_file(path: Path, name: str, meta: dict):
     if hashlib.sha256(data).hexdigest() != listed["sha256"]:
         raise TrainingError(f"--resume={path}: {name} is not the file saved with this meta.json (its sha256 differs)")
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise TrainingError(f"--resume={path}: cannot load {name} safely ({first_line(e)})") from None
+        return load_weights(io.BytesIO(data), name)
+    except WeightsError as e:
+        raise TrainingError(f"--resume={path}: {e}") from None
 
 
 def comparable_config(saved: dict, args: Hyperparameters) -> dict:
@@ -3894,7 +4012,7 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
     if not meta_path.is_file():
         raise TrainingError(f"--resume={path}: not a complete checkpoint (no meta.json)")
     try:
-        meta = json.loads(meta_path.read_text())
+        meta = read_json(meta_path)
     except (OSError, ValueError) as e:
         raise TrainingError(f"--resume={path}: unreadable meta.json ({e})") from None
     if not isinstance(meta, dict):
@@ -3922,12 +4040,14 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
         if meta["code_sha256"] != code_hash(source):
             raise TrainingError(f"--resume={path}: written by a different train_gpt.py "
                                 f"(use --force_resume=true to resume anyway)")
-    model_state = read_checkpoint_file(path, "model.pt", meta)
-    with torch.device("meta"):  # the model this config builds, without memory
-        mismatch = state_dict_mismatch(model_state, GPT(args).state_dict())
-    if mismatch:
-        raise TrainingError(f"--resume={path}: its model.pt does not fit the model this config builds ({mismatch})"
-                            + ("; --force_resume cannot change the architecture" if args.force_resume else ""))
+    expected = model_state_shapes(args)
+    try:
+        listed = meta["files"].get("model.pt")
+        check_fits_host(expected, listed["bytes"] if isinstance(listed, dict) and type(listed.get("bytes")) is int else 0)
+        model_state = check_weights(read_checkpoint_file(path, "model.pt", meta), expected)
+    except WeightsError as e:
+        raise TrainingError(f"--resume={path}: its model.pt does not fit the model this config builds ({e})"
+                            + ("; --force_resume cannot change the architecture" if args.force_resume else "")) from None
     rank_state = read_checkpoint_file(path, f"rank_{env.rank}.pt", meta)
     saved_at = rank_state.get("step") if isinstance(rank_state, dict) else None
     if saved_at != meta["step"]:
@@ -4115,29 +4235,16 @@ def keep_freed_cpu_memory():
 
 
 def read_init_weights(args: Hyperparameters) -> dict:
-    """--init_from's weights, checked against the model this config builds (names and shapes) before the
-    run creates anything. The rotary state is left out: it follows this run's schedule."""
+    """--init_from's weights, checked against the model this config builds (read_weights) before the run creates
+    anything. The rotary state is left out: it follows this run's schedule."""
     path = Path(args.init_from)
     if not (path / "model.pt").is_file():
         raise DataError(f"--init_from={path}: not a final-weights folder (no model.pt; train with "
                         f"--save_final=true, or convert the record's weights with tools/record_weights.py)")
     try:
-        state = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise DataError(f"--init_from={path}: cannot load model.pt ({first_line(e)})") from None
-    if not isinstance(state, dict):
-        raise DataError(f"--init_from={path}: model.pt is not a state dict")
-    state = {k: v for k, v in state.items() if not k.startswith("rotary.")}
-    with torch.device("meta"):
-        expected = {k: v.shape for k, v in GPT(args).state_dict().items() if not k.startswith("rotary.")}
-    missing = sorted(set(expected) - set(state))
-    extra = sorted(set(state) - set(expected))
-    wrong = [k for k in expected if k in state and tuple(state[k].shape) != tuple(expected[k])]
-    if missing or extra or wrong:
-        first = (f"{wrong[0]}: {tuple(state[wrong[0]].shape)} there, {tuple(expected[wrong[0]])} here" if wrong
-                 else f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(extra[:3])}")
-        raise DataError(f"--init_from={path}: its weights do not fit this config's model ({first})")
-    return state
+        return read_weights(path / "model.pt", args, skip="rotary.")
+    except (WeightsError, OSError) as e:
+        raise DataError(f"--init_from={path}: its weights do not fit this config's model ({first_line(e)})") from None
 
 
 def build_model(args: Hyperparameters, env: DistEnv, init_state: dict | None = None) -> GPT:

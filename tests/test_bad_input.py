@@ -8,6 +8,7 @@ records.py write every byte through os.write, so their real error paths run. One
 kernel limit (RLIMIT_FSIZE, no privileges needed) for the same paths."""
 
 import contextlib
+import dataclasses
 import errno
 import importlib.util
 import io
@@ -25,7 +26,7 @@ from torch.testing import assert_close
 
 import sample
 import train_gpt as T
-from conftest import REPO, one_line_error, random_model, run_main, torchrun
+from conftest import REPO, in_process, one_line_error, random_model, run_main, torchrun
 
 TRAIN = REPO / "train_gpt.py"
 # The smoke model, one micro-batch of 256 tokens a step and one 1,024-token validation sequence: the
@@ -845,6 +846,139 @@ def test_hellaswag_example_longer_than_the_model_is_one_line(final_folder_in_pro
     data = hellaswag_file(tmp_path / "val.jsonl", examples=1, context_words=1400)
     one_line_error(sample_main(final_folder_in_process, "--eval=hellaswag", f"--data={data}"),
                    "example 1: its context and longest ending are 1415 tokens, more than the model reads (1023)")
+
+
+# -----------------------------------------------------------------------------
+# Issue 38 rows 9-11 and 15: one reader for every weights file (train_gpt.read_weights / check_weights)
+
+SMOKE = T.parse_args(["--preset=smoke"], False)
+
+
+def meta_state(args=SMOKE) -> dict:
+    with torch.device("meta"):
+        return T.GPT(args).state_dict()
+
+
+def tiny_final_folder(folder, args=SMOKE, edit=None):
+    """A final-weights folder of `args`'s model whose tensors are one value broadcast to their shapes (stride 0: a
+    file of a few kB), with model.pt edited by edit(state) first."""
+    folder.mkdir()
+    state = {k: torch.zeros((), dtype=v.dtype).expand(v.shape) if isinstance(v, torch.Tensor) else v
+             for k, v in meta_state(args).items()}
+    if edit is not None:
+        edit(state)
+    torch.save(state, folder / "model.pt")
+    info = {"format": T.FINAL_WEIGHTS_FORMAT, "config": dataclasses.asdict(args), "step": 0, "val_loss": None,
+            "windows": [1, 3], "code_sha256": None}
+    (folder / "config.json").write_text(json.dumps(info))
+    return folder
+
+
+def set_value(key, value):
+    def edit(state):
+        state[key] = value() if callable(value) else value
+    return edit
+
+
+def shape_of(key):
+    return tuple(meta_state()[key].shape)
+
+
+def with_one(key, value):
+    """A zero tensor of key's shape with one element set to value."""
+    def make():
+        t = torch.zeros(shape_of(key))
+        t.view(-1)[7] = value
+        return t
+    return set_value(key, make)
+
+
+WEIGHT_CASES = [  # (case, edit of model.pt, fragments of the error line)
+    # row 9: an int64 copy was cast into the parameters in silence (all zeros, had it been the record's)
+    ("int64 weight", set_value("blocks.0.mlp.fc", lambda: torch.zeros(shape_of("blocks.0.mlp.fc"), dtype=torch.int64)),
+     ["'blocks.0.mlp.fc' has dtype int64, expected a floating one (bfloat16, float16, float32 or float64)"]),
+    ("bool sign table", set_value("bigram_signs", lambda: torch.ones(shape_of("bigram_signs"), dtype=torch.bool)),
+     ["'bigram_signs' has dtype bool, expected a floating one"]),
+    # row 10: tracebacks
+    ("non-string key", set_value(3, torch.zeros(1)), ["key 3 (int) is not a parameter name"]),
+    ("non-tensor value", set_value("scalars", [0.0] * 14), ["'scalars' is a list, not a tensor"]),
+    ("meta tensor", set_value("lm_head", lambda: torch.empty(shape_of("lm_head"), device="meta")),
+     ["'lm_head' holds no values (a tensor of the meta device)"]),
+    # row 11: passed, then a traceback or nonsense later
+    ("sparse tensor", set_value("lm_head", lambda: torch.zeros(shape_of("lm_head")).to_sparse()),
+     ["'lm_head' is a sparse_coo tensor, not a dense one"]),
+    ("NaN weight", with_one("embed.weight", float("nan")), ["'embed.weight' holds 1 non-finite value(s) (NaN or inf)"]),
+    ("inf weight", with_one("blocks.2.attn.qk", float("-inf")), ["'blocks.2.attn.qk' holds 1 non-finite value(s)"]),
+]
+
+
+@pytest.mark.parametrize("reader", ["--init_from", "sample.py", "to-record"])
+@pytest.mark.parametrize("case, edit, fragments", WEIGHT_CASES, ids=[case[0] for case in WEIGHT_CASES])
+def test_every_weights_reader_refuses_what_is_not_the_model(tmp_path, reader, case, edit, fragments):
+    """Rows 9-11: the third pass's weight checks went into to-ours only."""
+    folder = tiny_final_folder(tmp_path / "final", edit=edit)
+    if reader == "--init_from":
+        proc = run_main(*TINY, f"--init_from={folder}", f"--logs_dir={tmp_path}/logs")
+        one_line_error(proc, f"--init_from={folder}: its weights do not fit this config's model (", *fragments)
+        assert not (tmp_path / "logs").exists()
+    elif reader == "sample.py":
+        one_line_error(sample_main(folder, "--prompt=x", "--temperature=0"),
+                       f"{folder / 'model.pt'}: cannot load these weights into the model of config.json (", *fragments)
+    else:
+        sys.path.insert(0, str(REPO / "tools"))
+        import record_weights
+        proc = in_process(record_weights.main, "to-record", folder, tmp_path / "out.pt")
+        one_line_error(proc, f"{folder / 'model.pt'}: cannot load these weights", *fragments)
+        assert not (tmp_path / "out.pt").exists()
+
+
+def test_the_tiny_final_folder_passes_every_reader(tmp_path):
+    """The control for WEIGHT_CASES: unedited, the folder loads (its model built and filled)."""
+    folder = tiny_final_folder(tmp_path / "final")
+    model, args, _ = T.load_final_weights(folder, torch.device("cpu"))
+    assert args == SMOKE and float(model.lm_head.detach().abs().sum()) == 0
+    assert set(T.read_init_weights(dataclasses.replace(SMOKE, init_from=str(folder)))) == {
+        k for k in meta_state() if not k.startswith("rotary.")}
+
+
+@pytest.mark.slow  # the fixture trains two steps
+@pytest.mark.parametrize("case, edit, fragments", [WEIGHT_CASES[0], WEIGHT_CASES[6]], ids=["int64", "NaN"])
+def test_a_resumed_checkpoint_s_weights_are_read_by_the_same_checks(checkpoint, tmp_path, case, edit, fragments):
+    """Rows 9-11, --resume: a model.pt that meta.json describes (its size and sha256 updated) but holds an int64 or
+    a NaN weight."""
+    folder = copy_of(checkpoint, tmp_path)
+    state = torch.load(folder / "model.pt", weights_only=True)
+    edit(state)
+    replace(folder / "model.pt", b"")
+    torch.save(state, folder / "model.pt")
+    data = (folder / "model.pt").read_bytes()
+    edit_meta(lambda meta: {**meta, "files": {**meta["files"], "model.pt": {
+        "bytes": len(data), "sha256": __import__("hashlib").sha256(data).hexdigest()}}})(folder)
+    proc = run_main(*TINY, f"--resume={folder}", f"--logs_dir={tmp_path}/logs", "--run_id=again")
+    one_line(proc, 1, f"--resume={folder}: its model.pt does not fit the model this config builds (", *fragments)
+    assert not (tmp_path / "logs").exists()
+
+
+HUGE = ["--model_dim=4194304", "--head_dim=64"]  # 65,536 heads: tens of TiB of weights
+
+
+@pytest.mark.parametrize("reader", ["sample.py", "to-record", "--init_from"])
+def test_a_model_larger_than_the_host_is_refused_before_it_is_built(tmp_path, reader):
+    """Row 15: a config.json describing a model larger than the host was built before model.pt was read: an
+    allocation traceback."""
+    folder = tiny_final_folder(tmp_path / "final")
+    edit_config(lambda info: {**info, "config": {**info["config"], "model_dim": 4194304}})(folder)
+    fragments = ["GiB of host memory, more than this machine's"]
+    if reader == "sample.py":
+        one_line_error(sample_main(folder, "--prompt=x"), f"{folder / 'model.pt'}: cannot load", *fragments)
+    elif reader == "to-record":
+        sys.path.insert(0, str(REPO / "tools"))
+        import record_weights
+        one_line_error(in_process(record_weights.main, "to-record", folder, tmp_path / "out.pt"), *fragments)
+    else:
+        proc = run_main(*TINY, *HUGE, f"--init_from={folder}", f"--logs_dir={tmp_path}/logs")
+        one_line_error(proc, f"--init_from={folder}: its weights do not fit this config's model (the model takes ",
+                       *fragments)
 
 
 # -----------------------------------------------------------------------------

@@ -212,6 +212,16 @@ REFUSED = [  # id, the input file, to-ours's own flags, the fragments of its err
     # --trust is advised where the safe loader refused a Python object, and only there
     ("python_object", saved(wrap=lambda state: {"model": state, "saved": datetime.date(2025, 1, 1)}), [],
      ["the safe loader refused datetime.date", "--trust loads it, if you trust the file"]),
+    # issue 38 row 11: sparse and meta tensors passed (a traceback later), NaN and inf weights too (then sample.py
+    # tracebacked in multinomial, or printed "!!!!!" at temperature 0)
+    ("sparse_tensor", saved((K + "lm_head.weight", torch.zeros(64, 50304).to_sparse())), [],
+     ["'lm_head.weight' is a sparse_coo tensor, not a dense one"]),
+    ("meta_tensor", saved((K + "scalars", torch.empty(14, device="meta"))), [],
+     ["'scalars' holds no values (a tensor of the meta device)"]),
+    ("nan_weight", saved((K + "scalars", torch.tensor([float("nan")] + [0.0] * 13))), [],
+     ["'scalars' holds 1 non-finite value(s) (NaN or inf)"]),
+    ("inf_in_a_bank", saved((K + "qk_bank", torch.zeros(20, 32, 64).index_fill_(0, torch.tensor([3]), float("inf")))),
+     [], ["'qk_bank' holds 2,048 non-finite value(s) (NaN or inf)"]),
     # #17: a step the schedule does not have
     ("negative_step", saved(), ["--step=-1"],
      ["error: --step=-1: the schedule's steps are 0 to --num_iterations=30"]),

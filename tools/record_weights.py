@@ -17,8 +17,9 @@ which the record does not save, is the one after the schedule's window changes u
 end of training).
 
 Before converting, record_to_ours checks that the state dict is the record's GPT for the config: string keys,
-every tensor there and no other, floating dtypes, and each tensor's shape (a bank's rank and matrix shape, and
-at least the rows in use). The command line refuses, with one `error:` line and exit code 2 and before writing
+every tensor there, each dense, on the CPU, of a floating dtype and finite (train_gpt.py's one check of a stored
+tensor, tensor_problem and nonfinite_problem, which --init_from, --resume and sample.py apply too), and each
+tensor's shape (a bank's rank and matrix shape, and at least the rows in use). The command line refuses, with one `error:` line and exit code 2 and before writing
 anything, a file that is not a PyTorch file, a --step the schedule does not have, and an output that exists;
 what it writes goes through train_gpt.write_file (atomic), so a full disk leaves nothing behind.
 """
@@ -44,9 +45,6 @@ import train_gpt as T  # noqa: E402
 COMPILED_PREFIX = "_orig_mod."  # the record's model is torch.compile'd: its state_dict keys carry this
 RECORD_MLP_LAYERS = 12  # the record's mlp_bank always has 12 (11 used)
 RECORD_WORLD_SIZE = 8
-# The dtypes a weight may be stored in. Loading copies (casts) into our float parameters without a word, so an
-# integer copy of a record state became all-zero weights, and a complex one lost its imaginary parts.
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 BANKS = ("qk_bank", "vo_bank", "mlp_bank")  # their first size is the record's padded row count: at least ours
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since PyTorch 1.6
 # The legacy format (a pickle) starts with torch's magic number, pickled (LONG1 of 10 bytes) after the protocol
@@ -155,13 +153,10 @@ def check_record_state(state: dict, args: T.Hyperparameters) -> dict:
         value = plain.get(name)
         if value is None:
             problems.append(f"missing {name!r} (expected shape {shape})")
-        elif not isinstance(value, torch.Tensor):
-            problems.append(f"{name!r} is a {type(value).__name__}, not a tensor")
-        elif value.dtype not in FLOAT_DTYPES:
-            problems.append(f"{name!r} has dtype {str(value.dtype).removeprefix('torch.')}, expected a floating "
-                            f"one (bfloat16, float16, float32 or float64)")
-        else:
-            problems.append(_shape_problem(name, tuple(value.shape), shape))
+        else:  # train_gpt.py's one check of a stored tensor: dense, on the CPU, floating (see T.check_weights)
+            problems.append(T.tensor_problem(name, value) or _shape_problem(name, tuple(value.shape), shape))
+    if not any(problems):  # last, as the trainer's reader does: it reads every value
+        problems = [T.nonfinite_problem(name, plain[name]) for name in expected]
     problems = [p for p in problems if p is not None]
     if problems:
         more = f"; and {len(problems) - 1} more key(s) wrong" if len(problems) > 1 else ""
