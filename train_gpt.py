@@ -4027,6 +4027,15 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
                 and isinstance(shard.get("fingerprint"), str)):
             raise TrainingError(f"--resume={path}: meta.json has no valid 'shards' (edited, or written by an older "
                                 f"train_gpt.py?)")
+    # No hash covers meta.json: its numbers are checked with the rest, before the log exists. A step or time out of
+    # range once resumed and logged a train time of NaN or -1e12 ms, and an MFU of 86 billion %; the loader's
+    # position is checked against the shards in check_resume_shards.
+    if meta["step"] < 0 or meta["world_size"] < 1:
+        key = "step" if meta["step"] < 0 else "world_size"
+        raise TrainingError(f"--resume={path}: meta.json's {key} is {meta[key]}, not one a run saves (edited?)")
+    if not 0 <= meta["train_time_ms"] < math.inf:
+        raise TrainingError(f"--resume={path}: meta.json's train_time_ms is {meta['train_time_ms']!r}, not a time "
+                            f"(a finite number of ms, 0 or more; edited?)")
     if meta["world_size"] != env.world_size:
         raise TrainingError(f"--resume={path}: written at world size {meta['world_size']}, this run has "
                             f"{env.world_size}; DistAdam and NorMuon state are sharded per rank, so resume with "
@@ -4071,16 +4080,29 @@ def check_resume_shards(resume: Resume, loader, args: Hyperparameters):
         raise TrainingError(f"--resume={resume.path}: the checkpoint was trained on "
                             f"{'shards' if recorded else 'synthetic tokens'}, this run reads "
                             f"{'shards' if scans else 'synthetic tokens'}")
-    if not scans:
+    state = resume.meta["loader"]
+    if not scans:  # synthetic tokens: the position is a count of batches drawn
+        if type(state.get("step", 0)) is not int or state.get("step", 0) < 0:
+            raise TrainingError(f"--resume={resume.path}: meta.json's loader step is {state.get('step')!r}, not a count "
+                                f"of batches (edited?)")
         return
     try:  # a resume that would read the position with another meaning, before anything is written
-        loader.check_packing(resume.meta["loader"])
+        loader.check_packing(state)
     except DataError as e:
         raise TrainingError(f"--resume={resume.path}: {e}") from None
-    position = resume.meta["loader"].get("file_index")
+    position = state.get("file_index")
     if type(position) is not int or not 0 <= position < len(scans):
         raise TrainingError(f"--resume={resume.path}: the checkpoint stopped in training shard {position!r}, but "
                             f"--train_files={args.train_files} gives this run {len(scans)} shard(s)")
+    # the next piece (documents) or token (stream) of that shard: at most its end, where the next shard starts.
+    # (-1 or 1.9 once resumed elsewhere in the data without a word, a position past the end in an IndexError.)
+    scan, piece = scans[position], state.get("piece")
+    end = len(scan.starts) if scan.packing == "documents" else scan.num_tokens
+    if type(piece) is not int or not 0 <= piece <= end:
+        unit = "pieces (documents)" if scan.packing == "documents" else "tokens"
+        raise TrainingError(f"--resume={resume.path}: meta.json puts the loader at {piece!r} in training shard "
+                            f"{position + 1}, {scan.path}, which has {end:,} {unit}: not a position in it (edited, or "
+                            f"another shard?)")
     if args.force_resume:
         return
     for i, (saved, scan, fingerprint) in enumerate(zip(recorded, scans, loader.fingerprints)):

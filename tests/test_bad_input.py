@@ -237,6 +237,15 @@ RESUME_CASES = [
       "use --force_resume=true"], []),
     ("another shard's size", edit_meta(edit_first_shard("bytes", 1000)), ["shakespeare_train_000001.bin, 1,000 bytes)"],
      []),
+    # issue 38 rows 13 and 14: meta.json's numbers (no hash covers it) in range, before the log exists: the loader
+    # past its shard was an IndexError after the log, -1 or 1.9 resumed elsewhere in silence, a NaN or -1e12 ms
+    # train time was logged as such
+    *[(f"loader at {value!r}", edit_meta(lambda meta, v=value: {**meta, "loader": {**meta["loader"], "piece": v}}),
+       [f"meta.json puts the loader at {value!r} in training shard 1, data/shakespeare/shakespeare_train_000001.bin, "
+        f"which has 709 pieces (documents): not a position in it"], []) for value in (10 ** 9, 710, -1, 1.9)],
+    *[(f"train_time_ms {value!r}", edit_meta(with_key("train_time_ms", value)),
+       [f"meta.json's train_time_ms is {value!r}, not a time (a finite number of ms, 0 or more"], [])
+      for value in (float("nan"), -1e12, float("inf"))],
     # --force_resume from a step with nothing left to train
     ("forced at the last step", None, ["the checkpoint is at step 2, at or past --num_iterations=2: nothing is left "
                                        "to train"], ["--force_resume=true"]),
