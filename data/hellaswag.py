@@ -74,6 +74,8 @@ def parse_example(line: str, where: str) -> Example:
         item = json.loads(line)
     except json.JSONDecodeError as e:
         raise HellaSwagError(f"{where}: not JSON ({e.msg})") from None
+    except RecursionError:  # nested thousands deep: the parser's own limit, a traceback otherwise
+        raise HellaSwagError(f"{where}: not a HellaSwag example (JSON nested too deeply)") from None
     if not isinstance(item, dict):
         raise HellaSwagError(f"{where}: expected a JSON object")
     context, endings, label = item.get("ctx"), item.get("endings"), item.get("label")

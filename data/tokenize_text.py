@@ -302,6 +302,8 @@ class DocumentReader:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise TokenizeError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                except RecursionError:  # nested thousands deep: the parser's own limit, a traceback otherwise
+                    raise TokenizeError(f"{path}:{lineno}: not a document (JSON nested too deeply)") from None
                 if not isinstance(record, dict) or not isinstance(record.get(self.text_field), str):
                     raise TokenizeError(f"{path}:{lineno}: expected a JSON object with a string "
                                         f"{self.text_field!r} field")

@@ -243,6 +243,13 @@ RESUME_CASES = [
     *[(f"loader at {value!r}", edit_meta(lambda meta, v=value: {**meta, "loader": {**meta["loader"], "piece": v}}),
        [f"meta.json puts the loader at {value!r} in training shard 1, data/shakespeare/shakespeare_train_000001.bin, "
         f"which has 709 pieces (documents): not a position in it"], []) for value in (10 ** 9, 710, -1, 1.9)],
+    # issue 38 row 8: JSON nested thousands deep raised the parser's RecursionError, a traceback
+    ("meta.json nested deeply", lambda folder: replace(folder / "meta.json", b"[" * 100_000 + b"]" * 100_000),
+     ["unreadable meta.json (nested too deeply to be one this trainer wrote)"], []),
+    ("meta.json's loader nested deeply", lambda folder: replace(folder / "meta.json", (
+        (folder / "meta.json").read_text().replace('"loader": {', '"loader": {"x": ' + "[" * 100_000 + "]" * 100_000
+                                                   + ", ", 1)).encode()),
+     ["unreadable meta.json (nested too deeply"], []),
     *[(f"train_time_ms {value!r}", edit_meta(with_key("train_time_ms", value)),
        [f"meta.json's train_time_ms is {value!r}, not a time (a finite number of ms, 0 or more"], [])
       for value in (float("nan"), -1e12, float("inf"))],
@@ -735,6 +742,9 @@ SAMPLE_CASES = [
     ("windows not a list", edit_config(with_key("windows", "3,10")), ["--prompt=x"], ['"windows" must be']),
     ("config not an object", edit_config(with_key("config", 5)), ["--prompt=x"], ["config.json: not train_gpt.py's"]),
     ("config.json a list", edit_config(lambda info: [1]), ["--prompt=x"], ["config.json: not train_gpt.py's"]),
+    # issue 38 row 8: a RecursionError traceback from the JSON parser
+    ("config.json nested deeply", lambda folder: replace(folder / "config.json", b"{\"a\": " + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+     ["--prompt=x"], ["config.json: not train_gpt.py's final-weights config (nested too deeply"]),
     ("seed negative", None, ["--prompt=x", "--seed=-1"], ["--seed=-1: must be in 0..2**64-1"]),
     ("seed 2**64", None, ["--prompt=x", f"--seed={2 ** 64}"], [f"--seed={2 ** 64}: must be in 0..2**64-1"]),
     # both equal the speedrun's defaults here: filled in, the model would load as if nothing were missing
