@@ -212,12 +212,22 @@ def decode_utf8(raw: bytes) -> tuple[str, int]:
     return raw.decode("utf-8", errors="tokenize_text.replace"), _replaced_bytes
 
 
+def files_below(folder: Path, flag: str) -> list[Path]:
+    """Every file below folder (recursively; a link to a folder is not followed, as rglob did not follow one).
+    A folder that cannot be read is an error naming it: rglob skipped it without a word, and the data set
+    lacked its files while the tool exited 0."""
+    def refuse(error: OSError):
+        raise TokenizeError(f"{flag} {folder}: cannot read the folder {safe_write.visible(str(error.filename))} "
+                            f"({error.strerror}), so its files would be left out", code=2)
+    return [Path(root, name) for root, _, names in os.walk(folder, onerror=refuse) for name in names]
+
+
 def collect_files(paths, flag: str) -> list[Path]:
     """Expand files and folders (recursively, sorted) into the .txt/.jsonl files they name."""
     files = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted((f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in SUFFIXES),
+            found = sorted((f for f in files_below(p, flag) if f.is_file() and f.suffix.lower() in SUFFIXES),
                            key=lambda f: f.relative_to(p).as_posix())
             if not found:
                 raise TokenizeError(f"{flag} {p}: folder holds no .txt or .jsonl files")

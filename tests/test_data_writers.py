@@ -271,6 +271,38 @@ def test_file_names_reach_the_terminal_escaped(tmp_path, capsys):
     assert "\x1b" not in err and err.count("\\x1b[2J") == 2, err
 
 
+def unreadable(monkeypatch, folder):
+    """os.scandir of folder fails as it does for another user's private folder (the tests run as root, whom
+    permissions do not stop)."""
+    real = os.scandir
+
+    def scandir(path="."):
+        if os.fspath(path) == os.fspath(folder):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+        return real(path)
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
+@pytest.mark.parametrize("where", ["input", "--val-files"])
+def test_an_unreadable_input_folder_is_an_error_not_a_smaller_data_set(tmp_path, capsys, monkeypatch, where):
+    """Row 7: an unreadable input subfolder was skipped without a word: the data set lacked its files and the tool
+    exited 0."""
+    books = corpus(tmp_path / "books", "apple", 2)
+    args = [str(books), "--out", str(tmp_path / "out"), *BPE]
+    if where == "input":
+        private = corpus(books / "private", "pear", 2)
+    else:  # held out, one folder further down
+        (books / "held").mkdir()
+        private = corpus(books / "held" / "private", "pear", 2)
+        args += ["--val-files", str(books / "held")]
+    unreadable(monkeypatch, private)
+    flag, top = ("input", books) if where == "input" else ("--val-files", books / "held")
+    assert tokenize_text.main(args) == 2
+    assert capsys.readouterr().err == (f"error: {flag} {top}: cannot read the folder {private} (Permission denied), "
+                                       f"so its files would be left out\n")
+    assert not (tmp_path / "out").exists()
+
+
 def make_fifo(path):
     os.mkfifo(path)
 
