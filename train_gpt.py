@@ -4052,11 +4052,13 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
     expected = model_state_shapes(args)
     try:
         listed = meta["files"].get("model.pt")
-        check_fits_host(expected, listed["bytes"] if isinstance(listed, dict) and type(listed.get("bytes")) is int else 0)
+        size = listed.get("bytes") if isinstance(listed, dict) else None  # (read_checkpoint_file checks the listing)
+        check_fits_host(expected, size if type(size) is int else 0)
         model_state = check_weights(read_checkpoint_file(path, "model.pt", meta), expected)
     except WeightsError as e:
-        raise TrainingError(f"--resume={path}: its model.pt does not fit the model this config builds ({e})"
-                            + ("; --force_resume cannot change the architecture" if args.force_resume else "")) from None
+        forced = "; --force_resume cannot change the architecture" if args.force_resume else ""
+        raise TrainingError(f"--resume={path}: its model.pt does not fit the model this config builds ({e}){forced}") \
+            from None
     rank_state = read_checkpoint_file(path, f"rank_{env.rank}.pt", meta)
     saved_at = rank_state.get("step") if isinstance(rank_state, dict) else None
     if saved_at != meta["step"]:
@@ -4083,8 +4085,8 @@ def check_resume_shards(resume: Resume, loader, args: Hyperparameters):
     state = resume.meta["loader"]
     if not scans:  # synthetic tokens: the position is a count of batches drawn
         if type(state.get("step", 0)) is not int or state.get("step", 0) < 0:
-            raise TrainingError(f"--resume={resume.path}: meta.json's loader step is {state.get('step')!r}, not a count "
-                                f"of batches (edited?)")
+            raise TrainingError(f"--resume={resume.path}: meta.json's loader step is {state.get('step')!r}, not a "
+                                f"count of batches (edited?)")
         return
     try:  # a resume that would read the position with another meaning, before anything is written
         loader.check_packing(state)

@@ -75,8 +75,8 @@ class ToolError(Exception):
 # Text from a log (run ids, file names, versions, GPU names, notes, presets and other hyperparameter values)
 # reaches the files this tool writes only through these, each at the point of output: a log cannot add
 # markdown, HTML, shell or plot syntax to a record. What the tool prints passes through visible() (TerminalText,
-# set up by main()): a log cannot send the terminal escape sequences either. Hyperparameter names and code_sha256 are not escaped but
-# checked when the log is read (read_log): a log with a bad one is refused.
+# set up by main()): a log cannot send the terminal escape sequences either. Hyperparameter names and code_sha256
+# are not escaped but checked when the log is read (read_log): a log with a bad one is refused.
 MD_SPECIAL_RE = re.compile(r"([\\`*_\[\]<>|&~$])")
 
 
@@ -366,7 +366,7 @@ def read_log(path: str | Path) -> Log:
         header, body_lines = lines[:second], lines[second + 1:]
     h = parse_header(header)
     body = parse_body(body_lines, _int(h["hyperparameters"].get("num_iterations")))
-    if not body["steps"] and not body["malformed"] and not body["beyond"] and "torch" not in h and "code_sha256" not in h:
+    if not (body["steps"] or body["malformed"] or body["beyond"]) and "torch" not in h and "code_sha256" not in h:
         raise ToolError(f"{path}: not a speedrun log (no 'step:N/M' lines and no 'Running PyTorch' header)")
 
     source = text[:rule.start()] or None
@@ -655,7 +655,9 @@ def same_seed_and_config(first: Log, later: Log) -> bool:
     """Whether two complete logs ran one code and config with one seed: a rerun of one sample (its losses repeat
     up to the hardware's nondeterminism), not another sample of the seeds. (An unfinished run is no sample.)"""
     seed = first.hyperparameters.get("seed")
-    if seed is None or not (first.complete and later.complete) or later.hyperparameters.get("seed", "").strip() != seed.strip():
+    if seed is None or not (first.complete and later.complete):
+        return False
+    if later.hyperparameters.get("seed", "").strip() != seed.strip():
         return False
     return first.code_hash == later.code_hash and all(
         len(set(values)) == 1 for values in experiment_fields([first, later]).values())

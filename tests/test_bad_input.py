@@ -743,7 +743,8 @@ SAMPLE_CASES = [
     ("config not an object", edit_config(with_key("config", 5)), ["--prompt=x"], ["config.json: not train_gpt.py's"]),
     ("config.json a list", edit_config(lambda info: [1]), ["--prompt=x"], ["config.json: not train_gpt.py's"]),
     # issue 38 row 8: a RecursionError traceback from the JSON parser
-    ("config.json nested deeply", lambda folder: replace(folder / "config.json", b"{\"a\": " + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    ("config.json nested deeply",
+     lambda folder: replace(folder / "config.json", b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
      ["--prompt=x"], ["config.json: not train_gpt.py's final-weights config (nested too deeply"]),
     ("seed negative", None, ["--prompt=x", "--seed=-1"], ["--seed=-1: must be in 0..2**64-1"]),
     ("seed 2**64", None, ["--prompt=x", f"--seed={2 ** 64}"], [f"--seed={2 ** 64}: must be in 0..2**64-1"]),

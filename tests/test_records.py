@@ -1405,7 +1405,8 @@ def test_log_text_reaches_the_terminal_escaped(capsys, tmp_path):
     logs = copies(tmp_path, SAME_CODE, hostile, names=["a.txt", "b.txt", f"c{ESC}.txt"])
     failed = edited(tmp_path, HANDMADE / "b-cuda-failed.txt", "failed.txt",
                     lambda t: t.replace("error: non-finite loss", f"error: {ESC} non-finite loss"))
-    for argv in (["summarize", *logs, failed], ["verify", *logs, failed], ["plot", *logs, failed, "-o", tmp_path / "p.png"],
+    for argv in (["summarize", *logs, failed], ["verify", *logs, failed],
+                 ["plot", *logs, failed, "-o", tmp_path / "p.png"],
                  ["compare", "--baseline", *logs[:2], "--candidate", logs[2], failed]):
         code, out, err = run(capsys, *argv, *(["--target", "7.5"] if argv[0] in ("summarize", "verify") else []))
         assert "\x1b" not in out + err, (argv[0], out, err)
@@ -1511,7 +1512,8 @@ def test_attention_is_compared_as_resolved_on_the_logs_device(capsys, tmp_path, 
     code, out, _ = run(capsys, "verify", *logs, "--target", "7.5")
     assert code == 0, out
     # on a GPU, auto is flex: sdpa there is another setting
-    gpu = copies(tmp_path, SAME_CODE, lambda t, i: with_hparams(t.replace("device: cpu ", "device: cuda (NVIDIA H100) "),
-                                                                attention=values[i - 1]), names=["g1.txt", "g2.txt", "g3.txt"])
+    def on_a_gpu(t, i):
+        return with_hparams(t.replace("device: cpu ", "device: cuda (NVIDIA H100) "), attention=values[i - 1])
+    gpu = copies(tmp_path, SAME_CODE, on_a_gpu, names=["g1.txt", "g2.txt", "g3.txt"])
     code, out, _ = run(capsys, "verify", *gpu, "--target", "7.5")
     assert code == 1 and "FAIL not the same experiment: attention is " in out, out

@@ -19,9 +19,10 @@ end of training).
 Before converting, record_to_ours checks that the state dict is the record's GPT for the config: string keys,
 every tensor there, each dense, on the CPU, of a floating dtype and finite (train_gpt.py's one check of a stored
 tensor, tensor_problem and nonfinite_problem, which --init_from, --resume and sample.py apply too), and each
-tensor's shape (a bank's rank and matrix shape, and at least the rows in use). The command line refuses, with one `error:` line and exit code 2 and before writing
-anything, a file that is not a PyTorch file, a --step the schedule does not have, and an output that exists;
-what it writes goes through train_gpt.write_file (atomic), so a full disk leaves nothing behind.
+tensor's shape (a bank's rank and matrix shape, and at least the rows in use). The command line refuses, with one
+`error:` line and exit code 2 and before writing anything, a file that is not a PyTorch file, a --step the
+schedule does not have, and an output that exists; what it writes goes through train_gpt.write_file (atomic), so
+a full disk leaves nothing behind.
 """
 
 from __future__ import annotations
