@@ -3543,6 +3543,16 @@ class _RecordingWriter:
         pass
 
 
+def temporary_path(path: Path, suffix: str) -> Path:
+    """A hidden name beside path for its temporary (a file, or a folder written whole): `.NAME` + suffix, with NAME
+    cut to 100 characters and, when cut, a hash of the whole name so that two long names stay apart. A file name may
+    have 255 bytes: a legal 253-character one once failed with "File name too long", naming the temporary."""
+    name = path.name
+    if len(name) > 100:
+        name = f"{name[:100]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+    return path.with_name(f".{name}{suffix}")
+
+
 def write_file(path: Path, content) -> dict:
     """Writes a file atomically: into a temporary file beside it, fsynced, then renamed over `path`, so that no
     reader ever sees part of one and a failure (a full disk, an error, a signal) leaves no temporary behind.
@@ -3550,7 +3560,7 @@ def write_file(path: Path, content) -> dict:
     write raises a TrainingError that names the file and the cause. Every file the trainer, sample.py and
     tools/ write goes through here (the log, written line by line, excepted)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = temporary_path(path, f".{uuid.uuid4().hex[:8]}.tmp")
     writer = None
     try:
         with terminate_as_exception():

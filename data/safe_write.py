@@ -49,6 +49,13 @@ class NotALockFile(LockError):
     """FOLDER/.writing.lock is something no run of data/ made (a link, a folder, a FIFO): it is not touched."""
 
 
+def temporary_prefix(name: str) -> str:
+    """`.NAME.`, how a hidden temporary beside the file NAME starts, with NAME cut to 100 characters: a file name
+    may have 255 bytes, and a legal 253-character one once failed with "File name too long", naming the
+    temporary. Every temporary data/ makes is named through this (mkstemp and mkdtemp add their random part)."""
+    return f".{name[:100]}."
+
+
 def visible(text: str) -> str:
     """text with each character that is not printable (escape sequences, line and bidi marks) written as a Python
     string literal writes it (`\\x1b`): file names and lock contents on a terminal cannot move the cursor, clear
@@ -143,7 +150,7 @@ def atomic_file(path):
     to word."""
     path = Path(path)
     with sigterm_exits():
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(path.name), suffix=".tmp", dir=path.parent)
         try:
             try:
                 os.fchmod(fd, FILE_MODE)

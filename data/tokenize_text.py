@@ -403,7 +403,7 @@ def claimed_staging(out_dir: Path, prefix: str, overwrite: bool):
                                 f"pass --overwrite to replace them")
         remove_leftover_staging(out_dir)
         try:
-            stage = Path(tempfile.mkdtemp(prefix=f".{prefix}-staging-", dir=out_dir))
+            stage = Path(tempfile.mkdtemp(prefix=f"{safe_write.temporary_prefix(prefix)[:-1]}-staging-", dir=out_dir))
         except OSError as e:
             raise TokenizeError(f"--out {out_dir}: cannot write there ({e.strerror or e})", code=2) from None
         yield stage

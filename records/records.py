@@ -1125,7 +1125,8 @@ def write_atomic(path: Path, data: bytes) -> None:
     """Write via a temp file in the same folder and rename: readers never see half a file."""
     path = Path(path)
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
+        # the name cut to 100 characters: a legal 253-character one failed with "File name too long"
+        fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name[:100]}.", suffix=".tmp")
         os.close(fd)
     except OSError as e:
         raise ToolError(f"{path}: cannot write ({why_not_written(e)})") from None

@@ -303,6 +303,19 @@ def test_an_unreadable_input_folder_is_an_error_not_a_smaller_data_set(tmp_path,
     assert not (tmp_path / "out").exists()
 
 
+def test_long_legal_names_are_written(tmp_path, capsys):
+    """Row 18: a temporary took its file's whole name: a legal 253-character one failed with "File name too long"
+    (the shard of a 236-character --prefix, a file atomic_file writes)."""
+    prefix = "p" * 236  # its shards' names are 253 characters long
+    out = tmp_path / "out"
+    assert tokenize_text.main([str(corpus(tmp_path / "a", "apple", 1)), "--out", str(out), "--prefix", prefix,
+                               *BPE]) == 0, capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == [f"{prefix}_train_000001.bin"]
+    with safe_write.atomic_file(tmp_path / ("f" * 253)) as f:
+        f.write(b"x")
+    assert (tmp_path / ("f" * 253)).read_bytes() == b"x"
+
+
 def make_fifo(path):
     os.mkfifo(path)
 

@@ -126,6 +126,22 @@ def test_command_line_both_ways(converted, tmp_path):
     assert one_line_error(again) == f"error: {tmp_path / 'back.pt'}: already exists; choose a new file"
 
 
+LONG = "w" * 250  # a legal file name (255 bytes at most) once its suffix is on
+
+
+@pytest.mark.parametrize("command", ["to-ours", "to-record"])
+def test_a_long_legal_output_name_is_written(converted, tmp_path, command):
+    """Issue 38 row 18: the writers' temporaries took the output's whole name: a legal 253-character one failed with
+    "File name too long", naming the temporary."""
+    _, source, folder = converted
+    out = tmp_path / (LONG + (".pt" if command == "to-record" else ".fin"))
+    proc = in_process(W.main, command, *((source, out, *SMOKE_FLAGS) if command == "to-ours" else (folder, out)))
+    assert proc.returncode == 0, proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]
+    T.write_file(tmp_path / (LONG + ".txt"), b"x")  # the trainer's writer itself, beside it
+    assert (tmp_path / (LONG + ".txt")).read_bytes() == b"x" and len(list(tmp_path.iterdir())) == 2
+
+
 # Files that to-ours refuses. Most are the record's state for the smoke config, edited, with every tensor one
 # value broadcast to its shape (stride 0): the file is a few kB, and each is refused before a value is read.
 K = W.COMPILED_PREFIX

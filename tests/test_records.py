@@ -1517,3 +1517,11 @@ def test_attention_is_compared_as_resolved_on_the_logs_device(capsys, tmp_path, 
     gpu = copies(tmp_path, SAME_CODE, on_a_gpu, names=["g1.txt", "g2.txt", "g3.txt"])
     code, out, _ = run(capsys, "verify", *gpu, "--target", "7.5")
     assert code == 1 and "FAIL not the same experiment: attention is " in out, out
+
+
+def test_a_long_legal_output_name_is_written(capsys, tmp_path):
+    """Row 18: `extract -o` a legal 253-character name failed with "File name too long" (its temporary's)."""
+    out = tmp_path / ("x" * 250 + ".py")
+    code, _, err = run(capsys, "extract", SAME_CODE[0], "-o", out)
+    assert code == 0, err
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]

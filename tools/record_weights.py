@@ -302,7 +302,7 @@ def write_final_folder(state: dict, args: T.Hyperparameters, out: Path, step: in
     info = {"format": T.FINAL_WEIGHTS_FORMAT, "config": dataclasses.asdict(args), "step": step, "val_loss": None,
             "windows": list(T.Schedule(args).windows(args.num_iterations, final_validation=True)),
             "code_sha256": None, "converted_from": source}
-    tmp = out.with_name(f".{out.name}.partial")
+    tmp = T.temporary_path(out, ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
