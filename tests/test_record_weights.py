@@ -311,6 +311,20 @@ class FullDisk:
 
 
 @pytest.mark.parametrize("how", ["write", "fsync", "sigterm"])
+def test_a_failed_to_ours_takes_back_the_folders_it_made(converted, tmp_path, monkeypatch, how):
+    """Issue 38 row 22: on a full disk, to-ours left the parent folders it had made for its output."""
+    _, source, _ = converted
+    out = tmp_path / "new" / "deeper" / "out"
+    FullDisk(monkeypatch, how)
+    if how == "sigterm":
+        with pytest.raises(SystemExit):
+            in_process(W.main, "to-ours", source, out, *SMOKE_FLAGS)
+    else:
+        assert in_process(W.main, "to-ours", source, out, *SMOKE_FLAGS).returncode == 2
+    assert not any(tmp_path.iterdir()), sorted(p.name for p in tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize("how", ["write", "fsync", "sigterm"])
 @pytest.mark.parametrize("command", ["to-ours", "to-record"])
 def test_a_failed_write_leaves_nothing(converted, tmp_path, monkeypatch, command, how):
     """#3: to-record wrote its .pt in place, and a full disk left a truncated one that blocked the rerun."""

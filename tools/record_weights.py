@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import pickle
 import re
 import shutil
@@ -304,9 +305,13 @@ def write_final_folder(state: dict, args: T.Hyperparameters, out: Path, step: in
             "code_sha256": None, "converted_from": source}
     tmp = T.temporary_path(out, ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
+    # the folders above `out` that this conversion makes: a failure takes them back with the rest (a full disk once
+    # left them behind)
+    made = [folder for folder in (out.parent, *out.parent.parents) if not os.path.lexists(folder)]
     try:
         tmp.mkdir(parents=True)
-    except OSError as e:  # nothing was made, so nothing is said to be removed
+    except OSError as e:  # nothing of ours is left, so nothing is said to be removed
+        T.release_folders(made)
         raise WeightsError(str(T.write_error(tmp, e))) from None
     try:
         with T.terminate_as_exception():
@@ -315,9 +320,12 @@ def write_final_folder(state: dict, args: T.Hyperparameters, out: Path, step: in
             T.publish_folder(tmp, out)
     except (OSError, T.TrainingError) as e:
         why = T.write_error(out, e) if isinstance(e, OSError) else e
-        raise WeightsError(f"{why}; {T.remove_unfinished(tmp)}") from None
+        removed = T.remove_unfinished(tmp)
+        T.release_folders(made)
+        raise WeightsError(f"{why}; {removed}") from None
     except BaseException:  # SIGTERM (as SystemExit) or Ctrl-C mid-write
         T.remove_unfinished(tmp)
+        T.release_folders(made)
         raise
 
 
