@@ -25,6 +25,7 @@ import ctypes
 import dataclasses
 import datetime
 import errno
+import fcntl
 import gc
 import glob
 import hashlib
@@ -3687,15 +3688,51 @@ def publish_folder(tmp: Path, final: Path):
     os.replace(tmp, final)
 
 
+# A run that saves holds an flock on its checkpoint_dir/<run_id>/ for as long as it lives (claim_run_folder, released
+# by release_folders). The kernel drops an flock when its holder dies, however it dies (kill -9 too), so a folder
+# whose flock is free belongs to no live run, and what a save left unfinished in it (a `.step_NNNNNN.partial/` of
+# GBs at the speedrun's size) is removed, with a `note:` line, by the next run that meets it: a resume from one of
+# its checkpoints, or a run given its run id (which is refused: the id is taken). Before, nothing removed it.
+HELD_RUN_FOLDERS: dict[Path, int] = {}  # run folder -> the descriptor of this process's flock on it
+UNFINISHED_SAVES = (".step_*.partial", ".final.partial", ".latest.tmp", ".write_test")
+
+
+def sweep_unfinished_saves(run_dir: Path) -> list[str]:
+    """Removes what a run that is gone left unfinished in its checkpoint folder (UNFINISHED_SAVES); a folder a live
+    run holds is left alone. Returns a `note:` line per removal."""
+    try:
+        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return []
+    notes = []
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        for path in sorted(p for pattern in UNFINISHED_SAVES for p in run_dir.glob(pattern)):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            if not os.path.lexists(path):
+                notes.append(f"note: removed {path}, which a run that is gone (killed while saving) left unfinished")
+    except OSError:  # BlockingIOError: a live run's folder, its saves are its own (or a file system without flock)
+        pass
+    finally:
+        os.close(fd)
+    return notes
+
+
 def claim_run_folder(run_dir: Path, args: Hyperparameters) -> list[Path]:
     """Creates checkpoint_dir/<run_id>/ for a run that saves (checkpoints or final weights), and writes a file
     in it, so that an unwritable --checkpoint_dir stops the run before step 0, not after it has trained.
-    The folder is made exclusively: a run that took this id since it was checked cannot be written over.
-    Returns the folders made, innermost first, for release_folders."""
+    The folder is made exclusively: a run that took this id since it was checked cannot be written over; the run
+    holds it (HELD_RUN_FOLDERS) until release_folders. Returns the folders made, innermost first."""
     made = [folder for folder in (run_dir, *run_dir.parents) if not os.path.lexists(folder)]
     probe = run_dir / ".write_test"
     try:
         os.makedirs(run_dir)  # exist_ok=False; a file on the way is ENOTDIR
+        HELD_RUN_FOLDERS[run_dir] = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+        with contextlib.suppress(OSError):  # a file system without flock: its leftovers are then never swept
+            fcntl.flock(HELD_RUN_FOLDERS[run_dir], fcntl.LOCK_EX | fcntl.LOCK_NB)
         write_file(probe, b"probe")
         probe.unlink()
     except BaseException as e:  # a Ctrl-C here too leaves nothing behind
@@ -3711,8 +3748,11 @@ def claim_run_folder(run_dir: Path, args: Hyperparameters) -> list[Path]:
 
 
 def release_folders(made: list[Path]):
-    """Removes the folders a run made that stayed empty (innermost first); one holding a checkpoint stays."""
+    """Lets go of the run folders among `made` this process holds, and removes the folders that stayed empty
+    (innermost first); one holding a checkpoint stays."""
     for folder in made:
+        if folder in HELD_RUN_FOLDERS:
+            os.close(HELD_RUN_FOLDERS.pop(folder))
         with contextlib.suppress(OSError):
             folder.rmdir()
 
@@ -4330,6 +4370,8 @@ def train(args: Hyperparameters, env: DistEnv):
         if args.init_from and args.resume and not (Path(args.init_from) / "model.pt").is_file():
             raise DataError(f"--init_from={args.init_from}: not a final-weights folder (no model.pt); a resumed run "
                             f"continues from its checkpoint's weights and does not read it: drop --init_from")
+        for line in sweep_unfinished_saves(run_dir) if env.is_main else []:  # the id's run is refused below
+            print(line, file=sys.stderr)
         if env.is_main and log_path.exists():
             raise ConfigError(f"--run_id={run_id}: {log_path} already exists; choose another run id")
         # A run id names one run, its log and its checkpoint folder, whichever --logs_dir and --checkpoint_dir
@@ -4551,6 +4593,8 @@ def resume_run(run: Run, resume: Resume, model: GPT, optimizers, loader) -> tupl
     if not all_ranks_ok(error is None, run.env.device):
         raise error or TrainingError("another rank could not load the checkpoint")
     run.log(f"resumed from {resume.path} at step {start_step}")
+    for line in sweep_unfinished_saves(resume.path.parent) if run.env.is_main else []:
+        run.log(line)
     if run.args.init_from:
         run.log(f"note: --init_from={run.args.init_from} is not read: a resumed run continues from its checkpoint's "
                 f"weights")

@@ -361,6 +361,72 @@ def test_attention_and_device_are_compared_as_resolved(checkpoint, tmp_path, sav
     assert "  attention = sdpa\n" in log and "  device = cpu\n" in log  # logged as settled
 
 
+def killed_run(checkpoint, root, leftovers=(".step_000004.partial",)):
+    """checkpoint_dir/dead/ as a run killed with kill -9 while saving leaves it: its last checkpoint (step 2), its
+    latest pointer, and an unfinished save (a folder of junk)."""
+    run = root / "ck" / "dead"
+    (run / "step_000002").mkdir(parents=True)
+    for f in checkpoint.iterdir():
+        os.link(f, run / "step_000002" / f.name)
+    (run / "latest").write_text("step_000002\n")
+    for name in leftovers:
+        (run / name).mkdir()
+        (run / name / "model.pt").write_bytes(b"\0" * 4096)
+    return run
+
+
+@pytest.mark.slow  # the fixture trains two steps
+@pytest.mark.parametrize("how", ["--resume", "--resume=latest", "the same run id"])
+def test_an_unfinished_save_of_a_dead_run_is_removed_with_a_note(checkpoint, tmp_path, how):
+    """Issue 38 row 23: a kill -9 mid-save left a .step_N.partial/ (GBs at the speedrun's size) that nothing
+    removed."""
+    run = killed_run(checkpoint, tmp_path, [".step_000004.partial", ".final.partial"])
+    flags = [*TINY, f"--logs_dir={tmp_path}/logs", f"--checkpoint_dir={tmp_path}/ck"]
+    notes = [f"note: removed {run / name}, which a run that is gone (killed while saving) left unfinished"
+             for name in (".final.partial", ".step_000004.partial")]
+    if how == "the same run id":  # refused (the id is taken), but what the dead run left is removed
+        proc = run_main(*flags, "--run_id=dead", "--save_every=2")
+        assert proc.returncode == 2 and proc.stderr.splitlines() == [
+            *notes, f"error: --run_id=dead: {run} already exists (another run's checkpoint folder); choose another "
+                    f"run id"], proc.stderr
+    else:
+        resume = f"--resume={run / 'step_000002'}" if how == "--resume" else "--resume=latest"
+        proc = run_main(*flags, resume, "--run_id=next")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        log = (tmp_path / "logs/next.txt").read_text()
+        assert all(f"{note}\n" in log for note in notes), log
+    assert sorted(p.name for p in run.iterdir()) == ["latest", "step_000002"]
+
+
+def test_a_run_that_saves_holds_its_folder_until_it_ends(tmp_path):
+    """What makes row 23's sweep safe: from claim_run_folder to release_folders, a sweep leaves the folder alone."""
+    run = tmp_path / "ck" / "live"
+    made = T.claim_run_folder(run, T.parse_args([*TINY, f"--checkpoint_dir={tmp_path}/ck"], False))
+    (run / ".step_000002.partial").mkdir()
+    try:
+        assert T.sweep_unfinished_saves(run) == [] and (run / ".step_000002.partial").exists()
+    finally:
+        T.release_folders(made)
+    assert T.sweep_unfinished_saves(run) == [f"note: removed {run / '.step_000002.partial'}, which a run that is "
+                                             f"gone (killed while saving) left unfinished"]
+
+
+@pytest.mark.slow  # the fixture trains two steps
+def test_a_live_run_s_unfinished_save_is_left_alone(checkpoint, tmp_path):
+    """Row 23's other side: a run that is alive holds its folder (an flock): a resume from its checkpoints leaves its
+    save in progress as it is."""
+    import fcntl
+    run = killed_run(checkpoint, tmp_path)
+    held = os.open(run, os.O_RDONLY)  # the flock claim_run_folder takes for a live run
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        proc = run_main(*TINY, f"--resume={run / 'step_000002'}", f"--logs_dir={tmp_path}/logs", "--run_id=next")
+    finally:
+        os.close(held)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (run / ".step_000004.partial" / "model.pt").exists() and "note: removed" not in proc.stdout
+
+
 def test_a_resume_across_a_packing_change_gets_advice_that_works(tmp_path):
     # The same tokens with another packing in the shard header: auto packs them otherwise, so the checkpoint's
     # position would mean other tokens. The advice once named no value, and following it was refused again
