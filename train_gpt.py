@@ -3554,12 +3554,13 @@ def temporary_path(path: Path, suffix: str) -> Path:
     return path.with_name(f".{name}{suffix}")
 
 
-def write_file(path: Path, content) -> dict:
+def write_file(path: Path, content, shown: Path | None = None) -> dict:
     """Writes a file atomically: into a temporary file beside it, fsynced, then renamed over `path`, so that no
     reader ever sees part of one and a failure (a full disk, an error, a signal) leaves no temporary behind.
     Bytes as they are, anything else with torch.save. Returns its size and sha256 (for meta.json); a failed
-    write raises a TrainingError that names the file and the cause. Every file the trainer, sample.py and
-    tools/ write goes through here (the log, written line by line, excepted)."""
+    write raises a TrainingError that names the file and the cause: `shown`, the name the user knows it by, for
+    a file written into a folder renamed whole later (a checkpoint's), never a temporary. Every file the trainer,
+    sample.py and tools/ write goes through here (the log, written line by line, excepted)."""
     path = Path(path)
     tmp = temporary_path(path, f".{uuid.uuid4().hex[:8]}.tmp")
     writer = None
@@ -3581,7 +3582,7 @@ def write_file(path: Path, content) -> dict:
             os.unlink(tmp)
         cause = writer.error if writer is not None and writer.error is not None else e
         if isinstance(cause, OSError):
-            raise write_error(path, cause) from None
+            raise write_error(shown or path, cause) from None
         stop = e
         while stop is not None and not isinstance(stop, (SystemExit, KeyboardInterrupt)):
             stop = stop.__context__  # torch.save's zip writer reports an exit raised inside it as a RuntimeError
@@ -3609,15 +3610,16 @@ def terminate_as_exception():
         signal.signal(signal.SIGTERM, previous)
 
 
-def remove_unfinished(tmp: Path, what: str = "") -> str:
-    """Removes a folder a save left unfinished and says so truthfully, for the error line. Tried a few times:
-    under torchrun another rank may still be adding its file while the folder is emptied."""
+def remove_unfinished(tmp: Path, what: str = "folder") -> str:
+    """Removes a folder a save left unfinished and says so truthfully, for the error line, which names the
+    temporary only when the user must delete it. Tried a few times: under torchrun another rank may still be adding
+    its file while the folder is emptied."""
     for _ in range(20):
         shutil.rmtree(tmp, ignore_errors=True)
         if not os.path.lexists(tmp):
-            return f"the unfinished {what}{tmp} was removed"
+            return f"nothing of the unfinished {what} was kept"
         time.sleep(0.05)
-    return f"the unfinished {what}{tmp} could not be removed: delete it"
+    return f"the unfinished {what} ({tmp}) could not be removed: delete it"
 
 
 def save_checkpoint(step: int, train_time_ms: float, model: GPT, optimizers, loader, args: Hyperparameters,
@@ -3638,7 +3640,7 @@ def save_checkpoint(step: int, train_time_ms: float, model: GPT, optimizers, loa
                 tmp.mkdir(parents=True)
                 made = True
             except OSError as e:
-                error = write_error(tmp, e)
+                error = write_error(final, e)
         if not all_ranks_ok(error is None, env.device):
             raise error or TrainingError(f"rank 0 could not create {tmp}")
         files = {}
@@ -3646,9 +3648,10 @@ def save_checkpoint(step: int, train_time_ms: float, model: GPT, optimizers, loa
             rank_state = {"step": step, "optimizers": [opt.state_dict() for opt in optimizers],
                           "cpu_rng": torch.get_rng_state(),
                           "cuda_rng": torch.cuda.get_rng_state() if env.device.type == "cuda" else torch.empty(0)}
-            files[f"rank_{env.rank}.pt"] = write_file(tmp / f"rank_{env.rank}.pt", rank_state)
+            files[f"rank_{env.rank}.pt"] = write_file(tmp / f"rank_{env.rank}.pt", rank_state,
+                                                      shown=final / f"rank_{env.rank}.pt")
             if env.is_main:
-                files["model.pt"] = write_file(tmp / "model.pt", model.state_dict())
+                files["model.pt"] = write_file(tmp / "model.pt", model.state_dict(), shown=final / "model.pt")
         except TrainingError as e:
             error = e
         every_rank = gather_from_ranks(None if error else files)
@@ -3660,7 +3663,7 @@ def save_checkpoint(step: int, train_time_ms: float, model: GPT, optimizers, loa
                     "code_sha256": code_hash(source), "shards": shard_record,
                     "files": {name: written[name] for written in every_rank for name in sorted(written)}}
             try:
-                write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
+                write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode(), shown=final / "meta.json")
                 publish_folder(tmp, final)
                 write_file(latest_tmp, (final.name + "\n").encode())
                 os.replace(latest_tmp, run_dir / "latest")
@@ -3671,7 +3674,7 @@ def save_checkpoint(step: int, train_time_ms: float, model: GPT, optimizers, loa
             latest_tmp.unlink(missing_ok=True)
         if env.is_main and os.path.lexists(tmp):  # the save failed before the rename: leave nothing half-written
             reason = error or f"rank {failed[0]} could not write its part of the checkpoint"
-            error = TrainingError(f"{reason}; {remove_unfinished(tmp, 'checkpoint ')}")
+            error = TrainingError(f"{reason}; {remove_unfinished(tmp, 'checkpoint')}")
     except BaseException:  # a signal (Ctrl-C) or a failed collective mid-save: take the unfinished folder back
         if env.is_main and made:
             remove_unfinished(tmp)
@@ -3894,16 +3897,16 @@ def save_final_weights(model: GPT, args: Hyperparameters, source: str, run_id: s
     try:
         tmp.mkdir(parents=True)
     except OSError as e:  # nothing was made, so nothing is said to be removed
-        raise write_error(tmp, e) from None
+        raise write_error(final, e) from None
     try:
         try:
-            write_file(tmp / "model.pt", model.state_dict())
-            write_file(tmp / "config.json", json.dumps(info, indent=1).encode())
+            write_file(tmp / "model.pt", model.state_dict(), shown=final / "model.pt")
+            write_file(tmp / "config.json", json.dumps(info, indent=1).encode(), shown=final / "config.json")
             publish_folder(tmp, final)
         except OSError as e:
-            raise write_error(tmp, e) from None
+            raise write_error(final, e) from None
     except TrainingError as e:
-        raise TrainingError(f"{e}; {remove_unfinished(tmp)}") from None
+        raise TrainingError(f"{e}; {remove_unfinished(tmp, 'final-weights folder')}") from None
     except BaseException:  # a signal (Ctrl-C) mid-write
         remove_unfinished(tmp)
         raise

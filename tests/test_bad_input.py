@@ -518,10 +518,11 @@ def test_final_weights_that_cannot_start_claim_no_removal(tmp_path):
     source = TRAIN.read_text()
     with pytest.raises(T.TrainingError) as failure:
         T.save_final_weights(model, args, source, "run", 30, 5.0)
-    assert str(failure.value) == f"cannot write {blocker}/run/.final.partial: Not a directory"  # nothing was made
+    # nothing was made; the folder named is the user's, not its temporary (issue 38 row 18)
+    assert str(failure.value) == f"cannot write {blocker}/run/final: Not a directory"
     with pytest.raises(T.TrainingError) as failure:
         T.save_checkpoint(2, 1.0, model, optimizers, loader, args, env, source, "run")
-    assert str(failure.value) == f"cannot write {blocker}/run/.step_000002.partial: Not a directory"
+    assert str(failure.value) == f"cannot write {blocker}/run/step_000002: Not a directory"
 
 
 # -----------------------------------------------------------------------------
@@ -623,11 +624,11 @@ def test_a_checkpoint_that_fills_the_disk_is_removed_and_the_last_good_one_stays
     good = T.save_checkpoint(2, 1.0, model, optimizers, loader, args, env, source, "run")
     model_bytes = (good / "model.pt").stat().st_size
     small_disk.room = small_disk.room - small_disk.free() + model_bytes // 2  # the next model.pt fits half-way
-    partial = small_disk.root / "run/.step_000004.partial"
     with pytest.raises(T.TrainingError) as failure:
         T.save_checkpoint(4, 2.0, model, optimizers, loader, args, env, source, "run")
-    assert str(failure.value) == (f"cannot write {partial}/model.pt: the disk is full (No space left on device); "
-                                  f"the unfinished checkpoint {partial} was removed")
+    # the checkpoint's name, not its temporary folder's (issue 38 row 18)
+    assert str(failure.value) == (f"cannot write {small_disk.root}/run/step_000004/model.pt: the disk is full (No "
+                                  f"space left on device); nothing of the unfinished checkpoint was kept")
     assert sorted(p.name for p in (small_disk.root / "run").iterdir()) == ["latest", "step_000002"]
     assert (small_disk.root / "run/latest").read_text() == "step_000002\n"
     T.check_checkpoint(good, args, env, source)  # the last good checkpoint is intact
@@ -636,8 +637,8 @@ def test_a_checkpoint_that_fills_the_disk_is_removed_and_the_last_good_one_stays
 def test_final_weights_that_fill_the_disk_are_removed(small_disk):
     small_disk.room = 100_000  # less than model.pt
     args, _, model, _, _ = tiny_model(small_disk.root)
-    with pytest.raises(T.TrainingError, match=r"cannot write .*/run/\.final\.partial/model\.pt: the disk is full .*"
-                                              r"the unfinished .*\.final\.partial was removed"):
+    with pytest.raises(T.TrainingError, match=r"cannot write .*/run/final/model\.pt: the disk is full .*; nothing of "
+                                              r"the unfinished final-weights folder was kept$"):
         T.save_final_weights(model, args, TRAIN.read_text(), "run", 30, 5.0)
     assert list((small_disk.root / "run").iterdir()) == []
 
@@ -662,9 +663,8 @@ def test_a_real_write_error_during_a_checkpoint_ends_the_run_in_one_line(tmp_pat
     with file_size_limit(1 << 20):
         proc = run_main(*TINY, "--save_every=2", f"--logs_dir={tmp_path}", f"--checkpoint_dir={tmp_path}/ck",
                         "--run_id=limited")
-    partial = tmp_path / "ck/limited/.step_000002.partial"
-    line = one_line(proc, 1, f"cannot write {partial}/rank_0.pt: File too large",
-                    f"the unfinished checkpoint {partial} was removed")
+    line = one_line(proc, 1, f"cannot write {tmp_path}/ck/limited/step_000002/rank_0.pt: File too large",
+                    "nothing of the unfinished checkpoint was kept")
     assert not (tmp_path / "ck").exists()  # nor the folders made for it, left empty
     log = (tmp_path / "limited.txt").read_text()
     assert log.endswith(line.replace("error [rank 0]: ", "error: ") + "\n")

@@ -312,15 +312,15 @@ def write_final_folder(state: dict, args: T.Hyperparameters, out: Path, step: in
         tmp.mkdir(parents=True)
     except OSError as e:  # nothing of ours is left, so nothing is said to be removed
         T.release_folders(made)
-        raise WeightsError(str(T.write_error(tmp, e))) from None
+        raise WeightsError(str(T.write_error(out, e))) from None
     try:
         with T.terminate_as_exception():
-            T.write_file(tmp / "model.pt", model.state_dict())
-            T.write_file(tmp / "config.json", json.dumps(info, indent=1).encode())
+            T.write_file(tmp / "model.pt", model.state_dict(), shown=out / "model.pt")
+            T.write_file(tmp / "config.json", json.dumps(info, indent=1).encode(), shown=out / "config.json")
             T.publish_folder(tmp, out)
     except (OSError, T.TrainingError) as e:
         why = T.write_error(out, e) if isinstance(e, OSError) else e
-        removed = T.remove_unfinished(tmp)
+        removed = T.remove_unfinished(tmp, "folder")
         T.release_folders(made)
         raise WeightsError(f"{why}; {removed}") from None
     except BaseException:  # SIGTERM (as SystemExit) or Ctrl-C mid-write
