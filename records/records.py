@@ -1751,8 +1751,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fail logs whose embedded source was stripped instead of warning")
     sp.set_defaults(func=cmd_verify)
 
-    sp = add("extract", "write the train_gpt.py embedded in a log (everything before the first '='*100 line)",
-             "Refuses logs without source or whose source does not match their code_sha256.")
+    sp = add("extract", "write the train_gpt.py embedded in a log (the text before the '='*100 line whose prefix "
+             "hashes to the header's code_sha256)",
+             "Refuses logs without source or whose source does not match their code_sha256, and an -o that names "
+             "the log.")
     sp.add_argument("log", metavar="LOG")
     sp.add_argument("-o", "--output", required=True, metavar="FILE")
     sp.set_defaults(func=cmd_extract)
