@@ -3766,8 +3766,8 @@ def release_folders(made: list[Path]):
 # model of the config (built on the meta device, so without memory) and the file fit this host's memory; the file
 # loads with weights_only, to the CPU; it is a dict whose keys are strings, whose tensors are dense and strided, on
 # the CPU (a tensor saved from the meta device holds no values), of a floating dtype and finite, and whose names
-# and shapes are the model's. A checkpoint once loaded int64 weights as zeros in silence, tracebacked on a
-# non-string key, a non-tensor value or a meta tensor, and NaN weights reached sample.py's multinomial.
+# and shapes are the model's. Before, only to-ours checked: --init_from cast int64 weights in silence and tracebacked
+# on a non-string key, a non-tensor value or a meta tensor, and NaN weights reached sample.py's multinomial.
 
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # cast into our parameters exactly
 
@@ -3819,16 +3819,18 @@ def check_weights(state, expected: dict) -> dict:
         raise WeightsError(f"key {odd[0]!r} ({type(odd[0]).__name__}) is not a parameter name (the keys of a state "
                            f"dict are strings){more}")
 
-    def first_of(problems: list[str]) -> None:
+    def refuse_first(problems: list[str | None]):
+        problems = [p for p in problems if p is not None]
         if problems:
-            raise WeightsError(problems[0] + (f"; and {len(problems) - 1} more key(s) wrong" if len(problems) > 1
-                                              else ""))
-    first_of([p for k, v in state.items() if k in expected for p in [
-        tensor_problem(k, v) if isinstance(expected[k], Tensor) else extra_state_problem(k, v, expected[k])] if p])
-    mismatch = state_dict_mismatch(state, expected)
+            more = f"; and {len(problems) - 1} more key(s) wrong" if len(problems) > 1 else ""
+            raise WeightsError(problems[0] + more)
+
+    refuse_first([tensor_problem(k, v) if isinstance(expected[k], Tensor) else extra_state_problem(k, v, expected[k])
+                  for k, v in state.items() if k in expected])
+    mismatch = state_dict_mismatch(state, expected)  # names and shapes
     if mismatch:
         raise WeightsError(mismatch)
-    first_of([p for k, v in state.items() if isinstance(v, Tensor) and (p := nonfinite_problem(k, v))])
+    refuse_first([nonfinite_problem(k, v) for k, v in state.items() if isinstance(v, Tensor)])  # reads every value
     return state
 
 
