@@ -25,6 +25,7 @@ import ctypes
 import dataclasses
 import datetime
 import errno
+import fcntl
 import gc
 import glob
 import hashlib
@@ -2642,6 +2643,11 @@ def launch_ranks() -> tuple[int, int, int]:
         raise ConfigError(f"WORLD_SIZE={world_size} in the environment, but {' and '.join(missing)} "
                           f"{'is' if len(missing) == 1 else 'are'} not set: start the ranks with torchrun "
                           f"(torchrun --standalone --nproc_per_node={world_size} train_gpt.py), which sets them")
+    if world_size > 1 and not dist.is_initialized():  # the rendezvous's port: torch's ValueError was a traceback
+        port = os.environ["MASTER_PORT"]
+        if not (port.isdecimal() and 1 <= int(port) <= 65535):
+            raise ConfigError(f"MASTER_PORT={port!r} in the environment is not a port (an integer from 1 to 65535; "
+                              f"torchrun sets it)")
     return rank, local_rank, world_size
 
 
@@ -2666,7 +2672,10 @@ def setup_distributed(args: Hyperparameters) -> tuple[DistEnv, Hyperparameters]:
                                 timeout=datetime.timedelta(seconds=args.pg_timeout_s),
                                 device_id=device if use_cuda else None)
     env = DistEnv(rank, local_rank, world_size, device, memory_plan, numerics)
-    return env, memory_plan.config if memory_plan else args
+    # --device and --attention settled as --micro_batches=auto is: the run logs, checkpoints and compares what it
+    # trains with, so that spelling out what auto chose (--attention=sdpa on a CPU) is the same setting.
+    config = memory_plan.config if memory_plan else args
+    return env, dataclasses.replace(config, device=device.type, attention=attention_kind)
 
 
 def all_ranks_ok(ok: bool, device: torch.device) -> bool:
@@ -3767,14 +3776,25 @@ class _RecordingWriter:
         pass
 
 
-def write_file(path: Path, content) -> dict:
+def temporary_path(path: Path, suffix: str) -> Path:
+    """A hidden name beside path for its temporary (a file, or a folder written whole): `.NAME` + suffix, with NAME
+    cut to 100 characters and, when cut, a hash of the whole name so that two long names stay apart. A file name may
+    have 255 bytes: a legal 253-character one once failed with "File name too long", naming the temporary."""
+    name = path.name
+    if len(name) > 100:
+        name = f"{name[:100]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+    return path.with_name(f".{name}{suffix}")
+
+
+def write_file(path: Path, content, shown: Path | None = None) -> dict:
     """Writes a file atomically: into a temporary file beside it, fsynced, then renamed over `path`, so that no
     reader ever sees part of one and a failure (a full disk, an error, a signal) leaves no temporary behind.
     Bytes as they are, anything else with torch.save. Returns its size and sha256 (for meta.json); a failed
-    write raises a TrainingError that names the file and the cause. Every file the trainer, sample.py and
-    tools/ write goes through here (the log, written line by line, excepted)."""
+    write raises a TrainingError that names the file and the cause: `shown`, the name the user knows it by, for
+    a file written into a folder renamed whole later (a checkpoint's), never a temporary. Every file the trainer,
+    sample.py and tools/ write goes through here (the log, written line by line, excepted)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = temporary_path(path, f".{uuid.uuid4().hex[:8]}.tmp")
     writer = None
     try:
         with terminate_as_exception():
@@ -3794,7 +3814,7 @@ def write_file(path: Path, content) -> dict:
             os.unlink(tmp)
         cause = writer.error if writer is not None and writer.error is not None else e
         if isinstance(cause, OSError):
-            raise write_error(path, cause) from None
+            raise write_error(shown or path, cause) from None
         stop = e
         while stop is not None and not isinstance(stop, (SystemExit, KeyboardInterrupt)):
             stop = stop.__context__  # torch.save's zip writer reports an exit raised inside it as a RuntimeError
@@ -3822,15 +3842,16 @@ def terminate_as_exception():
         signal.signal(signal.SIGTERM, previous)
 
 
-def remove_unfinished(tmp: Path, what: str = "") -> str:
-    """Removes a folder a save left unfinished and says so truthfully, for the error line. Tried a few times:
-    under torchrun another rank may still be adding its file while the folder is emptied."""
+def remove_unfinished(tmp: Path, what: str = "folder") -> str:
+    """Removes a folder a save left unfinished and says so truthfully, for the error line, which names the
+    temporary only when the user must delete it. Tried a few times: under torchrun another rank may still be adding
+    its file while the folder is emptied."""
     for _ in range(20):
         shutil.rmtree(tmp, ignore_errors=True)
         if not os.path.lexists(tmp):
-            return f"the unfinished {what}{tmp} was removed"
+            return f"nothing of the unfinished {what} was kept"
         time.sleep(0.05)
-    return f"the unfinished {what}{tmp} could not be removed: delete it"
+    return f"the unfinished {what} ({tmp}) could not be removed: delete it"
 
 
 def save_checkpoint(step: int, train_time_ms: float, model: GPT, optimizers, loader, args: Hyperparameters,
@@ -3851,7 +3872,7 @@ def save_checkpoint(step: int, train_time_ms: float, model: GPT, optimizers, loa
                 tmp.mkdir(parents=True)
                 made = True
             except OSError as e:
-                error = write_error(tmp, e)
+                error = write_error(final, e)
         if not all_ranks_ok(error is None, env.device):
             raise error or TrainingError(f"rank 0 could not create {tmp}")
         files = {}
@@ -3859,9 +3880,10 @@ def save_checkpoint(step: int, train_time_ms: float, model: GPT, optimizers, loa
             rank_state = {"step": step, "optimizers": [opt.state_dict() for opt in optimizers],
                           "cpu_rng": torch.get_rng_state(),
                           "cuda_rng": torch.cuda.get_rng_state() if env.device.type == "cuda" else torch.empty(0)}
-            files[f"rank_{env.rank}.pt"] = write_file(tmp / f"rank_{env.rank}.pt", rank_state)
+            files[f"rank_{env.rank}.pt"] = write_file(tmp / f"rank_{env.rank}.pt", rank_state,
+                                                      shown=final / f"rank_{env.rank}.pt")
             if env.is_main:
-                files["model.pt"] = write_file(tmp / "model.pt", model.state_dict())
+                files["model.pt"] = write_file(tmp / "model.pt", model.state_dict(), shown=final / "model.pt")
         except TrainingError as e:
             error = e
         every_rank = gather_from_ranks(None if error else files)
@@ -3873,7 +3895,7 @@ def save_checkpoint(step: int, train_time_ms: float, model: GPT, optimizers, loa
                     "code_sha256": code_hash(source), "shards": shard_record,
                     "files": {name: written[name] for written in every_rank for name in sorted(written)}}
             try:
-                write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode())
+                write_file(tmp / "meta.json", json.dumps(meta, indent=1).encode(), shown=final / "meta.json")
                 publish_folder(tmp, final)
                 write_file(latest_tmp, (final.name + "\n").encode())
                 os.replace(latest_tmp, run_dir / "latest")
@@ -3884,7 +3906,7 @@ def save_checkpoint(step: int, train_time_ms: float, model: GPT, optimizers, loa
             latest_tmp.unlink(missing_ok=True)
         if env.is_main and os.path.lexists(tmp):  # the save failed before the rename: leave nothing half-written
             reason = error or f"rank {failed[0]} could not write its part of the checkpoint"
-            error = TrainingError(f"{reason}; {remove_unfinished(tmp, 'checkpoint ')}")
+            error = TrainingError(f"{reason}; {remove_unfinished(tmp, 'checkpoint')}")
     except BaseException:  # a signal (Ctrl-C) or a failed collective mid-save: take the unfinished folder back
         if env.is_main and made:
             remove_unfinished(tmp)
@@ -3901,15 +3923,51 @@ def publish_folder(tmp: Path, final: Path):
     os.replace(tmp, final)
 
 
+# A run that saves holds an flock on its checkpoint_dir/<run_id>/ for as long as it lives (claim_run_folder, released
+# by release_folders). The kernel drops an flock when its holder dies, however it dies (kill -9 too), so a folder
+# whose flock is free belongs to no live run, and what a save left unfinished in it (a `.step_NNNNNN.partial/` of
+# GBs at the speedrun's size) is removed, with a `note:` line, by the next run that meets it: a resume from one of
+# its checkpoints, or a run given its run id (which is refused: the id is taken). Before, nothing removed it.
+HELD_RUN_FOLDERS: dict[Path, int] = {}  # run folder -> the descriptor of this process's flock on it
+UNFINISHED_SAVES = (".step_*.partial", ".final.partial", ".latest.tmp", ".write_test")
+
+
+def sweep_unfinished_saves(run_dir: Path) -> list[str]:
+    """Removes what a run that is gone left unfinished in its checkpoint folder (UNFINISHED_SAVES); a folder a live
+    run holds is left alone. Returns a `note:` line per removal."""
+    try:
+        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return []
+    notes = []
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        for path in sorted(p for pattern in UNFINISHED_SAVES for p in run_dir.glob(pattern)):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            if not os.path.lexists(path):
+                notes.append(f"note: removed {path}, which a run that is gone (killed while saving) left unfinished")
+    except OSError:  # BlockingIOError: a live run's folder, its saves are its own (or a file system without flock)
+        pass
+    finally:
+        os.close(fd)
+    return notes
+
+
 def claim_run_folder(run_dir: Path, args: Hyperparameters) -> list[Path]:
     """Creates checkpoint_dir/<run_id>/ for a run that saves (checkpoints or final weights), and writes a file
     in it, so that an unwritable --checkpoint_dir stops the run before step 0, not after it has trained.
-    The folder is made exclusively: a run that took this id since it was checked cannot be written over.
-    Returns the folders made, innermost first, for release_folders."""
+    The folder is made exclusively: a run that took this id since it was checked cannot be written over; the run
+    holds it (HELD_RUN_FOLDERS) until release_folders. Returns the folders made, innermost first."""
     made = [folder for folder in (run_dir, *run_dir.parents) if not os.path.lexists(folder)]
     probe = run_dir / ".write_test"
     try:
         os.makedirs(run_dir)  # exist_ok=False; a file on the way is ENOTDIR
+        HELD_RUN_FOLDERS[run_dir] = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+        with contextlib.suppress(OSError):  # a file system without flock: its leftovers are then never swept
+            fcntl.flock(HELD_RUN_FOLDERS[run_dir], fcntl.LOCK_EX | fcntl.LOCK_NB)
         write_file(probe, b"probe")
         probe.unlink()
     except BaseException as e:  # a Ctrl-C here too leaves nothing behind
@@ -3925,10 +3983,135 @@ def claim_run_folder(run_dir: Path, args: Hyperparameters) -> list[Path]:
 
 
 def release_folders(made: list[Path]):
-    """Removes the folders a run made that stayed empty (innermost first); one holding a checkpoint stays."""
+    """Lets go of the run folders among `made` this process holds, and removes the folders that stayed empty
+    (innermost first); one holding a checkpoint stays."""
     for folder in made:
+        if folder in HELD_RUN_FOLDERS:
+            os.close(HELD_RUN_FOLDERS.pop(folder))
         with contextlib.suppress(OSError):
             folder.rmdir()
+
+
+# One reader for every weights file: a final-weights folder's model.pt (sample.py, load_final_weights, to-record),
+# --init_from's, a checkpoint's model.pt (--resume), and, for the tensors themselves, the record's state dict
+# (tools/record_weights.py to-ours). Each file is checked before any model is built from it, in this order: the
+# model of the config (built on the meta device, so without memory) and the file fit this host's memory; the file
+# loads with weights_only, to the CPU; it is a dict whose keys are strings, whose tensors are dense and strided, on
+# the CPU (a tensor saved from the meta device holds no values), of a floating dtype and finite, and whose names
+# and shapes are the model's. Before, only to-ours checked: --init_from cast int64 weights in silence and tracebacked
+# on a non-string key, a non-tensor value or a meta tensor, and NaN weights reached sample.py's multinomial.
+
+WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # cast into our parameters exactly
+
+
+class WeightsError(ValueError):
+    """A weights file that is not the model it should hold: one line, naming the key (the caller names the file)."""
+
+
+def tensor_problem(name: str, value) -> str | None:
+    """Why a stored value cannot be one of a model's tensors, or None: the cheap checks (check_weights adds the
+    shapes and, last, finiteness)."""
+    if type(value) not in (torch.Tensor, nn.Parameter):
+        return f"{name!r} is a {type(value).__name__}, not a tensor"
+    if value.layout != torch.strided or value.is_quantized:
+        return f"{name!r} is a {str(value.layout).removeprefix('torch.')}{' quantized' * value.is_quantized} tensor, " \
+               f"not a dense one"
+    if value.device.type != "cpu":
+        return f"{name!r} holds no values (a tensor of the {value.device.type} device)"
+    if value.dtype not in WEIGHT_DTYPES:
+        return f"{name!r} has dtype {str(value.dtype).removeprefix('torch.')}, expected a floating one (bfloat16, " \
+               f"float16, float32 or float64)"
+    return None
+
+
+def nonfinite_problem(name: str, value: Tensor) -> str | None:
+    bad = int(value.numel() - torch.isfinite(value).sum())
+    return f"{name!r} holds {bad:,} non-finite value(s) (NaN or inf)" if bad else None
+
+
+def extra_state_problem(name: str, value, like) -> str | None:
+    """A module's extra state (the rotary's window and attention scale): the keys the model's has, each a positive
+    finite number of the same kind."""
+    if type(value) is not type(like) or not isinstance(like, dict) or value.keys() != like.keys():
+        return f"{name!r} is not the model's {type(like).__name__} of {', '.join(map(str, like))}"
+    for key, number in value.items():
+        if type(number) is not type(like[key]) or not 0 < number < math.inf:
+            return f"{name!r} holds {key}={number!r}, expected a positive finite {type(like[key]).__name__}"
+    return None
+
+
+def check_weights(state, expected: dict) -> dict:
+    """`state` once it is the model whose state dict (on the meta device) is `expected`, with the checks the block
+    above lists; else a WeightsError naming the first key that is wrong and how many more are."""
+    if not isinstance(state, dict):
+        raise WeightsError(f"not a state dict but a {type(state).__name__}")
+    odd = [k for k in state if not isinstance(k, str)]
+    if odd:
+        more = f"; and {len(odd) - 1} more such key(s)" if len(odd) > 1 else ""
+        raise WeightsError(f"key {odd[0]!r} ({type(odd[0]).__name__}) is not a parameter name (the keys of a state "
+                           f"dict are strings){more}")
+
+    def refuse_first(problems: list[str | None]):
+        problems = [p for p in problems if p is not None]
+        if problems:
+            more = f"; and {len(problems) - 1} more key(s) wrong" if len(problems) > 1 else ""
+            raise WeightsError(problems[0] + more)
+
+    refuse_first([tensor_problem(k, v) if isinstance(expected[k], Tensor) else extra_state_problem(k, v, expected[k])
+                  for k, v in state.items() if k in expected])
+    mismatch = state_dict_mismatch(state, expected)  # names and shapes
+    if mismatch:
+        raise WeightsError(mismatch)
+    refuse_first([nonfinite_problem(k, v) for k, v in state.items() if isinstance(v, Tensor)])  # reads every value
+    return state
+
+
+def check_fits_host(expected: dict, file_bytes: int):
+    """The model of `expected` built on the host and a file of file_bytes read beside it must fit the host's memory:
+    a config describing a larger model was built, and failed in an allocation traceback, before its model.pt was
+    read."""
+    model = tensor_bytes(v for v in expected.values() if isinstance(v, Tensor))
+    have = device_memory_bytes(torch.device("cpu"))
+    if model + file_bytes > have:
+        raise WeightsError(f"the model takes {model / 2 ** 30:,.1f} GiB and the file {file_bytes / 2 ** 30:,.1f} GiB "
+                           f"of host memory, more than this machine's {have / 2 ** 30:,.1f} GiB")
+
+
+def load_weights(source, name: str = "it") -> object:
+    """A weights file (a path or its bytes) loaded to the CPU by torch's safe loader: tensors and plain
+    containers, never code. torch's warnings (sparse layouts, old formats) are not passed on."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise WeightsError(f"cannot load {name} safely ({first_line(e)})") from None
+
+
+def read_json(path: Path):
+    """A JSON file the trainer or sample.py reads (meta.json, config.json); a ValueError says why it is not one
+    (JSON nested thousands deep raised the parser's RecursionError, a traceback). OSErrors are the caller's."""
+    try:
+        return json.loads(path.read_text())
+    except RecursionError:
+        raise ValueError("nested too deeply to be one this trainer wrote") from None
+
+
+def model_state_shapes(args: Hyperparameters) -> dict:
+    """The state dict of the model this config builds, on the meta device: its names, shapes and dtypes, no memory."""
+    with torch.device("meta"):
+        return GPT(args).state_dict()
+
+
+def read_weights(path: Path, args: Hyperparameters, skip: str | None = None) -> dict:
+    """A weights file of ours, checked against the model of `args` (see the block above); keys starting with
+    `skip` are left out first (--init_from's rotary state follows its own run's schedule). Raises WeightsError."""
+    expected = {k: v for k, v in model_state_shapes(args).items() if not (skip and k.startswith(skip))}
+    check_fits_host(expected, path.stat().st_size)
+    state = load_weights(path)
+    if isinstance(state, dict) and skip:
+        state = {k: v for k, v in state.items() if not (isinstance(k, str) and k.startswith(skip))}
+    return check_weights(state, expected)
 
 
 FINAL_WEIGHTS_FORMAT = "train_gpt.py final weights, version 1"
@@ -3948,16 +4131,16 @@ def save_final_weights(model: GPT, args: Hyperparameters, source: str, run_id: s
     try:
         tmp.mkdir(parents=True)
     except OSError as e:  # nothing was made, so nothing is said to be removed
-        raise write_error(tmp, e) from None
+        raise write_error(final, e) from None
     try:
         try:
-            write_file(tmp / "model.pt", model.state_dict())
-            write_file(tmp / "config.json", json.dumps(info, indent=1).encode())
+            write_file(tmp / "model.pt", model.state_dict(), shown=final / "model.pt")
+            write_file(tmp / "config.json", json.dumps(info, indent=1).encode(), shown=final / "config.json")
             publish_folder(tmp, final)
         except OSError as e:
-            raise write_error(tmp, e) from None
+            raise write_error(final, e) from None
     except TrainingError as e:
-        raise TrainingError(f"{e}; {remove_unfinished(tmp)}") from None
+        raise TrainingError(f"{e}; {remove_unfinished(tmp, 'final-weights folder')}") from None
     except BaseException:  # a signal (Ctrl-C) mid-write
         remove_unfinished(tmp)
         raise
@@ -3965,14 +4148,15 @@ def save_final_weights(model: GPT, args: Hyperparameters, source: str, run_id: s
 
 
 def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters, dict]:
-    """The model saved by save_final_weights, in eval mode on `device`, its config and config.json."""
+    """The model saved by save_final_weights, in eval mode on `device`, its config and config.json. The config and
+    then model.pt are checked (read_weights) before the model is built."""
     path = Path(path)
     if not path.is_dir():
         raise DataError(f"{path}: no such folder (train with --save_final=true to write <checkpoint_dir>/<run_id>/final)")
     if not (path / "config.json").is_file() or not (path / "model.pt").is_file():
         raise DataError(f"{path}: not a final-weights folder of train_gpt.py (it needs config.json and model.pt)")
     try:
-        info = json.loads((path / "config.json").read_text())
+        info = read_json(path / "config.json")
         if info.get("format") != FINAL_WEIGHTS_FORMAT:
             raise ValueError(f"format {info.get('format')!r}")
         names = {f.name for f in dataclasses.fields(Hyperparameters)}
@@ -3989,16 +4173,13 @@ def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters
             raise ValueError(f'"windows" must be the final (short, long) windows in blocks, got {windows!r}')
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise DataError(f"{path / 'config.json'}: not train_gpt.py's final-weights config ({e})") from None
-    model = cast_parameters(GPT(args, Numerics.for_evaluation(device)).to(device))
     try:
-        saved = torch.load(path / "model.pt", map_location=device, weights_only=True)
-        mismatch = state_dict_mismatch(saved, model.state_dict())
-        if mismatch:
-            raise ValueError(mismatch)
-        model.load_state_dict(saved)
-    except Exception as e:
+        saved = read_weights(path / "model.pt", args)
+    except (WeightsError, OSError) as e:
         raise DataError(f"{path / 'model.pt'}: cannot load these weights into the model of config.json "
                         f"({first_line(e)})") from None
+    model = cast_parameters(GPT(args, Numerics.for_evaluation(device)).to(device))
+    model.load_state_dict(saved)
     return model.eval(), args, info
 
 
@@ -4084,20 +4265,28 @@ def read_checkpoint_file(path: Path, name: str, meta: dict):
     if hashlib.sha256(data).hexdigest() != listed["sha256"]:
         raise TrainingError(f"--resume={path}: {name} is not the file saved with this meta.json (its sha256 differs)")
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise TrainingError(f"--resume={path}: cannot load {name} safely ({first_line(e)})") from None
+        return load_weights(io.BytesIO(data), name)
+    except WeightsError as e:
+        raise TrainingError(f"--resume={path}: {e}") from None
 
 
 def comparable_config(saved: dict, args: Hyperparameters) -> dict:
-    """A checkpoint's config as this run's is compared with it: --micro_batches in its canonical spelling (older
-    checkpoints may hold "4,4,4" for "4"), and --packing left to check_resume_shards, which compares what it
-    resolved to for each shard (auto on a shard of documents is documents)."""
+    """A checkpoint's config (or this run's) as the two are compared: every setting as a run settles it, so that
+    two spellings of one setting are equal. --micro_batches in its canonical spelling (older checkpoints may hold
+    "4,4,4" for "4"); --device and --attention as resolved on this run's device (setup_distributed settles them;
+    older checkpoints hold "auto", which resolves here as it would have in this run); --packing left to
+    check_resume_shards, which compares what it resolved to for each shard (auto on a shard of documents is
+    documents)."""
     saved = {k: v for k, v in saved.items() if k != "packing"}
     if isinstance(saved.get("micro_batches"), (str, int)):
         with contextlib.suppress(ConfigError):
             saved["micro_batches"] = canonical_micro_batches(dataclasses.replace(args, micro_batches=str(
                 saved["micro_batches"])))
+    here = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    if saved.get("device") == "auto":
+        saved["device"] = here
+    if saved.get("attention") == "auto":
+        saved["attention"] = "flex" if saved.get("device", here) == "cuda" else "sdpa"
     return saved
 
 
@@ -4110,7 +4299,7 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
     if not meta_path.is_file():
         raise TrainingError(f"--resume={path}: not a complete checkpoint (no meta.json)")
     try:
-        meta = json.loads(meta_path.read_text())
+        meta = read_json(meta_path)
     except (OSError, ValueError) as e:
         raise TrainingError(f"--resume={path}: unreadable meta.json ({e})") from None
     if not isinstance(meta, dict):
@@ -4125,12 +4314,21 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
                 and isinstance(shard.get("fingerprint"), str)):
             raise TrainingError(f"--resume={path}: meta.json has no valid 'shards' (edited, or written by an older "
                                 f"train_gpt.py?)")
+    # No hash covers meta.json: its numbers are checked with the rest, before the log exists. A step or time out of
+    # range once resumed and logged a train time of NaN or -1e12 ms, and an MFU of 86 billion %; the loader's
+    # position is checked against the shards in check_resume_shards.
+    if meta["step"] < 0 or meta["world_size"] < 1:
+        key = "step" if meta["step"] < 0 else "world_size"
+        raise TrainingError(f"--resume={path}: meta.json's {key} is {meta[key]}, not one a run saves (edited?)")
+    if not 0 <= meta["train_time_ms"] < math.inf:
+        raise TrainingError(f"--resume={path}: meta.json's train_time_ms is {meta['train_time_ms']!r}, not a time "
+                            f"(a finite number of ms, 0 or more; edited?)")
     if meta["world_size"] != env.world_size:
         raise TrainingError(f"--resume={path}: written at world size {meta['world_size']}, this run has "
                             f"{env.world_size}; DistAdam and NorMuon state are sharded per rank, so resume with "
                             f"{meta['world_size']} ranks")
     if not args.force_resume:
-        ours, theirs = config_for_checkpoint(args), comparable_config(meta["config"], args)
+        ours, theirs = comparable_config(config_for_checkpoint(args), args), comparable_config(meta["config"], args)
         differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
         if differ:
             raise TrainingError(f"--resume={path}: config differs in {', '.join(differ)} "
@@ -4138,12 +4336,16 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
         if meta["code_sha256"] != code_hash(source):
             raise TrainingError(f"--resume={path}: written by a different train_gpt.py "
                                 f"(use --force_resume=true to resume anyway)")
-    model_state = read_checkpoint_file(path, "model.pt", meta)
-    with torch.device("meta"):  # the model this config builds, without memory
-        mismatch = state_dict_mismatch(model_state, GPT(args).state_dict())
-    if mismatch:
-        raise TrainingError(f"--resume={path}: its model.pt does not fit the model this config builds ({mismatch})"
-                            + ("; --force_resume cannot change the architecture" if args.force_resume else ""))
+    expected = model_state_shapes(args)
+    try:
+        listed = meta["files"].get("model.pt")
+        size = listed.get("bytes") if isinstance(listed, dict) else None  # (read_checkpoint_file checks the listing)
+        check_fits_host(expected, size if type(size) is int else 0)
+        model_state = check_weights(read_checkpoint_file(path, "model.pt", meta), expected)
+    except WeightsError as e:
+        forced = "; --force_resume cannot change the architecture" if args.force_resume else ""
+        raise TrainingError(f"--resume={path}: its model.pt does not fit the model this config builds ({e}){forced}") \
+            from None
     rank_state = read_checkpoint_file(path, f"rank_{env.rank}.pt", meta)
     saved_at = rank_state.get("step") if isinstance(rank_state, dict) else None
     if saved_at != meta["step"]:
@@ -4167,16 +4369,29 @@ def check_resume_shards(resume: Resume, loader, args: Hyperparameters):
         raise TrainingError(f"--resume={resume.path}: the checkpoint was trained on "
                             f"{'shards' if recorded else 'synthetic tokens'}, this run reads "
                             f"{'shards' if scans else 'synthetic tokens'}")
-    if not scans:
+    state = resume.meta["loader"]
+    if not scans:  # synthetic tokens: the position is a count of batches drawn
+        if type(state.get("step", 0)) is not int or state.get("step", 0) < 0:
+            raise TrainingError(f"--resume={resume.path}: meta.json's loader step is {state.get('step')!r}, not a "
+                                f"count of batches (edited?)")
         return
     try:  # a resume that would read the position with another meaning, before anything is written
-        loader.check_packing(resume.meta["loader"])
+        loader.check_packing(state)
     except DataError as e:
         raise TrainingError(f"--resume={resume.path}: {e}") from None
-    position = resume.meta["loader"].get("file_index")
+    position = state.get("file_index")
     if type(position) is not int or not 0 <= position < len(scans):
         raise TrainingError(f"--resume={resume.path}: the checkpoint stopped in training shard {position!r}, but "
                             f"--train_files={args.train_files} gives this run {len(scans)} shard(s)")
+    # the next piece (documents) or token (stream) of that shard: at most its end, where the next shard starts.
+    # (-1 or 1.9 once resumed elsewhere in the data without a word, a position past the end in an IndexError.)
+    scan, piece = scans[position], state.get("piece")
+    end = len(scan.starts) if scan.packing == "documents" else scan.num_tokens
+    if type(piece) is not int or not 0 <= piece <= end:
+        unit = "pieces (documents)" if scan.packing == "documents" else "tokens"
+        raise TrainingError(f"--resume={resume.path}: meta.json puts the loader at {piece!r} in training shard "
+                            f"{position + 1}, {scan.path}, which has {end:,} {unit}: not a position in it (edited, or "
+                            f"another shard?)")
     if args.force_resume:
         return
     for i, (saved, scan, fingerprint) in enumerate(zip(recorded, scans, loader.fingerprints)):
@@ -4331,29 +4546,16 @@ def keep_freed_cpu_memory():
 
 
 def read_init_weights(args: Hyperparameters) -> dict:
-    """--init_from's weights, checked against the model this config builds (names and shapes) before the
-    run creates anything. The rotary state is left out: it follows this run's schedule."""
+    """--init_from's weights, checked against the model this config builds (read_weights) before the run creates
+    anything. The rotary state is left out: it follows this run's schedule."""
     path = Path(args.init_from)
     if not (path / "model.pt").is_file():
         raise DataError(f"--init_from={path}: not a final-weights folder (no model.pt; train with "
                         f"--save_final=true, or convert the record's weights with tools/record_weights.py)")
     try:
-        state = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise DataError(f"--init_from={path}: cannot load model.pt ({first_line(e)})") from None
-    if not isinstance(state, dict):
-        raise DataError(f"--init_from={path}: model.pt is not a state dict")
-    state = {k: v for k, v in state.items() if not k.startswith("rotary.")}
-    with torch.device("meta"):
-        expected = {k: v.shape for k, v in GPT(args).state_dict().items() if not k.startswith("rotary.")}
-    missing = sorted(set(expected) - set(state))
-    extra = sorted(set(state) - set(expected))
-    wrong = [k for k in expected if k in state and tuple(state[k].shape) != tuple(expected[k])]
-    if missing or extra or wrong:
-        first = (f"{wrong[0]}: {tuple(state[wrong[0]].shape)} there, {tuple(expected[wrong[0]])} here" if wrong
-                 else f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(extra[:3])}")
-        raise DataError(f"--init_from={path}: its weights do not fit this config's model ({first})")
-    return state
+        return read_weights(path / "model.pt", args, skip="rotary.")
+    except (WeightsError, OSError) as e:
+        raise DataError(f"--init_from={path}: its weights do not fit this config's model ({first_line(e)})") from None
 
 
 def build_model(args: Hyperparameters, env: DistEnv, init_state: dict | None = None) -> GPT:
@@ -4405,6 +4607,8 @@ def train(args: Hyperparameters, env: DistEnv):
         if args.init_from and args.resume and not (Path(args.init_from) / "model.pt").is_file():
             raise DataError(f"--init_from={args.init_from}: not a final-weights folder (no model.pt); a resumed run "
                             f"continues from its checkpoint's weights and does not read it: drop --init_from")
+        for line in sweep_unfinished_saves(run_dir) if env.is_main else []:  # the id's run is refused below
+            print(line, file=sys.stderr)
         if env.is_main and log_path.exists():
             raise ConfigError(f"--run_id={run_id}: {log_path} already exists; choose another run id")
         # A run id names one run, its log and its checkpoint folder, whichever --logs_dir and --checkpoint_dir
@@ -4629,6 +4833,8 @@ def resume_run(run: Run, resume: Resume, model: GPT, optimizers, loader) -> tupl
     if not all_ranks_ok(error is None, run.env.device):
         raise error or TrainingError("another rank could not load the checkpoint")
     run.log(f"resumed from {resume.path} at step {start_step}")
+    for line in sweep_unfinished_saves(resume.path.parent) if run.env.is_main else []:
+        run.log(line)
     if run.args.init_from:
         run.log(f"note: --init_from={run.args.init_from} is not read: a resumed run continues from its checkpoint's "
                 f"weights")

@@ -152,7 +152,7 @@ def main(argv=None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         with safe_write.FolderLock(args.out, f"--out {args.out}"):  # one downloader per folder
             fetch_all(names, args.out)
-    except (DownloadError, safe_write.FolderBusy, OSError, KeyboardInterrupt, SystemExit) as e:
+    except (DownloadError, safe_write.LockError, OSError, KeyboardInterrupt, SystemExit) as e:
         if created_out and args.out.is_dir() and not any(args.out.iterdir()):
             args.out.rmdir()  # a failed first run leaves no trace
         if isinstance(e, SystemExit):  # SIGTERM, while the lock is held (safe_write.sigterm_exits)
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
             return 130
         if isinstance(e, OSError):  # the hub's are DownloadErrors by now: this is the folder (mkdir, its lock)
             e = f"--out {args.out}: cannot write there ({e.strerror or e})"
-        print(f"error: {e}", file=sys.stderr)
+        print(safe_write.visible(f"error: {e}"), file=sys.stderr)
         return 1
     print(f"{len(names)} shards in {args.out}")
     return 0

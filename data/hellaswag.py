@@ -74,6 +74,8 @@ def parse_example(line: str, where: str) -> Example:
         item = json.loads(line)
     except json.JSONDecodeError as e:
         raise HellaSwagError(f"{where}: not JSON ({e.msg})") from None
+    except RecursionError:  # nested thousands deep: the parser's own limit, a traceback otherwise
+        raise HellaSwagError(f"{where}: not a HellaSwag example (JSON nested too deeply)") from None
     if not isinstance(item, dict):
         raise HellaSwagError(f"{where}: expected a JSON object")
     context, endings, label = item.get("ctx"), item.get("endings"), item.get("label")
@@ -262,7 +264,7 @@ def main(argv=None) -> int:
     try:
         print(f"{args.out}: {download(args.out)}")
     except HellaSwagError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(safe_write.visible(f"error: {e}"), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("error: interrupted; nothing was kept, run again", file=sys.stderr)

@@ -11,6 +11,10 @@ complete. Kept apart from train_gpt.py, like the rest of data/.
       The kernel drops an flock when its holder dies, however it dies (kill -9 too), so a lock file whose flock
       is free was left by a run that is gone: the next writer says so in one line and takes the folder over.
       Forked children (a tokenizer's worker pool) do not keep the claim alive after their parent is gone.
+      The lock is opened with O_NOFOLLOW and must be a regular file with one name: a symbolic link, a hard link
+      to another file, a folder, a FIFO or a device there is refused in one line naming it (NotALockFile),
+      never followed, truncated or written (a planted link once made the tokenizer overwrite the file it named).
+      What a lock file holds is written by whoever made it: it reaches the terminal only through visible().
 
 SIGTERM's default action ends Python without running finally blocks or except clauses. While either helper is
 in use, a process that has no SIGTERM handler of its own gets one that raises SystemExit(143) (sigterm_exits),
@@ -22,6 +26,7 @@ import errno
 import fcntl
 import os
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -32,8 +37,32 @@ SIGTERM_EXIT = 128 + signal.SIGTERM  # 143: what a shell reports for a process e
 FILE_MODE = 0o644  # mkstemp makes files private; what data/ writes is ordinary data
 
 
-class FolderBusy(Exception):
-    """Another live run holds the folder's lock; the message is one line naming it."""
+class LockError(Exception):
+    """A folder that cannot be claimed; the message is one line naming the folder and its lock file."""
+
+
+class FolderBusy(LockError):
+    """Another live run holds the folder's lock."""
+
+
+class NotALockFile(LockError):
+    """FOLDER/.writing.lock is something no run of data/ made (a link, a folder, a FIFO): it is not touched."""
+
+
+def temporary_prefix(name: str) -> str:
+    """`.NAME.`, how a hidden temporary beside the file NAME starts, with NAME cut to 100 characters: a file name
+    may have 255 bytes, and a legal 253-character one once failed with "File name too long", naming the
+    temporary. Every temporary data/ makes is named through this (mkstemp and mkdtemp add their random part)."""
+    return f".{name[:100]}."
+
+
+def visible(text: str) -> str:
+    """text with each character that is not printable (escape sequences, line and bidi marks) written as a Python
+    string literal writes it (`\\x1b`): file names and lock contents on a terminal cannot move the cursor, clear
+    the screen or hide a line. Every data/ tool prints names it did not choose through this."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _in_main_thread() -> bool:
@@ -121,7 +150,7 @@ def atomic_file(path):
     to word."""
     path = Path(path)
     with sigterm_exits():
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(path.name), suffix=".tmp", dir=path.parent)
         try:
             try:
                 os.fchmod(fd, FILE_MODE)
@@ -192,11 +221,11 @@ class FolderLock:
             os.register_at_fork(after_in_child=_close_held_in_child)
             _AT_FORK.append(True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 # The holder removes the file before it lets go: if we locked a removed file, lock the new one.
-                current = os.stat(self.path)
+                current = os.lstat(self.path)
                 locked = os.fstat(fd)
                 if (current.st_dev, current.st_ino) == (locked.st_dev, locked.st_ino):
                     break
@@ -204,7 +233,7 @@ class FolderLock:
                 holder = self._describe(os.pread(fd, 256, 0))
                 os.close(fd)
                 raise FolderBusy(f"{self.name} is being written by another run ({holder}); wait for it to finish "
-                                 f"(its lock file: {self.path})") from None
+                                 f"(its lock file: {visible(str(self.path))})") from None
             except FileNotFoundError:
                 pass  # removed between our flock and stat: try again
             except BaseException:
@@ -217,9 +246,38 @@ class FolderLock:
         if left.strip():
             self.stale_holder = self._describe(left)
             print(f"note: {self.name}: the run that claimed it ({self.stale_holder}) {self._fate(left)}; "
-                  f"taking over its stale lock file {self.path}", file=sys.stderr)
+                  f"taking over its stale lock file {visible(str(self.path))}", file=sys.stderr)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {_program()}\n".encode(), 0)
+
+    def _open(self) -> int:
+        """The lock file, opened (and made, if missing) without following a link, and without waiting on a FIFO;
+        refused (NotALockFile) unless it is a regular file with no other name."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(self.path, flags, FILE_MODE)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EOPNOTSUPP):
+                raise self._not_a_lock(os.lstat(self.path)) from None
+            raise
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            os.close(fd)
+            raise self._not_a_lock(st)
+        os.set_blocking(fd, True)
+        return fd
+
+    def _not_a_lock(self, st: os.stat_result) -> NotALockFile:
+        if stat.S_ISLNK(st.st_mode):
+            target = os.readlink(self.path)
+            kind = f"a symbolic link (to {visible(target[:200])}{'...' if len(target) > 200 else ''})"
+        elif stat.S_ISREG(st.st_mode):
+            kind = f"a file with {st.st_nlink} names (a hard link: truncating it would change the others)"
+        else:
+            kind = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}.get(
+                stat.S_IFMT(st.st_mode), "a device")
+        return NotALockFile(f"{self.name}: its lock file {visible(str(self.path))} is {kind}, not one a run of "
+                            f"data/ made; it was left as it is: remove it if no run is writing there, and run again")
 
     def _release(self):
         if self._fd is None or os.getpid() != self._owner:  # a forked child never removes its parent's lock
@@ -233,10 +291,12 @@ class FolderLock:
 
     @staticmethod
     def _describe(raw: bytes) -> str:
+        """The holder a lock file names ("pid 123, tokenize_text.py"), shown with visible(): anyone could have
+        written the file."""
         words = raw.decode(errors="replace").split()
         if not words:
             return "pid not written yet"
-        return f"pid {words[0]}" + (f", {' '.join(words[1:])}" if len(words) > 1 else "")
+        return visible(f"pid {words[0]}" + (f", {' '.join(words[1:])}" if len(words) > 1 else ""))
 
     @staticmethod
     def _fate(raw: bytes) -> str:

@@ -212,12 +212,22 @@ def decode_utf8(raw: bytes) -> tuple[str, int]:
     return raw.decode("utf-8", errors="tokenize_text.replace"), _replaced_bytes
 
 
+def files_below(folder: Path, flag: str) -> list[Path]:
+    """Every file below folder (recursively; a link to a folder is not followed, as rglob did not follow one).
+    A folder that cannot be read is an error naming it: rglob skipped it without a word, and the data set
+    lacked its files while the tool exited 0."""
+    def refuse(error: OSError):
+        raise TokenizeError(f"{flag} {folder}: cannot read the folder {safe_write.visible(str(error.filename))} "
+                            f"({error.strerror}), so its files would be left out", code=2)
+    return [Path(root, name) for root, _, names in os.walk(folder, onerror=refuse) for name in names]
+
+
 def collect_files(paths, flag: str) -> list[Path]:
     """Expand files and folders (recursively, sorted) into the .txt/.jsonl files they name."""
     files = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted((f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in SUFFIXES),
+            found = sorted((f for f in files_below(p, flag) if f.is_file() and f.suffix.lower() in SUFFIXES),
                            key=lambda f: f.relative_to(p).as_posix())
             if not found:
                 raise TokenizeError(f"{flag} {p}: folder holds no .txt or .jsonl files")
@@ -268,10 +278,10 @@ class DocumentReader:
                     found += 1
                     yield doc
             if not found:
-                self.warn(f"warning: {path}: no text, skipped")
+                self.warn(f"warning: {safe_write.visible(str(path))}: no text, skipped")
             if self._replaced:
                 self.replaced[path] = self._replaced
-                self.warn(f"warning: {path}: {self._replaced} bytes are not valid UTF-8 "
+                self.warn(f"warning: {safe_write.visible(str(path))}: {self._replaced} bytes are not valid UTF-8 "
                           f"and were replaced with U+FFFD")
 
     def _read_txt(self, path):
@@ -302,6 +312,8 @@ class DocumentReader:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise TokenizeError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                except RecursionError:  # nested thousands deep: the parser's own limit, a traceback otherwise
+                    raise TokenizeError(f"{path}:{lineno}: not a document (JSON nested too deeply)") from None
                 if not isinstance(record, dict) or not isinstance(record.get(self.text_field), str):
                     raise TokenizeError(f"{path}:{lineno}: expected a JSON object with a string "
                                         f"{self.text_field!r} field")
@@ -378,7 +390,7 @@ def claimed_staging(out_dir: Path, prefix: str, overwrite: bool):
     except OSError as e:
         remove_empty(created)
         raise TokenizeError(f"--out {out_dir}: cannot write there ({e.strerror or e})", code=2) from None
-    except safe_write.FolderBusy as e:
+    except safe_write.LockError as e:  # busy, or a lock file no run made (a planted link)
         raise TokenizeError(str(e)) from None
     stage, finished = None, False
     try:
@@ -391,7 +403,7 @@ def claimed_staging(out_dir: Path, prefix: str, overwrite: bool):
                                 f"pass --overwrite to replace them")
         remove_leftover_staging(out_dir)
         try:
-            stage = Path(tempfile.mkdtemp(prefix=f".{prefix}-staging-", dir=out_dir))
+            stage = Path(tempfile.mkdtemp(prefix=f"{safe_write.temporary_prefix(prefix)[:-1]}-staging-", dir=out_dir))
         except OSError as e:
             raise TokenizeError(f"--out {out_dir}: cannot write there ({e.strerror or e})", code=2) from None
         yield stage
@@ -667,7 +679,7 @@ def run(args):
     from tqdm import tqdm
 
     def warn(message):  # through tqdm, so that warnings do not garble the progress bar
-        tqdm.write(message, file=sys.stderr)
+        tqdm.write(safe_write.visible(message), file=sys.stderr)
 
     val_files = collect_files(args.val_files, "--val-files") if args.val_files else []
     held_out = {f.resolve() for f in val_files}
@@ -699,7 +711,7 @@ def main(argv=None) -> int:
     try:
         result = run(args)
     except (TokenizeError, shards.ShardError, shakespeare_docs.CorpusError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(safe_write.visible(f"error: {e}"), file=sys.stderr)  # it names files and folders the user's tree holds
         return getattr(e, "code", 1)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import bisect
+import contextlib
 import datetime as dt
 import errno
 import hashlib
@@ -68,13 +70,30 @@ class ToolError(Exception):
 
 
 # =============================================================================
-# Log text in the files this tool writes
+# Log text in the files this tool writes, and on the terminal
 # =============================================================================
 # Text from a log (run ids, file names, versions, GPU names, notes, presets and other hyperparameter values)
 # reaches the files this tool writes only through these, each at the point of output: a log cannot add
-# markdown, HTML, shell or plot syntax to a record. Hyperparameter names and code_sha256 are not escaped but
-# checked when the log is read (read_log): a log with a bad one is refused.
+# markdown, HTML, shell or plot syntax to a record. What the tool prints passes through visible() (TerminalText,
+# set up by main()): a log cannot send the terminal escape sequences either. Hyperparameter names and code_sha256
+# are not escaped but checked when the log is read (read_log): a log with a bad one is refused.
 MD_SPECIAL_RE = re.compile(r"([\\`*_\[\]<>|&~$])")
+
+
+class TerminalText(io.TextIOBase):
+    """stdout or stderr as main() hands them to a command: every line written shows its log text through visible(),
+    as the files do. A run id, an `error:` line or a file name could otherwise clear the screen, move the cursor
+    and print a green "OK" over the tool's own FAIL. Nothing this tool prints is exempt."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write("\n".join(map(visible, text.split("\n"))))
+        return len(text)
+
+    def flush(self):
+        self.stream.flush()
 
 
 def visible(text: str) -> str:
@@ -136,6 +155,7 @@ SMI_DATE_RE = re.compile(r"^(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) ([A-Z][a-z]{2}) +(\d
 # blanks before a `name:`, so a value may hold single blanks.
 DEVICE_SPLIT_RE = re.compile(r"(?<![ \t])[ \t]{2,}(?=\w+:)")
 DEVICE_KEYS = ("device", "world_size", "backend", "date")
+DECLARED_HASH_RE = re.compile(r"^code_sha256:[ \t]*([0-9a-f]{64})[ \t\r]*$", re.MULTILINE)
 
 
 @dataclass
@@ -159,7 +179,7 @@ class Log:
     vals: list[tuple[int, float, float | None]]   # (step, val_loss, train_time_ms)
     final_val_loss: float | None    # val loss at step N
     train_time_ms: float | None     # of the whole run (or up to the last line if cut short)
-    problems: list[str] = field(default_factory=list)   # empty for a complete, unedited log
+    problems: list[str] = field(default_factory=list)   # empty for a complete, self-consistent log
     file_id: tuple[int, int] | None = None   # (device, inode): one file under two names is still one run
     steps_digest: str | None = None          # sha256 of the step lines: a renamed copy keeps them
 
@@ -251,16 +271,20 @@ def parse_header(lines: list[str]) -> dict:
     return h
 
 
-def parse_body(lines: list[str]) -> dict:
-    """Step lines and end-of-run lines after the second RULE line."""
-    b: dict = {"steps": [], "malformed": [], "summary": None, "peak": None, "error": None, "resumed": None,
-               "step_lines": []}
+def parse_body(lines: list[str], steps: int | None = None) -> dict:
+    """Step lines and end-of-run lines after the second RULE line. A step line is kept only within its run: its
+    step at most its total, and that total the header's num_iterations (`steps`) where the header has one; the
+    others are listed in "beyond" (see missing_from)."""
+    b: dict = {"steps": [], "malformed": [], "beyond": [], "summary": None, "peak": None, "error": None,
+               "resumed": None, "step_lines": []}
     for line in lines:
         if line.startswith("step:"):
             b["step_lines"].append(line.rstrip())
             parsed = parse_step_line(line)
             if parsed is None:
                 b["malformed"].append(line)
+            elif parsed[0] > parsed[1] or (steps is not None and parsed[1] != steps):
+                b["beyond"].append(line)
             else:
                 b["steps"].append(parsed)
         elif line.startswith("summary:"):
@@ -272,6 +296,39 @@ def parse_body(lines: list[str]) -> dict:
         elif m := re.match(r"resumed from .* at step (\d+)", line):
             b["resumed"] = int(m.group(1))
     return b
+
+
+def source_rule(text: str) -> re.Match | None:
+    """The RULE line that ends a log's embedded source, or None when the log has none.
+
+    The source may hold such lines itself (a docstring's underline), so the first one proves nothing: taken as
+    the end, it once made a 4-byte "source" whose hash every edited copy shared. The source is the text before
+    the first RULE whose prefix hashes (with or without the newline the trainer's writer adds) to a code_sha256
+    the header after that RULE declares: what a log can prove. Where no prefix does (the source is stripped or
+    edited, or an older log declares no hash), the RULE that starts the header is found from the end, where a
+    source cannot reach: the header lies between the last two RULE lines (or, in logs without the second one,
+    after the last RULE, when step lines do not follow it at once). An edited source is then the whole text
+    before the header, and its hash disagrees with the declared one (find_problems says so)."""
+    rules = list(RULE_RE.finditer(text))
+    if not rules:
+        return None
+    declared = [(m.start(), m.group(1)) for m in DECLARED_HASH_RE.finditer(text)]
+    if declared:
+        at = [start for start, _ in declared]
+        digest, done = hashlib.sha256(), 0   # the prefix's hash, extended from one RULE to the next
+        for i, rule in enumerate(rules):
+            end = rule.start()
+            digest.update(text[done:max(end - 1, 0)].encode("utf-8"))
+            without_newline = digest.hexdigest()   # a RULE starts a line: the text before it ends in "\n"
+            digest.update(text[max(end - 1, 0):end].encode("utf-8"))
+            done = end
+            header_end = rules[i + 1].start() if i + 1 < len(rules) else len(text)
+            wanted = {h for _, h in declared[bisect.bisect_left(at, rule.end()):bisect.bisect_left(at, header_end)]}
+            if end and wanted & {digest.hexdigest(), without_newline}:
+                return rule
+    last = rules[-1]
+    after = text[last.end():].lstrip("\r\n")
+    return last if len(rules) == 1 or not after.startswith("step:") else rules[-2]
 
 
 def read_log(path: str | Path) -> Log:
@@ -289,7 +346,7 @@ def read_log(path: str | Path) -> Log:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise ToolError(f"{path}: not a speedrun log (not UTF-8 text)") from None
-    rule = RULE_RE.search(text)
+    rule = source_rule(text)
     if rule is None:
         raise ToolError(f"{path}: not a speedrun log (no line of 100 '=')")
 
@@ -308,8 +365,8 @@ def read_log(path: str | Path) -> Log:
     else:
         header, body_lines = lines[:second], lines[second + 1:]
     h = parse_header(header)
-    body = parse_body(body_lines)
-    if not body["steps"] and not body["malformed"] and "torch" not in h and "code_sha256" not in h:
+    body = parse_body(body_lines, _int(h["hyperparameters"].get("num_iterations")))
+    if not (body["steps"] or body["malformed"] or body["beyond"]) and "torch" not in h and "code_sha256" not in h:
         raise ToolError(f"{path}: not a speedrun log (no 'step:N/M' lines and no 'Running PyTorch' header)")
 
     source = text[:rule.start()] or None
@@ -393,8 +450,19 @@ def hyperparameter_fields(source: str) -> frozenset[str] | None:
                 _fields_of[key] = frozenset(
                     stmt.target.id for stmt in node.body
                     if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                    and not re.search(r"\b(?:ClassVar|InitVar)\b", ast.unparse(stmt.annotation)))
+                    and not names_class_or_init_var(stmt.annotation))
     return _fields_of[key]
+
+
+def names_class_or_init_var(annotation: ast.AST) -> bool:
+    """Whether an annotation names ClassVar or InitVar (no dataclass field), also inside a string. Walked with
+    ast.walk, which keeps no stack: ast.unparse recursed, and a log's deeply nested annotation (a.a.a...) raised
+    RecursionError in every subcommand that read it, `table` included."""
+    words = re.compile(r"\b(?:ClassVar|InitVar)\b")
+    return any(isinstance(node, ast.Name) and words.fullmatch(node.id)
+               or isinstance(node, ast.Attribute) and words.fullmatch(node.attr)
+               or isinstance(node, ast.Constant) and isinstance(node.value, str) and words.search(node.value)
+               for node in ast.walk(annotation))
 
 
 def defined_hyperparameters(source: str | None) -> tuple[frozenset[str] | None, str]:
@@ -443,19 +511,46 @@ def _int(value) -> int | None:
 # Completeness and integrity
 # =============================================================================
 
-def expected_val_steps(total: int, every: int | None, seen: list[int]) -> set[int]:
-    """Steps that must carry a val_loss: 0, every k-th and the last. Without a
-    `val_loss_every` hyperparameter (public logs) k is the gcd of the steps seen."""
+# Step numbers come from the log: a forged `step:10000000000/30` once made every subcommand build a set of 10**10
+# integers. Step lines are bounded by the header's num_iterations where it has one (read_log), and what is missing
+# is counted with arithmetic over the numbers present, never by listing every step from 0 to N.
+
+def missing_from(present: list[int], start: int, stop: int, every: int = 1, limit: int = 5) -> tuple[int, list[int]]:
+    """(how many of the multiples of `every` in [start, stop) are not in present, the first `limit` of them), in
+    time linear in len(present) whatever stop is."""
+    if every <= 0 or stop <= start:
+        return 0, []
+    first = -(-start // every) * every
+    expected = max(0, -(-(stop - first) // every))
+    found = sorted({s for s in present if start <= s < stop and s % every == 0})
+    shown, index, step = [], 0, first
+    while len(shown) < limit and step < stop:
+        while index < len(found) and found[index] < step:
+            index += 1
+        if index < len(found) and found[index] == step:
+            index += 1
+        else:
+            shown.append(step)
+        step += every
+    return expected - len(found), shown
+
+
+def val_every(total: int, every: int | None, seen: list[int]) -> int:
+    """The validation period: `val_loss_every`, or without it (public logs) the gcd of the inner steps seen;
+    0 when only step 0 and the last are validated."""
     if every is None:
         inner = [s for s in seen if 0 < s < total]
         every = math.gcd(*inner) if inner else 0
-    grid = set(range(0, total + 1, every)) if every > 0 else set()
-    return grid | {total}
+    return every
 
 
-def _some(numbers: list[int], limit: int = 5) -> str:
-    shown = ", ".join(map(str, numbers[:limit]))
-    return shown + (f", ... ({len(numbers)} in all)" if len(numbers) > limit else "")
+def _some(count: int, shown: list[int]) -> str:
+    return ", ".join(map(str, shown)) + (f", ... ({count} in all)" if count > len(shown) else "")
+
+
+def is_cross_entropy(value: float | None) -> bool:
+    """A number a cross-entropy can be: >= 0, or nan or inf, which a diverging run logs before it stops."""
+    return value is not None and not value < 0
 
 
 def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[int]) -> list[str]:
@@ -466,12 +561,26 @@ def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[i
     if body["malformed"]:
         problems.append(f"malformed step line: {body['malformed'][0][:60]!r}"
                         + (f" (+{len(body['malformed']) - 1} more)" if len(body["malformed"]) > 1 else ""))
+    if body["beyond"]:
+        bound = f"the header's num_iterations, {log.hyperparameters['num_iterations']}" \
+            if "num_iterations" in log.hyperparameters else "its own total"
+        problems.append(f"step line outside the run ({bound}): {shorten(body['beyond'][0], 60)}"
+                        + (f" (+{len(body['beyond']) - 1} more)" if len(body["beyond"]) > 1 else ""))
     if len(totals) > 1:
         problems.append(f"step lines disagree on the number of steps: {totals}")
     if log.total_steps is None:
         problems.append("no step lines")
         return problems
 
+    # A cross-entropy is >= 0 (nothing bounds it above: a diverging run's grows). A log with a negative loss was
+    # edited (three logs at -5.1, -5.2 and -5.3 once passed at p = 2.3e-5), or written by something that computes
+    # no cross-entropy: it fails, and no number in it is used.
+    impossible = [(s, key, f[key]) for s, _, f in body["steps"] for key in ("val_loss", "train_loss")
+                  if key in f and not is_cross_entropy(parse_number(f[key]))]
+    if impossible:
+        step, key, value = impossible[0]
+        problems.append(f"{key} {shorten(value, 20)} at step {step} cannot be a cross-entropy (one is >= 0)"
+                        + (f" (+{len(impossible) - 1} more)" if len(impossible) > 1 else ""))
     total, last = log.total_steps, log.last_step
     numbers = [s for s, _, _ in body["steps"]]
     if any(b < a for a, b in zip(numbers, numbers[1:])):
@@ -487,15 +596,15 @@ def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[i
         first = body["resumed"] + 1
         problems.append(f"resumed from a checkpoint at step {body['resumed']}: steps 1..{body['resumed']} "
                         "are not in this log")
-    missing = sorted(set(range(first, last + 1)) - set(numbers))
-    if missing:
-        problems.append(f"missing step lines: {_some(missing)}")
+    count, shown = missing_from(numbers, first, last + 1)
+    if count:
+        problems.append(f"missing step lines: {_some(count, shown)}")
     val_steps = [s for s, _, _ in log.vals]
-    val_from = 0 if body["resumed"] is None else first   # step 0 is validated too
-    every = _int(log.hyperparameters.get("val_loss_every"))
-    no_val = sorted(s for s in expected_val_steps(total, every, val_steps) - set(val_steps) if val_from <= s < last)
-    if no_val:
-        problems.append(f"missing val_loss at steps {_some(no_val)}")
+    val_from = 0 if body["resumed"] is None else first   # step 0 is validated too; the last step is checked below
+    count, shown = missing_from(val_steps, val_from, last, val_every(total, _int(log.hyperparameters.get(
+        "val_loss_every")), val_steps))
+    if count:
+        problems.append(f"missing val_loss at steps {_some(count, shown)}")
     if not ended_early:
         if log.final_val_loss is None:
             problems.append(f"no final val_loss at step {total}")
@@ -537,7 +646,21 @@ def duplicate_reason(first: Log, later: Log) -> str | None:
         why.append(f"same run id {first.run_id}")
     if first.steps_digest is not None and first.steps_digest == later.steps_digest:
         why.append("identical step lines")
+    elif same_seed_and_config(first, later):
+        why.append(f"same seed {first.hyperparameters['seed'].strip()} and config: one sample")
     return " and ".join(why) or None
+
+
+def same_seed_and_config(first: Log, later: Log) -> bool:
+    """Whether two complete logs ran one code and config with one seed: a rerun of one sample (its losses repeat
+    up to the hardware's nondeterminism), not another sample of the seeds. (An unfinished run is no sample.)"""
+    seed = first.hyperparameters.get("seed")
+    if seed is None or not (first.complete and later.complete):
+        return False
+    if later.hyperparameters.get("seed", "").strip() != seed.strip():
+        return False
+    return first.code_hash == later.code_hash and all(
+        len(set(values)) == 1 for values in experiment_fields([first, later]).values())
 
 
 def duplicates_line(logs: list[Log], labels: list[str] | None = None) -> str | None:
@@ -581,9 +704,18 @@ def canonical_micro_batches(value: str) -> str:
     return str(counts[0]) if len(set(counts)) == 1 else ",".join(map(str, counts))
 
 
-def experiment_value(name: str, value: str | None) -> str | None:
-    """A hyperparameter's value as experiments are compared: settings that train identically are equal."""
-    return canonical_micro_batches(value) if name == "micro_batches" and value is not None else value
+def experiment_value(name: str, value: str | None, device: str = "unknown") -> str | None:
+    """A hyperparameter's value as experiments are compared: settings that train identically are equal, each as the
+    trainer settles it (train_gpt.setup_distributed, and now logs): --micro_batches in one spelling; --device and
+    --attention "auto" as they resolve on the device the log ran on (older logs wrote "auto"): on a CPU,
+    --attention=sdpa and auto are one setting."""
+    if value is None:
+        return None
+    if name == "micro_batches":
+        return canonical_micro_batches(value)
+    if value.strip() == "auto" and device in ("cpu", "cuda") and name in ("device", "attention"):
+        return device if name == "device" else "flex" if device == "cuda" else "sdpa"
+    return value
 
 
 def experiment_fields(logs: list[Log]) -> dict[str, list[str | None]]:
@@ -597,7 +729,7 @@ def experiment_fields(logs: list[Log]) -> dict[str, list[str | None]]:
         fields["world_size"] = [None if lg.world_size is None else str(lg.world_size) for lg in logs]
     names = set().union(*(lg.hyperparameters for lg in logs)) - FREE_FIELDS - fields.keys()
     for name in sorted(names, key=lambda n: (KEY_FIELDS.index(n) if n in KEY_FIELDS else len(KEY_FIELDS), n)):
-        fields[name] = [experiment_value(name, lg.hyperparameters.get(name)) for lg in logs]
+        fields[name] = [experiment_value(name, lg.hyperparameters.get(name), lg.device) for lg in logs]
     return fields
 
 
@@ -804,15 +936,19 @@ def t_ppf(p: float, df: float) -> float:
     return _t_ppf_pure(p, df)
 
 
+# A t-test needs a spread it can measure. Logs print losses to 4 decimals, so runs whose losses tie there (or
+# one run filed under several seeds' names) show a spread of 0, and t = -inf made p = 0 and "met" out of no
+# evidence. Without a spread there is no test: the target is not met (target_rule says why), and compare says
+# it cannot tell. Runs of one seed and config are one sample (duplicate_reason), not several.
+
 def one_sample_less(xs: list[float], target: float) -> tuple[float, int, float] | None:
-    """One-sided one-sample t-test, H1: mean < target. (t, df, p), None for n < 2."""
+    """One-sided one-sample t-test, H1: mean < target. (t, df, p); None for n < 2 and for values without spread."""
     n = len(xs)
     if n < 2:
         return None
     mean, sd = statistics.fmean(xs), statistics.stdev(xs)
-    if sd == 0.0:   # no spread: the sign of the difference decides
-        return (math.copysign(math.inf, mean - target) if mean != target else math.nan,
-                n - 1, 0.0 if mean < target else 1.0)
+    if sd == 0.0:
+        return None
     t = (mean - target) / (sd / math.sqrt(n))
     return t, n - 1, t_cdf(t, n - 1)
 
@@ -832,9 +968,8 @@ def welch(a: list[float], b: list[float], confidence: float = 1 - ALPHA) -> Welc
     va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
     diff = statistics.fmean(b) - statistics.fmean(a)
     se = math.sqrt(va + vb)
-    if se == 0.0:   # both groups without spread
-        return Welch(diff, diff, diff, math.copysign(math.inf, diff) if diff else math.nan,
-                     math.nan, 0.0 if diff < 0 else 1.0)
+    if se == 0.0:   # both groups without spread: no test (see one_sample_less)
+        return Welch(diff, math.nan, math.nan, math.nan, math.nan, math.nan)
     df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
     half = t_ppf(1 - (1 - confidence) / 2, df) * se
     t = diff / se
@@ -860,13 +995,17 @@ def group_stats(logs: list[Log], target: float) -> Stats:
     vals = [lg.final_val_loss for lg in logs]
     test = one_sample_less(vals, target)
     mean = statistics.fmean(vals)
-    met = test[2] < ALPHA if test else mean <= target
+    met = test[2] < ALPHA if test else len(vals) == 1 and mean <= target
     return Stats(len(vals), mean, statistics.stdev(vals) if len(vals) > 1 else math.nan,
                  test, target, met, [lg.train_time_ms / 1000 for lg in logs])
 
 
 def target_rule(st: Stats) -> str:
     """One line: is the val-loss target met, and by which rule."""
+    if st.test is None and st.n > 1:
+        return (f"target {st.target:g}: no t-test: the {st.n} runs' final val losses have no spread (all "
+                f"{st.val_mean:.4f}), so nothing says their mean is below {st.target:g} -> NOT met (runs whose "
+                f"losses differ are needed)")
     if st.test is None:
         verdict = "met" if st.met else "NOT met"
         return (f"target {st.target:g}: single run, final val loss {st.val_mean:.4f} "
@@ -986,7 +1125,8 @@ def write_atomic(path: Path, data: bytes) -> None:
     """Write via a temp file in the same folder and rename: readers never see half a file."""
     path = Path(path)
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
+        # the name cut to 100 characters: a legal 253-character one failed with "File name too long"
+        fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name[:100]}.", suffix=".tmp")
         os.close(fd)
     except OSError as e:
         raise ToolError(f"{path}: cannot write ({why_not_written(e)})") from None
@@ -1063,8 +1203,13 @@ def cmd_compare(args) -> int:
     w = welch([lg.train_time_ms / 1000 for lg in base], [lg.train_time_ms / 1000 for lg in cand])
     print(f"train time difference (candidate - baseline): {w.diff:+.3f} s, {level} CI [{w.lo:+.3f}, {w.hi:+.3f}] s "
           f"(Welch t = {w.t:.3f}, df = {w.df:.2f})")
-    faster = w.p_less < ALPHA
-    print(f"candidate faster at p < {ALPHA:g} (one-sided Welch): {'yes' if faster else 'no'} (p = {fmt_p(w.p_less)})")
+    if math.isnan(w.p_less):
+        print(f"candidate faster at p < {ALPHA:g} (one-sided Welch): cannot tell (no train time varies within a "
+              f"group: no t-test)")
+    else:
+        faster = w.p_less < ALPHA
+        print(f"candidate faster at p < {ALPHA:g} (one-sided Welch): {'yes' if faster else 'no'} "
+              f"(p = {fmt_p(w.p_less)})")
     v = welch([lg.final_val_loss for lg in base], [lg.final_val_loss for lg in cand])
     print(f"final val loss difference (candidate - baseline): {v.diff:+.5f}, {level} CI [{v.lo:+.5f}, {v.hi:+.5f}]")
     return 0
@@ -1142,7 +1287,20 @@ def cmd_verify(args) -> int:
 # extract
 # =============================================================================
 
+def refuse_an_input(output: str, inputs: list[str]) -> None:
+    """`-o` names the file a command writes, and never one it reads: `extract run.txt -o run.txt` once replaced
+    the log with its source. The same file by any name (./x, a link) counts."""
+    for path in inputs:
+        try:
+            same = os.path.samefile(output, path)
+        except OSError:   # the output does not exist yet (or the input cannot be read: read_log says so)
+            continue
+        if same:
+            raise ToolError(f"-o {output}: that is {path}, which this command reads; choose another output file")
+
+
 def cmd_extract(args) -> int:
+    refuse_an_input(args.output, [args.log])
     log = read_log(args.log)
     if log.source is None:
         raise ToolError(f"{log.name}: no embedded source (the log starts at the '=' line: it was stripped)")
@@ -1167,6 +1325,7 @@ def cmd_plot(args) -> int:
     except ImportError:
         print("error: plotting needs matplotlib: pip install matplotlib", file=sys.stderr)
         return 1
+    refuse_an_input(args.output, args.logs)
     logs = load_logs(args.logs)
     for lg in logs:
         if not lg.complete:
@@ -1249,7 +1408,7 @@ def record_readme(name: str, date: str, track: str, target: float, logs: list[Lo
                   f"  torchrun --standalone --nproc_per_node={first.world_size or 1} {script}"
                   + "".join(f" \\\n    {sh_quote(f'--{k}={v}')}" for k, v in run_flags(first)), "```", ""]
         differ = sorted(k for k in first.hyperparameters
-                        if len({experiment_value(k, lg.hyperparameters.get(k)) for lg in logs}) > 1)
+                        if len({experiment_value(k, lg.hyperparameters.get(k), lg.device) for lg in logs}) > 1)
         if first.hyperparameters:
             lines += ["The flags are the hyperparameters in the first run's log header, less those that only "
                       "name where a run writes its files."
@@ -1272,6 +1431,23 @@ def run_flags(log: Log) -> list[tuple[str, str]]:
     return sorted(hp.items(), key=lambda kv: kv[0] != "preset")
 
 
+# A record folder holds README.md, record.json and its logs, each as NAME.txt: scan_records reads the logs back
+# by that pattern (record_logs), and new files each log under a name it matches (filed_name). A log filed under its
+# own name once replaced the README (a log named README.md) or was never read again (run.log, .hidden.txt).
+
+def record_logs(folder: Path) -> list[Path]:
+    """The logs of a record folder, in order."""
+    return sorted(p for p in folder.glob("*.txt") if p.is_file())
+
+
+def filed_name(path: Path) -> str:
+    """The name `new` files a log under: its stem in letters, digits and `._-` (a name's other characters and
+    leading dots as `_`), at most 200 characters, then `.txt`; README.md becomes README.md.txt, run.log run.log.txt."""
+    stem = path.stem if path.suffix == ".txt" else path.name
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", stem)[:200]
+    return re.sub(r"^\.", "_", stem or "log") + ".txt"
+
+
 @dataclass
 class Record:
     folder: Path
@@ -1291,6 +1467,9 @@ def scan_records(records_dir: Path) -> list[Record]:
         if (folder / "record.json").exists():
             try:
                 meta = json.loads((folder / "record.json").read_text())
+            except RecursionError:   # arrays or objects nested thousands deep: no record.json new writes
+                warn(f"{folder}/record.json: unreadable (nested too deeply): left out of the table")
+                continue
             except (OSError, ValueError) as e:
                 warn(f"{folder}/record.json: unreadable ({e}): left out of the table")
                 continue
@@ -1299,7 +1478,7 @@ def scan_records(records_dir: Path) -> list[Record]:
                 warn(f"{folder}/record.json: not an object whose name, date and track are text: left out of the table")
                 continue
         logs = []
-        for path in sorted(folder.glob("*.txt")):
+        for path in record_logs(folder):
             try:
                 logs.append(read_log(path))
             except ToolError as e:
@@ -1353,7 +1532,7 @@ def records_markdown(records: list[Record], link_base: Path, level: str) -> str:
             link = urllib.parse.quote(Path(os.path.relpath(r.folder / "README.md", link_base)).as_posix())
             sd = f" ± {st.val_std:.4f}" if st.n > 1 else ""
             tsd = f" ± {statistics.stdev(st.times):.2f}" if st.n > 1 else ""
-            p = fmt_p(st.test[2]) if st.test else "n/a (1 run)"
+            p = fmt_p(st.test[2]) if st.test else "n/a (1 run)" if st.n == 1 else "n/a (no spread)"
             code = Counter(lg.code_hash for lg in r.logs).most_common(1)[0][0]
             rows.append([md_text(r.date), f"[{md_text(r.name)}]({link})", md_text(r.track), str(st.n),
                          f"{st.val_mean:.4f}{sd}", f"{st.target:g}", p + ("" if st.met else " (not met)"),
@@ -1410,9 +1589,11 @@ def cmd_new(args) -> int:
         raise ToolError(f"track {shorten(track)}{origin}: no '|' or control characters")
     if conflict := track_conflict(track, logs[0]):
         raise ToolError(conflict)
-    names = [lg.path.name for lg in logs]
+    names = [filed_name(lg.path) for lg in logs]
     if len(set(names)) != len(names):
-        raise ToolError("two logs have the same file name: rename one (the record folder keeps file names)")
+        twice = next(n for n in names if names.count(n) > 1)
+        raise ToolError(f"two logs would be filed as {twice}: rename one (a record folder keeps each log as "
+                        f"NAME.txt)")
     date = args.date or (logs[0].date or dt.date.today()).isoformat()
     folder = records_dir / f"{date}_{args.name}"
     if folder.exists():
@@ -1423,27 +1604,45 @@ def cmd_new(args) -> int:
     tmp = Path(tempfile.mkdtemp(dir=records_dir, prefix=".new-"))
     try:
         os.chmod(tmp, 0o755)   # mkdtemp makes it private; a record is for everyone to read
-        for lg in logs:
-            write_bytes(tmp / lg.path.name, lg.path.read_bytes(), shown=folder / lg.path.name)
+        for lg, name in zip(logs, names):
+            write_bytes(tmp / name, lg.path.read_bytes(), shown=folder / name)
         meta = {"name": args.name, "date": date, "track": track, "target": args.target}
         if differ := experiment_differences(logs):
             meta["allowed_differences"] = list(differ)
         write_bytes(tmp / "record.json", (json.dumps(meta, indent=2) + "\n").encode("utf-8"),
                     shown=folder / "record.json")
         rel = folder.resolve().relative_to(records_dir.resolve().parent).as_posix()
-        copies = [read_log(tmp / lg.path.name) for lg in logs]
-        for copy, lg in zip(copies, logs):
-            copy.path = folder / lg.path.name
+        if sorted(path.name for path in record_logs(tmp)) != sorted(names):   # what scan_records will read
+            raise ToolError(f"{folder}: the logs would not read back as the record's ({', '.join(names)})")
+        copies = [read_log(tmp / name) for name in names]
+        for copy, name in zip(copies, names):
+            copy.path = folder / name
         write_bytes(tmp / "README.md", record_readme(args.name, date, track, args.target, copies, rel).encode("utf-8"),
                     shown=folder / "README.md")
-        os.rename(tmp, folder)
+        publish_record(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     print(f"created {folder} ({len(logs)} logs, track {track})")
-    for path in write_table(records_dir):
-        print(f"updated {path}")
+    try:
+        for path in write_table(records_dir):
+            print(f"updated {path}")
+    except (ToolError, OSError) as e:   # the record is filed: say what is left to do, not only what failed
+        why = str(e) if isinstance(e, ToolError) else f"{e.filename}: {why_not_written(e)}"
+        raise ToolError(f"{why}; the record {folder} is filed, but the tables do not show it yet: run "
+                        f"`python records/records.py table` once this is fixed") from None
     return 0
+
+
+def publish_record(tmp: Path, folder: Path) -> None:
+    """Renames the finished folder into place; errors name the record, never the temporary (.new-XXXX)."""
+    try:
+        os.rename(tmp, folder)
+    except OSError as e:
+        if os.path.lexists(folder):   # another `new` filed the same name while this one wrote
+            raise ToolError(f"{folder}: already exists (made while this record was written: another "
+                            f"`records.py new`?); nothing of this one was kept") from None
+        raise ToolError(f"{folder}: cannot create ({why_not_written(e)})") from None
 
 
 def cmd_table(args) -> int:
@@ -1538,8 +1737,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("verify", "exit 0 only if the logs back a record",
              "Checks: each log is complete (step lines 1..N, val lines every val_loss_every steps, "
-             "final val loss at step N, end-of-run line, no error line, last line not cut) and unedited "
-             "(embedded source matches code_sha256); no run is given twice (same file, run id or step lines); "
+             "final val loss at step N, end-of-run line, no error line, last line not cut) and consistent with "
+             "itself (its embedded source hashes to its code_sha256 line, its summary repeats its step lines, "
+             "every loss is >= 0 as a cross-entropy is; nothing signs a log, so numbers edited consistently pass); "
+             "no run is given twice (same file, run id, step lines, or seed and config); "
              "all ran the same code, preset and experiment (steps, data, validation and batch settings: every "
              "logged hyperparameter but the seed and where files go); the target is met. "
              "Prints 'FAIL <file>: <reason>' per failure. Logs without embedded source only warn.")
@@ -1550,8 +1751,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fail logs whose embedded source was stripped instead of warning")
     sp.set_defaults(func=cmd_verify)
 
-    sp = add("extract", "write the train_gpt.py embedded in a log (everything before the first '='*100 line)",
-             "Refuses logs without source or whose source does not match their code_sha256.")
+    sp = add("extract", "write the train_gpt.py embedded in a log (the text before the '='*100 line whose prefix "
+             "hashes to the header's code_sha256)",
+             "Refuses logs without source or whose source does not match their code_sha256, and an -o that names "
+             "the log.")
     sp.add_argument("log", metavar="LOG")
     sp.add_argument("-o", "--output", required=True, metavar="FILE")
     sp.set_defaults(func=cmd_extract)
@@ -1586,12 +1789,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        with contextlib.redirect_stdout(TerminalText(sys.stdout)), contextlib.redirect_stderr(TerminalText(sys.stderr)):
+            return args.func(args)
     except ToolError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(visible(f"error: {e}"), file=sys.stderr)
         return 1
     except OSError as e:   # a folder or file the command had to write
-        print(f"error: {str(e.filename) + ': ' if e.filename else ''}{why_not_written(e)}", file=sys.stderr)
+        print(visible(f"error: {str(e.filename) + ': ' if e.filename else ''}{why_not_written(e)}"), file=sys.stderr)
         return 1
 
 

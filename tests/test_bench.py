@@ -224,3 +224,11 @@ def test_varlen_boundaries_are_the_documents_cumulative_lengths():
     assert padded.tolist() == [0, 3, 5, 6, 6, 6]
     doubled, longest = bench.varlen_boundaries(docs.repeat_interleave(2))
     assert doubled.tolist() == [0, 6, 10, 12] and longest == 6
+
+
+@pytest.mark.parametrize("out", ["", "  "])
+def test_an_empty_out_is_refused_not_the_working_directory(out):
+    """Issue 38 row 24: `--out=` (an empty variable) wrote bench.json and bench.md into the working directory."""
+    with pytest.raises(bench.BenchError, match=f"^--out={out}: names no folder; give the folder for bench.json"):
+        bench.parse_options([f"--out={out}", "--small"])
+    assert bench.parse_options(["--out=x", "--small"]).out == "x"

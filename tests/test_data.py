@@ -461,6 +461,9 @@ BAD_INPUTS = {
     "no text field": (lambda d: (d / "x.jsonl").write_text('{"body": "a"}\n'), ["x.jsonl"],
                       "x.jsonl:1: expected a JSON object"),
     "bad json": (lambda d: (d / "x.jsonl").write_text("{oops\n"), ["x.jsonl"], "x.jsonl:1: not valid JSON"),
+    # issue 38 row 8: the parser's RecursionError was a traceback
+    "json nested deeply": (lambda d: (d / "x.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n"), ["x.jsonl"],
+                           "x.jsonl:1: not a document (JSON nested too deeply)"),
     "twice": (lambda d: (d / "a.txt").write_text("a"), ["a.txt", "a.txt"], "listed more than once"),
     "bad prefix": (lambda d: (d / "a.txt").write_text("a"), ["a.txt", "--prefix", "a/b"], "--prefix 'a/b'"),
     "all held out": (lambda d: (d / "a.txt").write_text("a"), ["a.txt", "--val-files", "a.txt"],

@@ -202,6 +202,141 @@ def test_a_stale_lock_and_staging_folder_of_a_killed_run_are_taken_over_in_one_l
     assert list(folder_shards(out)) == ["out_train_000001.bin"] and hidden(out) == []
 
 
+# -----------------------------------------------------------------------------
+# Lock files that no run made (issue 38, rows 1 and 19): never followed, truncated or printed raw
+
+SECRET = "keep me \x1b[2J\x1b[32mOK\x1b[0m\n"  # a file of the user's, with escape sequences in it
+
+
+def planted_symlink(lock, victim):
+    lock.symlink_to(victim)
+
+
+def planted_hard_link(lock, victim):
+    os.link(victim, lock)
+
+
+def fineweb_offline(monkeypatch):
+    import huggingface_hub
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: pytest.fail("downloaded anyway"))
+    for name in ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT"):  # cached_fineweb10B.main sets these
+        monkeypatch.setenv(name, "10")
+
+
+def run_tool(tool, tmp_path, out) -> int:
+    if tool == "tokenize_text.py":
+        return tokenize_text.main([str(corpus(tmp_path / "a", "apple", 2)), "--out", str(out), *BPE])
+    return cached_fineweb10B.main(["0", "--out", str(out)])
+
+
+@pytest.mark.parametrize("plant, kind", [(planted_symlink, "a symbolic link (to "),
+                                         (planted_hard_link, "a file with 2 names (a hard link")],
+                         ids=["symlink", "hard link"])
+@pytest.mark.parametrize("tool", ["tokenize_text.py", "cached_fineweb10B.py"])
+def test_a_planted_lock_file_is_refused_untouched_and_never_printed(tmp_path, capsys, monkeypatch, tool, plant, kind):
+    """Row 1: a .writing.lock that was a symlink was followed: the file it named was truncated and overwritten,
+    and its first 256 bytes were printed raw in the "stale lock" note."""
+    fineweb_offline(monkeypatch)
+    out, victim = tmp_path / "out", tmp_path / "victim.txt"
+    out.mkdir()
+    victim.write_text(SECRET)
+    plant(out / safe_write.LOCK_NAME, victim)
+    capsys.readouterr()
+    assert run_tool(tool, tmp_path, out) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "\x1b" not in err and "keep me" not in err, err
+    assert err.startswith(f"error: --out {out}: its lock file {out / safe_write.LOCK_NAME} is {kind}"), err
+    assert victim.read_text() == SECRET
+    assert not list(out.glob("*.bin"))
+
+
+def test_a_stale_lock_file_s_content_is_shown_escaped(tmp_path, capsys):
+    """Row 1, its note: what a lock file holds was printed as it is."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / safe_write.LOCK_NAME).write_text("99999999 \x1b[2J\x1b[32mOK\n")
+    assert tokenize_text.main([str(corpus(tmp_path / "a", "apple", 1)), "--out", str(out), *BPE]) == 0
+    note = capsys.readouterr().err
+    assert "\x1b" not in note and "(pid 99999999, \\x1b[2J\\x1b[32mOK)" in note, note
+
+
+def test_file_names_reach_the_terminal_escaped(tmp_path, capsys):
+    """Row 5, the data tools: the names of the user's files were printed raw (a warning, an error)."""
+    inputs = corpus(tmp_path / "a", "apple", 1)
+    (inputs / f"e{SECRET.strip()}.txt").write_text("   \n")  # no text: a warning names it
+    assert tokenize_text.main([str(inputs), "--out", str(tmp_path / "out"), *BPE]) == 0
+    (inputs / f"bad{SECRET.strip()}.jsonl").write_text("{not json\n")
+    assert tokenize_text.main([str(inputs), "--out", str(tmp_path / "out2"), *BPE]) == 1
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and err.count("\\x1b[2J") == 2, err
+
+
+def unreadable(monkeypatch, folder):
+    """os.scandir of folder fails as it does for another user's private folder (the tests run as root, whom
+    permissions do not stop)."""
+    real = os.scandir
+
+    def scandir(path="."):
+        if os.fspath(path) == os.fspath(folder):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+        return real(path)
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
+@pytest.mark.parametrize("where", ["input", "--val-files"])
+def test_an_unreadable_input_folder_is_an_error_not_a_smaller_data_set(tmp_path, capsys, monkeypatch, where):
+    """Row 7: an unreadable input subfolder was skipped without a word: the data set lacked its files and the tool
+    exited 0."""
+    books = corpus(tmp_path / "books", "apple", 2)
+    args = [str(books), "--out", str(tmp_path / "out"), *BPE]
+    if where == "input":
+        private = corpus(books / "private", "pear", 2)
+    else:  # held out, one folder further down
+        (books / "held").mkdir()
+        private = corpus(books / "held" / "private", "pear", 2)
+        args += ["--val-files", str(books / "held")]
+    unreadable(monkeypatch, private)
+    flag, top = ("input", books) if where == "input" else ("--val-files", books / "held")
+    assert tokenize_text.main(args) == 2
+    assert capsys.readouterr().err == (f"error: {flag} {top}: cannot read the folder {private} (Permission denied), "
+                                       f"so its files would be left out\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_long_legal_names_are_written(tmp_path, capsys):
+    """Row 18: a temporary took its file's whole name: a legal 253-character one failed with "File name too long"
+    (the shard of a 236-character --prefix, a file atomic_file writes)."""
+    prefix = "p" * 236  # its shards' names are 253 characters long
+    out = tmp_path / "out"
+    assert tokenize_text.main([str(corpus(tmp_path / "a", "apple", 1)), "--out", str(out), "--prefix", prefix,
+                               *BPE]) == 0, capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == [f"{prefix}_train_000001.bin"]
+    with safe_write.atomic_file(tmp_path / ("f" * 253)) as f:
+        f.write(b"x")
+    assert (tmp_path / ("f" * 253)).read_bytes() == b"x"
+
+
+def make_fifo(path):
+    os.mkfifo(path)
+
+
+@pytest.mark.parametrize("make, kind", [(os.mkdir, "a folder"), (make_fifo, "a FIFO")], ids=["folder", "FIFO"])
+@pytest.mark.parametrize("tool", ["tokenize_text.py", "cached_fineweb10B.py"])
+def test_a_lock_that_is_not_a_file_is_named_not_the_output_folder(tmp_path, capsys, monkeypatch, tool, make, kind):
+    """Row 19: a lock that was a folder or a FIFO was reported as `--out DIR: cannot write there (...)`."""
+    fineweb_offline(monkeypatch)
+    out = tmp_path / "out"
+    out.mkdir()
+    make(out / safe_write.LOCK_NAME)
+    capsys.readouterr()
+    assert run_tool(tool, tmp_path, out) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot write there" not in err, err
+    assert err.startswith(f"error: --out {out}: its lock file {out / safe_write.LOCK_NAME} is {kind}, not one a "
+                          f"run of data/ made"), err
+    assert os.path.lexists(out / safe_write.LOCK_NAME) and not list(out.glob("*.bin"))
+
+
 KEEP_LOCK_IN_A_CHILD = f"""
 import os, sys, time
 sys.path.insert(0, {str(DATA)!r})

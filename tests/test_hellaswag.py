@@ -60,6 +60,7 @@ def test_rendering_uses_gpt2_tokens_with_a_space_before_each_ending():
 
 @pytest.mark.parametrize("line, message", [
     ("{not json", "not JSON"),
+    ('{"ctx": ' + "[" * 100_000 + "]" * 100_000 + "}", "JSON nested too deeply"),  # issue 38 row 8: a traceback
     ('{"ctx": "", "endings": ["a", "b", "c", "d"], "label": 0}', '"ctx" must be'),
     ('{"ctx": "x", "endings": ["a", "b", "c"], "label": 0}', '"endings" must be'),
     ('{"ctx": "x", "endings": ["a", "b", "c", "d"], "label": 4}', '"label" must be 0..3'),

@@ -126,6 +126,22 @@ def test_command_line_both_ways(converted, tmp_path):
     assert one_line_error(again) == f"error: {tmp_path / 'back.pt'}: already exists; choose a new file"
 
 
+LONG = "w" * 250  # a legal file name (255 bytes at most) once its suffix is on
+
+
+@pytest.mark.parametrize("command", ["to-ours", "to-record"])
+def test_a_long_legal_output_name_is_written(converted, tmp_path, command):
+    """Issue 38 row 18: the writers' temporaries took the output's whole name: a legal 253-character one failed with
+    "File name too long", naming the temporary."""
+    _, source, folder = converted
+    out = tmp_path / (LONG + (".pt" if command == "to-record" else ".fin"))
+    proc = in_process(W.main, command, *((source, out, *SMOKE_FLAGS) if command == "to-ours" else (folder, out)))
+    assert proc.returncode == 0, proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]
+    T.write_file(tmp_path / (LONG + ".txt"), b"x")  # the trainer's writer itself, beside it
+    assert (tmp_path / (LONG + ".txt")).read_bytes() == b"x" and len(list(tmp_path.iterdir())) == 2
+
+
 # Files that to-ours refuses. Most are the record's state for the smoke config, edited, with every tensor one
 # value broadcast to its shape (stride 0): the file is a few kB, and each is refused before a value is read.
 K = W.COMPILED_PREFIX
@@ -212,6 +228,16 @@ REFUSED = [  # id, the input file, to-ours's own flags, the fragments of its err
     # --trust is advised where the safe loader refused a Python object, and only there
     ("python_object", saved(wrap=lambda state: {"model": state, "saved": datetime.date(2025, 1, 1)}), [],
      ["the safe loader refused datetime.date", "--trust loads it, if you trust the file"]),
+    # issue 38 row 11: sparse and meta tensors passed (a traceback later), NaN and inf weights too (then sample.py
+    # tracebacked in multinomial, or printed "!!!!!" at temperature 0)
+    ("sparse_tensor", saved((K + "lm_head.weight", torch.zeros(64, 50304).to_sparse())), [],
+     ["'lm_head.weight' is a sparse_coo tensor, not a dense one"]),
+    ("meta_tensor", saved((K + "scalars", torch.empty(14, device="meta"))), [],
+     ["'scalars' holds no values (a tensor of the meta device)"]),
+    ("nan_weight", saved((K + "scalars", torch.tensor([float("nan")] + [0.0] * 13))), [],
+     ["'scalars' holds 1 non-finite value(s) (NaN or inf)"]),
+    ("inf_in_a_bank", saved((K + "qk_bank", torch.zeros(20, 32, 64).index_fill_(0, torch.tensor([3]), float("inf")))),
+     [], ["'qk_bank' holds 2,048 non-finite value(s) (NaN or inf)"]),
     # #17: a step the schedule does not have
     ("negative_step", saved(), ["--step=-1"],
      ["error: --step=-1: the schedule's steps are 0 to --num_iterations=30"]),
@@ -285,6 +311,20 @@ class FullDisk:
 
 
 @pytest.mark.parametrize("how", ["write", "fsync", "sigterm"])
+def test_a_failed_to_ours_takes_back_the_folders_it_made(converted, tmp_path, monkeypatch, how):
+    """Issue 38 row 22: on a full disk, to-ours left the parent folders it had made for its output."""
+    _, source, _ = converted
+    out = tmp_path / "new" / "deeper" / "out"
+    FullDisk(monkeypatch, how)
+    if how == "sigterm":
+        with pytest.raises(SystemExit):
+            in_process(W.main, "to-ours", source, out, *SMOKE_FLAGS)
+    else:
+        assert in_process(W.main, "to-ours", source, out, *SMOKE_FLAGS).returncode == 2
+    assert not any(tmp_path.iterdir()), sorted(p.name for p in tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize("how", ["write", "fsync", "sigterm"])
 @pytest.mark.parametrize("command", ["to-ours", "to-record"])
 def test_a_failed_write_leaves_nothing(converted, tmp_path, monkeypatch, command, how):
     """#3: to-record wrote its .pt in place, and a full disk left a truncated one that blocked the rerun."""
@@ -297,7 +337,7 @@ def test_a_failed_write_leaves_nothing(converted, tmp_path, monkeypatch, command
             in_process(W.main, command, *argv)
         assert stopped.value.code == 143
     else:
-        written = tmp_path / ".out.partial" / "model.pt" if command == "to-ours" else out
+        written = out / "model.pt" if command == "to-ours" else out  # never the temporary (issue 38 row 18)
         one_line_error(in_process(W.main, command, *argv),
                        f"cannot write {written}: the disk is full ({os.strerror(errno.ENOSPC)})")
     assert not any(tmp_path.iterdir()), sorted(p.name for p in tmp_path.rglob("*"))

@@ -134,11 +134,12 @@ def test_one_sample_and_welch_match_scipy_and_the_fallback(monkeypatch):
 
 
 def test_degenerate_spread():
+    # no spread, no test (issue 38 row 3): p = 0 from a spread of 0 once "met" a target
     assert rec.one_sample_less([3.0], 3.28) is None
-    assert rec.one_sample_less([3.0, 3.0], 3.28)[2] == 0.0
-    assert rec.one_sample_less([3.5, 3.5], 3.28)[2] == 1.0
+    assert rec.one_sample_less([3.0, 3.0], 3.28) is None
+    assert rec.one_sample_less([3.5, 3.5], 3.28) is None
     w = rec.welch([2.0, 2.0], [1.0, 1.0])
-    assert (w.diff, w.p_less) == (-1.0, 0.0)
+    assert w.diff == -1.0 and math.isnan(w.p_less)
 
 
 # ---------------------------------------------------------------------------------------
@@ -990,8 +991,9 @@ def test_reproduce_block_pasted_into_bash_runs_only_its_commands(capsys, tmp_pat
     assert proc.returncode == 0 and proc.stderr == b""
     assert not (tmp_path / "pwned").exists()
     args = proc.stdout.split(b">\n")
-    assert f"<records/2026-11-22_x/{EVIL_NAME}".encode() in args            # verify's glob and extract's log
-    assert args.count(f"<records/2026-11-22_x/{EVIL_NAME}".encode()) == 2
+    filed = rec.filed_name(Path(EVIL_NAME))   # (issue 38 row 6: a log is filed as NAME.txt, in plain characters)
+    assert f"<records/2026-11-22_x/{filed}".encode() in args            # verify's glob and extract's log
+    assert args.count(f"<records/2026-11-22_x/{filed}".encode()) == 2
     assert f"<--train_files={EVIL_VALUE}".encode() in args
     assert b"<--preset=smoke" in args and b"<--seed=1" in args
 
@@ -1036,7 +1038,7 @@ INJECTIONS = [   # (case, edit(text, i), file names, extra args, raw text that m
     ("hyperparameter values and file names: pipes, backticks, HTML (runs that differ)",
      lambda t, i: header_lines(t, f"  train_files = data/a|`b`<s>{i}"),
      ["a|`b`<i>[c](d).txt", "b.txt", "c.txt"], ["--allow-differences", "train_files"], ["`b`", "<s>", "<i>", "[c]("],
-     "- train\\_files is " + md("data/a|`b`<s>1") + " in " + md("a|`b`<i>[c](d).txt")),
+     "- train\\_files is " + md("data/a|`b`<s>1") + " in " + md("a__b__i__c__d_.txt")),   # filed as NAME.txt
 ]
 
 
@@ -1255,3 +1257,271 @@ def test_micro_batches_compare_in_canonical_form(capsys, tmp_path, repo, values,
                                              ("4,x", "4,x")])
 def test_canonical_micro_batches(value, canonical):
     assert rec.canonical_micro_batches(value) == canonical
+
+
+# ---------------------------------------------------------------------------------------
+# Issue 38: what a log can prove
+
+def with_source(text: str, source: str) -> str:
+    """The log text with `source` as its embedded train_gpt.py, written as the trainer writes it (the source, a
+    newline, the RULE) and its code_sha256 line set to the source's hash."""
+    body = text[text.index(RULE):]
+    body = re.sub(r"^code_sha256: .*$", f"code_sha256: {hashlib.sha256(source.encode()).hexdigest()}", body,
+                  flags=re.M)
+    return source + "\n" + body
+
+
+DOCSTRING_RULE = f'"""A trainer.\n\nSettings\n{RULE}\n"""\nprint("trainer")\n'   # an underline of 100 '='
+TWO_RULES = f'"""\n{RULE}\nstep:1/6 val_loss:1.0\ncode_sha256: {"0" * 64}\n{RULE}\n"""\nprint("trainer")\n'
+
+
+@pytest.mark.parametrize("source", [DOCSTRING_RULE, TWO_RULES], ids=["docstring underline", "two rules, a fake header"])
+def test_a_rule_line_inside_the_source_does_not_end_it(capsys, tmp_path, source):
+    """Row 2: the first line of 100 '=' was taken as the source's end: verify said OK with the hash of a 4-byte
+    "source" for logs whose code was edited after it, and extract wrote those 4 bytes."""
+    logs = copies(tmp_path, SAME_CODE, lambda t, i: with_source(t, source))
+    code, out, _ = run(capsys, "extract", logs[0], "-o", tmp_path / "x.py")
+    assert code == 0 and (tmp_path / "x.py").read_text() == source
+    assert hashlib.sha256(source.encode()).hexdigest() in out
+    code, out, _ = run(capsys, "verify", *logs, "--target", "7.5")
+    assert code == 0 and f"same code {hashlib.sha256(source.encode()).hexdigest()[:12]}" in out, out
+    # the code edited below the rule in two of the three logs (their code_sha256 lines as they were), and a setting
+    tampered = [logs[0]] + [edited(tmp_path, path, f"t{i}.txt", lambda t: with_hparams(
+        t.replace('print("trainer")', 'print(1)'), val_tokens=4096)) for i, path in enumerate(logs[1:])]
+    code, out, _ = run(capsys, "verify", *tampered, "--target", "7.5")
+    assert code == 1 and "FAIL not the same experiment: val_tokens is not logged in" in out, out
+    for path in tampered[1:]:
+        assert f"FAIL {path}: edited: embedded source hashes to " in out, out
+    code, _, err = run(capsys, "extract", tampered[1], "-o", tmp_path / "y.py")
+    assert code == 1 and "the log was edited" in err and not (tmp_path / "y.py").exists()
+
+
+@pytest.mark.parametrize("source, forged", [(SAME_CODE[0], "step:10000000000/6 val_loss:7.0 train_time:1ms"),
+                                            (PUBLIC[0], "step:10000000000/10000000000 train_time:1ms")],
+                         ids=["bounded by the header", "no header: a total of its own"])
+def test_a_forged_step_number_allocates_nothing(capsys, tmp_path, repo, source, forged):
+    """Row 4: one line `step:10000000000/30` made every subcommand build a set of 10**10 integers (MemoryError, or
+    the OOM killer). A log with num_iterations in its header refuses step lines past it; one without (the public
+    logs) is counted with arithmetic."""
+    text = source.read_text()
+    at = text.index("\nstep:1/") + 1
+    log = tmp_path / "forged.txt"
+    log.write_text(text[:at] + forged + "\n" + text[at:])
+    started = time.perf_counter()
+    code, out, _ = run(capsys, "verify", log, "--target", "8")
+    assert code == 1
+    if "hyperparameters:" in text:
+        assert f"FAIL {log}: step line outside the run (the header's num_iterations, 6): 'step:10000000000/6" in out
+    else:
+        assert "step lines disagree on the number of steps: [2245, 10000000000]" in out, out
+        assert "missing step lines: 2246, 2247, 2248, 2249, 2250, ... (9999997754 in all)" in out, out
+    assert run(capsys, "summarize", log, "--target", "8")[0] == 0
+    assert run(capsys, "new", "forged", log, "--target", "8", "--records-dir", repo)[0] == 1 and not repo.exists()
+    assert time.perf_counter() - started < 2
+
+
+def rerun(text: str, i: int, seed=None, final=None) -> str:
+    """Another run in this log's image: its own run id, times shifted by i ms, and the seed and final val loss given."""
+    text = re.sub(r"^run_id: .*$", f"run_id: rerun-{i}", text, flags=re.M)
+    text = re.sub(r"train_time:(\d+)ms", lambda m: f"train_time:{int(m[1]) + i}ms", text)
+    if seed is not None:
+        text = with_hparams(text, seed=seed)
+    if final is not None:
+        text = re.sub(r"^(step:6/6 val_loss:)\S+", rf"\g<1>{final}", text, flags=re.M)
+        text = re.sub(r"final_val_loss:\S+", f"final_val_loss:{final}", text)
+    return text
+
+
+def test_runs_of_one_seed_and_config_are_one_sample(capsys, tmp_path, repo):
+    """Row 3: runs with the same seed (identical losses, other run ids and times) counted as several samples: their
+    spread of 0 gave p = 0, "met at p < 0.01", and `new` filed the record."""
+    logs = copies(tmp_path, SAME_CODE, lambda t, i: rerun(SAME_CODE[0].read_text(), i))   # seed 1, three times
+    code, out, _ = run(capsys, "verify", *logs, "--target", "7.5")
+    assert code == 1
+    assert f"FAIL duplicate runs: {logs[1]} duplicates {logs[0]} (same seed 1 and config: one sample); {logs[2]} " \
+           f"duplicates {logs[0]} (same seed 1 and config: one sample)" in out.splitlines(), out
+    assert run(capsys, "new", "same-seed", *logs, "--target", "7.5", "--records-dir", repo)[0] == 1
+    assert not repo.exists()
+    # the seed spelled with a blank, and the runs split between compare's groups
+    spelled = copies(tmp_path, SAME_CODE[:1], lambda t, i: rerun(t, 9, seed=" 1"), names=["spelled.txt"])
+    code, _, err = run(capsys, "compare", "--baseline", logs[0], SAME_CODE[1], "--candidate", spelled[0],
+                       SAME_CODE[2])
+    assert code == 1 and f"candidate {spelled[0]} duplicates baseline {logs[0]} (same seed 1 and config" in err, err
+
+
+def test_no_t_test_without_a_spread(capsys, tmp_path, repo):
+    """Row 3, its second half: different seeds whose 4-decimal final losses tie had a spread of 0, and p = 0."""
+    logs = copies(tmp_path, SAME_CODE, lambda t, i: rerun(t, i, final="7.1000"))   # seeds 1, 2 and 3
+    code, out, _ = run(capsys, "verify", *logs, "--target", "7.5")
+    assert code == 1 and "FAIL all 3 logs: target 7.5: no t-test: the 3 runs' final val losses have no spread (all " \
+                         "7.1000), so nothing says their mean is below 7.5 -> NOT met" in out, out
+    assert run(capsys, "new", "ties", *logs, "--target", "7.5", "--records-dir", repo)[0] == 1 and not repo.exists()
+    code, out, _ = run(capsys, "summarize", *logs, "--target", "7.5")
+    assert code == 0 and "no t-test" in out and "met at p" not in out
+    # compare: two groups whose train times do not vary within either (every run's summary says 5400 ms or 5300 ms)
+    def timed(ms, seeds):
+        return lambda t, i: re.sub(r"^(summary: .*train_time:)\d+ms", rf"\g<1>{ms}ms",
+                                   rerun(t, 10 * i + ms, seed=seeds[i - 1]), flags=re.M)
+    base = copies(tmp_path, SAME_CODE[:2], timed(5400, [1, 2]), names=["b1.txt", "b2.txt"])
+    faster = copies(tmp_path, SAME_CODE[:2], timed(5300, [3, 4]), names=["f1.txt", "f2.txt"])
+    code, out, _ = run(capsys, "compare", "--baseline", *base, "--candidate", *faster)
+    assert code == 0 and "candidate faster at p < 0.01 (one-sided Welch): cannot tell" in out, out
+
+
+def test_losses_that_cannot_be_cross_entropies_are_refused(capsys, tmp_path, repo):
+    """Row 17: three logs edited to final losses of -5.1, -5.2 and -5.3 passed verify at p = 2.3e-5."""
+    logs = copies(tmp_path, SAME_CODE, lambda t, i: rerun(t, i, final=f"-5.{i}"))
+    code, out, _ = run(capsys, "verify", *logs)
+    assert code == 1, out
+    for i, path in enumerate(logs, 1):
+        assert f"FAIL {path}: val_loss '-5.{i}' at step 6 cannot be a cross-entropy (one is >= 0)" in out, out
+    assert run(capsys, "new", "negative", *logs, "--records-dir", repo)[0] == 1 and not repo.exists()
+    code, out, err = run(capsys, "summarize", *logs)
+    assert "runs: 3 (0 complete)" in out and "cannot be a cross-entropy" in err
+    # a train loss, in one log of three that are otherwise sound
+    train = copies(tmp_path, SAME_CODE, lambda t, i: t.replace("train_loss:9.8000", "train_loss:-0.0001") if i == 2
+                   else t, names=["t1.txt", "t2.txt", "t3.txt"])
+    code, out, _ = run(capsys, "verify", *train, "--target", "7.5")
+    assert code == 1 and f"FAIL {train[1]}: train_loss '-0.0001' at step 2 cannot be a cross-entropy" in out, out
+
+
+def test_the_readmes_say_what_verify_checks_and_what_it_cannot():
+    """Row 17, the claim: "checks that the runs are complete and unedited" promised what no check of a log can."""
+    for readme in (ROOT / "README.md", ROOT / "records" / "README.md"):
+        text = " ".join(readme.read_text().split())
+        assert "unedited" not in text, readme
+        assert "consistent with itself" in text and "nothing signs a log" in text.lower(), readme
+
+
+ESC = "\x1b[2J\x1b[H\x1b[32mOK\x1b[0m"   # clear the screen, home, a green OK
+
+
+def test_log_text_reaches_the_terminal_escaped(capsys, tmp_path):
+    """Row 5: log text (run id, error line, versions, file names) was escaped in files but printed raw: a log could
+    clear the screen and show a green OK over its own FAIL."""
+    def hostile(t, i):
+        t = t.replace("run_id: handmade-cpu-run", f"run_id: {ESC}-")
+        return t.replace("Running PyTorch 2.13.0+cpu", f"Running PyTorch 2.13.0{ESC}")
+    logs = copies(tmp_path, SAME_CODE, hostile, names=["a.txt", "b.txt", f"c{ESC}.txt"])
+    failed = edited(tmp_path, HANDMADE / "b-cuda-failed.txt", "failed.txt",
+                    lambda t: t.replace("error: non-finite loss", f"error: {ESC} non-finite loss"))
+    for argv in (["summarize", *logs, failed], ["verify", *logs, failed],
+                 ["plot", *logs, failed, "-o", tmp_path / "p.png"],
+                 ["compare", "--baseline", *logs[:2], "--candidate", logs[2], failed]):
+        code, out, err = run(capsys, *argv, *(["--target", "7.5"] if argv[0] in ("summarize", "verify") else []))
+        assert "\x1b" not in out + err, (argv[0], out, err)
+        assert "\\x1b[2J" in out + err, (argv[0], out, err)
+
+
+@pytest.mark.parametrize("names, filed", [
+    (["b-cpu-run1.txt", "b-cpu-run2.txt", "README.md"], ["README.md.txt", "b-cpu-run1.txt", "b-cpu-run2.txt"]),
+    (["run1.log", "run2.log", "run3.log"], ["run1.log.txt", "run2.log.txt", "run3.log.txt"]),
+    (["record.json", "a b.txt", ".hidden.txt"], ["_hidden.txt", "a_b.txt", "record.json.txt"]),
+], ids=["a log named README.md", "*.log names", "record.json, a blank, a dot"])
+def test_logs_are_filed_under_names_the_folder_reads_back(capsys, tmp_path, repo, names, filed):
+    """Row 6: logs were filed under their own names: one named README.md was overwritten by the record's README
+    (the record kept 2 of 3 logs, and its p changed), and *.log names were filed but then read as "no logs"."""
+    logs = copies(tmp_path, SAME_CODE, lambda t, i: t, names=names)
+    code, out, err = run(capsys, "new", "names", *logs, "--records-dir", repo, "--target", "7.5")
+    assert code == 0, (out, err)
+    folder = repo / "2026-11-22_names"
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*filed, "README.md", "record.json"])
+    assert sorted(p.read_bytes() for p in folder.glob("*.txt")) == sorted(p.read_bytes() for p in logs)
+    assert "left out" not in err
+    table = (repo / "RECORDS.md").read_text()
+    assert "[names](2026-11-22_names/README.md) | 2×CPU smoke | 3 | 7.1000 ± 0.0200 | 7.5 | 0.0004" in table, table
+
+
+def test_two_logs_that_would_be_filed_under_one_name_are_refused(capsys, tmp_path, repo):
+    logs = copies(tmp_path, SAME_CODE[:2], lambda t, i: t, names=["a b.txt", "a_b.txt"])
+    code, _, err = run(capsys, "new", "clash", *logs, "--records-dir", repo, "--target", "7.5")
+    assert code == 1 and "error: two logs would be filed as a_b.txt: rename one" in err and not repo.exists()
+
+
+def test_deep_nesting_in_a_record_or_a_log_is_left_out_not_a_traceback(capsys, tmp_path, repo):
+    """Row 8: a deeply nested record.json, or an annotation in a log's embedded source, raised an uncaught
+    RecursionError: one such record stopped `table` for every record."""
+    assert run(capsys, "new", "good", *SAME_CODE, "--records-dir", repo, "--target", "7.5")[0] == 0
+    nested = repo / "2026-11-23_nested"
+    nested.mkdir()
+    for path in SAME_CODE:
+        shutil.copy(path, nested / path.name)
+    (nested / "record.json").write_text("[" * 100_000 + "]" * 100_000)
+    deep = "class Hyperparameters:\n    seed: " + "a." * 1500 + "b = 1\n"   # ast parses it; ast.unparse recursed
+    annotated = repo / "2026-11-24_annotated"
+    annotated.mkdir()
+    for i, path in enumerate(SAME_CODE):
+        (annotated / path.name).write_text(with_source(path.read_text(), deep))
+    code, out, err = run(capsys, "table", "--records-dir", repo)
+    assert code == 0, err
+    assert f"{nested}/record.json: unreadable (nested too deeply): left out of the table" in err
+    table = (repo / "RECORDS.md").read_text()
+    assert "[good](2026-11-22_good/README.md)" in table and "nested" not in table
+    # the annotated logs read: their own Hyperparameters class defines seed, and nothing else they name
+    code, out, _ = run(capsys, "verify", *sorted(annotated.glob("*.txt")), "--target", "7.5")
+    assert code == 1 and "header names hyperparameter 'preset' (+2 more), which its embedded train_gpt.py does not" \
+        in out, out
+    assert "[annotated]" not in table and "annotated: left out of the table" in err
+
+
+@pytest.mark.parametrize("winner", ["a record folder", "a file"])
+def test_a_record_filed_meanwhile_is_named_not_the_temporary(capsys, tmp_path, repo, monkeypatch, winner):
+    """Row 18: when another `new` won the race, the error named the tool's temporary: `.new-XXXX: Directory not
+    empty`."""
+    folder = repo / "2026-11-22_race"
+    readme = rec.record_readme
+
+    def meanwhile(*args):   # the other `new` publishes its folder while this one writes its README
+        if winner == "a file":
+            folder.write_text("x")
+        else:
+            folder.mkdir()
+            (folder / "b-cpu-run1.txt").write_text("theirs")
+        return readme(*args)
+
+    monkeypatch.setattr(rec, "record_readme", meanwhile)
+    code, _, err = run(capsys, "new", "race", *SAME_CODE, "--records-dir", repo, "--target", "7.5")
+    assert code == 1 and err == (f"error: {folder}: already exists (made while this record was written: another "
+                                 f"`records.py new`?); nothing of this one was kept\n"), err
+    assert sorted(p.name for p in repo.iterdir()) == ["2026-11-22_race"]   # no .new-XXXX left
+
+
+@pytest.mark.parametrize("how", ["same name", "./name", "hard link", "symlink"])
+@pytest.mark.parametrize("command", ["extract", "plot"])
+def test_the_output_is_never_an_input(capsys, tmp_path, monkeypatch, command, how):
+    """Row 21: `extract run.txt -o run.txt` left only the source."""
+    monkeypatch.chdir(tmp_path)
+    log = Path("run.txt")
+    log.write_bytes(SAME_CODE[0].read_bytes())
+    out = {"same name": "run.txt", "./name": "./run.txt", "hard link": "link.txt", "symlink": "sym.txt"}[how]
+    if how == "hard link":
+        os.link(log, out)
+    elif how == "symlink":
+        os.symlink(log, out)
+    argv = ["extract", log, "-o", out] if command == "extract" else ["plot", SAME_CODE[1], log, "-o", out]
+    code, _, err = run(capsys, *argv)
+    assert code == 1 and err == f"error: -o {out}: that is {log}, which this command reads; choose another output " \
+                                f"file\n", err
+    assert log.read_bytes() == SAME_CODE[0].read_bytes()
+
+
+@pytest.mark.parametrize("values", [("auto", "auto", "sdpa"), ("sdpa", " auto", "auto")])
+def test_attention_is_compared_as_resolved_on_the_logs_device(capsys, tmp_path, values):
+    """Row 16: --attention=sdpa trains exactly as auto on a CPU, yet verify called such runs different experiments."""
+    logs = copies(tmp_path, SAME_CODE, lambda t, i: with_hparams(t, attention=values[i - 1], device="auto"))
+    code, out, _ = run(capsys, "verify", *logs, "--target", "7.5")
+    assert code == 0, out
+    # on a GPU, auto is flex: sdpa there is another setting
+    def on_a_gpu(t, i):
+        return with_hparams(t.replace("device: cpu ", "device: cuda (NVIDIA H100) "), attention=values[i - 1])
+    gpu = copies(tmp_path, SAME_CODE, on_a_gpu, names=["g1.txt", "g2.txt", "g3.txt"])
+    code, out, _ = run(capsys, "verify", *gpu, "--target", "7.5")
+    assert code == 1 and "FAIL not the same experiment: attention is " in out, out
+
+
+def test_a_long_legal_output_name_is_written(capsys, tmp_path):
+    """Row 18: `extract -o` a legal 253-character name failed with "File name too long" (its temporary's)."""
+    out = tmp_path / ("x" * 250 + ".py")
+    code, _, err = run(capsys, "extract", SAME_CODE[0], "-o", out)
+    assert code == 0, err
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]

@@ -1180,6 +1180,8 @@ def parse_options(argv: list[str]) -> argparse.Namespace:
 
     parser.error = one_line_error
     options = parser.parse_args(ours)
+    if not options.out.strip():  # (an unset variable in `--out=$DIR`): Path("") is the working directory
+        parser.error(f"--out={options.out}: names no folder; give the folder for bench.json and bench.md")
     options.flags = flags
     defaults = {"timed": (20, 3), "untimed": (3, 1), "training_steps": (TRAINING_STEPS, SMALL_TRAINING_STEPS)}
     for name, (real, small) in defaults.items():  # (the speedrun's, --small's)

@@ -535,9 +535,9 @@ def run_steps(args: T.Hyperparameters, world_size: int, backend: str) -> Report:
     return report
 
 
-def write_file_seekable(path: Path, content) -> dict:
-    """T.write_file for fake tensors: torch.save without tensor data (skip_data) seeks in its file, which
-    the trainer's streaming writer cannot, so the file is written plainly and hashed afterwards."""
+def write_file_seekable(path: Path, content, shown: Path | None = None) -> dict:
+    """T.write_file (the same arguments) for fake tensors: torch.save without tensor data (skip_data) seeks in
+    its file, which the trainer's streaming writer cannot, so the file is written plainly and hashed afterwards."""
     if isinstance(content, bytes):
         path.write_bytes(content)
     else:

@@ -17,10 +17,12 @@ which the record does not save, is the one after the schedule's window changes u
 end of training).
 
 Before converting, record_to_ours checks that the state dict is the record's GPT for the config: string keys,
-every tensor there and no other, floating dtypes, and each tensor's shape (a bank's rank and matrix shape, and
-at least the rows in use). The command line refuses, with one `error:` line and exit code 2 and before writing
-anything, a file that is not a PyTorch file, a --step the schedule does not have, and an output that exists;
-what it writes goes through train_gpt.write_file (atomic), so a full disk leaves nothing behind.
+every tensor there, each dense, on the CPU, of a floating dtype and finite (train_gpt.py's one check of a stored
+tensor, tensor_problem and nonfinite_problem, which --init_from, --resume and sample.py apply too), and each
+tensor's shape (a bank's rank and matrix shape, and at least the rows in use). The command line refuses, with one
+`error:` line and exit code 2 and before writing anything, a file that is not a PyTorch file, a --step the
+schedule does not have, and an output that exists; what it writes goes through train_gpt.write_file (atomic), so
+a full disk leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import pickle
 import re
 import shutil
@@ -44,9 +47,6 @@ import train_gpt as T  # noqa: E402
 COMPILED_PREFIX = "_orig_mod."  # the record's model is torch.compile'd: its state_dict keys carry this
 RECORD_MLP_LAYERS = 12  # the record's mlp_bank always has 12 (11 used)
 RECORD_WORLD_SIZE = 8
-# The dtypes a weight may be stored in. Loading copies (casts) into our float parameters without a word, so an
-# integer copy of a record state became all-zero weights, and a complex one lost its imaginary parts.
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 BANKS = ("qk_bank", "vo_bank", "mlp_bank")  # their first size is the record's padded row count: at least ours
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since PyTorch 1.6
 # The legacy format (a pickle) starts with torch's magic number, pickled (LONG1 of 10 bytes) after the protocol
@@ -155,13 +155,10 @@ def check_record_state(state: dict, args: T.Hyperparameters) -> dict:
         value = plain.get(name)
         if value is None:
             problems.append(f"missing {name!r} (expected shape {shape})")
-        elif not isinstance(value, torch.Tensor):
-            problems.append(f"{name!r} is a {type(value).__name__}, not a tensor")
-        elif value.dtype not in FLOAT_DTYPES:
-            problems.append(f"{name!r} has dtype {str(value.dtype).removeprefix('torch.')}, expected a floating "
-                            f"one (bfloat16, float16, float32 or float64)")
-        else:
-            problems.append(_shape_problem(name, tuple(value.shape), shape))
+        else:  # train_gpt.py's one check of a stored tensor: dense, on the CPU, floating (see T.check_weights)
+            problems.append(T.tensor_problem(name, value) or _shape_problem(name, tuple(value.shape), shape))
+    if not any(problems):  # last, as the trainer's reader does: it reads every value
+        problems = [T.nonfinite_problem(name, plain[name]) for name in expected]
     problems = [p for p in problems if p is not None]
     if problems:
         more = f"; and {len(problems) - 1} more key(s) wrong" if len(problems) > 1 else ""
@@ -306,22 +303,29 @@ def write_final_folder(state: dict, args: T.Hyperparameters, out: Path, step: in
     info = {"format": T.FINAL_WEIGHTS_FORMAT, "config": dataclasses.asdict(args), "step": step, "val_loss": None,
             "windows": list(T.Schedule(args).windows(args.num_iterations, final_validation=True)),
             "code_sha256": None, "converted_from": source}
-    tmp = out.with_name(f".{out.name}.partial")
+    tmp = T.temporary_path(out, ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
+    # the folders above `out` that this conversion makes: a failure takes them back with the rest (a full disk once
+    # left them behind)
+    made = [folder for folder in (out.parent, *out.parent.parents) if not os.path.lexists(folder)]
     try:
         tmp.mkdir(parents=True)
-    except OSError as e:  # nothing was made, so nothing is said to be removed
-        raise WeightsError(str(T.write_error(tmp, e))) from None
+    except OSError as e:  # nothing of ours is left, so nothing is said to be removed
+        T.release_folders(made)
+        raise WeightsError(str(T.write_error(out, e))) from None
     try:
         with T.terminate_as_exception():
-            T.write_file(tmp / "model.pt", model.state_dict())
-            T.write_file(tmp / "config.json", json.dumps(info, indent=1).encode())
+            T.write_file(tmp / "model.pt", model.state_dict(), shown=out / "model.pt")
+            T.write_file(tmp / "config.json", json.dumps(info, indent=1).encode(), shown=out / "config.json")
             T.publish_folder(tmp, out)
     except (OSError, T.TrainingError) as e:
         why = T.write_error(out, e) if isinstance(e, OSError) else e
-        raise WeightsError(f"{why}; {T.remove_unfinished(tmp)}") from None
+        removed = T.remove_unfinished(tmp, "folder")
+        T.release_folders(made)
+        raise WeightsError(f"{why}; {removed}") from None
     except BaseException:  # SIGTERM (as SystemExit) or Ctrl-C mid-write
         T.remove_unfinished(tmp)
+        T.release_folders(made)
         raise
 
 
