@@ -1140,14 +1140,16 @@ def head_loss(x: Tensor, weight: Tensor, targets: Tensor, mtp_weights: Tensor, c
     w8, w8_t = fp8_weights
     grad_s = loss_scale * HEAD_GRAD_SCALE
     x8 = (x.float() / HEAD_X_SCALE).to(torch.float8_e4m3fn)
-    g8_t = torch.empty((w8.size(1), T), dtype=torch.float8_e5m2, device=x.device)  # the logits' gradient, (vocab, T)
+    # The logits' e5m2 gradient, transposed: (vocab, T), assembled as bytes (inductor's kernels that copy chunks
+    # into it would otherwise need float8 constants, which Triton 3.6 cannot make)
+    g8_t = torch.empty((w8.size(1), T), dtype=torch.uint8, device=x.device)
     for lo in range(0, T, chunk):
         u = scaled_mm(x8[lo:lo + chunk], w8_t.T, HEAD_X_SCALE, HEAD_W_SCALE, torch.bfloat16, fast_accum=True)
         chunk_loss, g8 = mtp_chunk(u, shifted[lo:lo + chunk], weights, cap, loss_scale, grad_s)
         total += chunk_loss
         grad_x[lo:lo + chunk] = scaled_mm(g8, w8.T, grad_s, HEAD_W_SCALE, x.dtype)
-        g8_t[:, lo:lo + chunk] = g8.T
-    grad_w = scaled_mm(x8.T.contiguous(), g8_t.T, HEAD_X_SCALE, grad_s, torch.float32)
+        g8_t[:, lo:lo + chunk] = g8.view(torch.uint8).T
+    grad_w = scaled_mm(x8.T.contiguous(), g8_t.view(torch.float8_e5m2).T, HEAD_X_SCALE, grad_s, torch.float32)
     return total * loss_scale, grad_x, grad_w
 
 
