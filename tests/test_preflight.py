@@ -127,8 +127,8 @@ def test_a_step_launches_few_eager_ops_whatever_the_number_of_matrices_or_bucket
         assert by_source.get("FP8 refresh", 0) == 0 and by_source.get("loss head", 0) <= 8, name
         assert counts["eager_ops"] < 500, name
         # no gradient padded to a whole gathered tensor: no (tables, T, dim) value-embedding rows, no gate net's
-        # full output, no (layers, 2) lambdas
-        shapes = {tuple(add["shape"]) for add in counts["adds"]}
+        # full output, no (layers, 2) lambdas. (A parameter's .grad is added to once per micro-batch: not these.)
+        shapes = {tuple(add["shape"]) for add in counts["adds"] if add["into"] == "an activation"}
         assert not any(len(shape) == 3 and shape[0] == 5 for shape in shapes), (name, shapes)
         assert (11, 2) not in shapes and not any(len(shape) == 3 and shape[0] == 1 and shape[2] in (26, 41)
                                                  for shape in shapes), (name, shapes)
