@@ -30,6 +30,47 @@ def pytest_configure(config):
                                        "the inner loop `python -m pytest tests -m \"not slow\"` leaves these out")
 
 
+# Every phase of a test (setup, call, teardown) ends within TEST_LIMIT_S, even one that waits in this process on
+# something that never comes (a pool's workers, a lock, a queue): SIGALRM then fails it with the traceback of
+# where it waited. The processes the tests start have shorter timeouts of their own (run_command), which fail
+# with the process's output first. Far above any test's time: the longest, the preflight's scenarios, take
+# under 8 minutes on a loaded 2-core machine.
+TEST_LIMIT_S = 1800
+
+
+def _expired(signum, frame):
+    pytest.fail(f"still running after {TEST_LIMIT_S} s (tests/conftest.py's TEST_LIMIT_S): stopped where it waited")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with _time_limit():
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _time_limit():
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    with _time_limit():
+        yield
+
+
+@contextlib.contextmanager
+def _time_limit():
+    previous = signal.signal(signal.SIGALRM, _expired)
+    signal.alarm(TEST_LIMIT_S)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 # pytest.ini runs the suite on two pytest-xdist workers, one test file at a time (--dist=loadfile): the tests
 # that share an expensive fixture (a training run, the preflight scenarios, the gloo launches) are in one file,
 # so each fixture is made once. The files that took longest (measured on a 2-core machine) start first, so
@@ -55,12 +96,85 @@ def cpu_env(**extra) -> dict:
     return env
 
 
+# -----------------------------------------------------------------------------
+# Processes the tests start: none may outlive its timeout. torchrun starts its ranks in sessions of their own
+# (a signal to torchrun's process group misses them), so the whole tree is found by /proc's parent links.
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below pid."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid: int):
+    """SIGKILL to pid and every process below it. Stopped first, so that none starts another meanwhile or leaves
+    the tree (a child whose parent dies is adopted elsewhere)."""
+    stopped = [pid]
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGSTOP)
+    while new := [p for p in descendants(pid) if p not in stopped]:
+        for p in new:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGSTOP)
+        stopped += new
+    for p in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
+def tail(text, chars: int) -> str:
+    if isinstance(text, bytes):  # a TimeoutExpired's partial output
+        text = text.decode(errors="replace")
+    return (text or "")[-chars:]
+
+
+def communicate_or_fail(proc: subprocess.Popen, cmd, timeout: float, input=None) -> tuple[str, str]:
+    """proc.communicate(input) within timeout seconds. Past it, proc and every process it started are killed and
+    the test fails with the last of their output, instead of waiting on them; an interrupted test kills them too."""
+    try:
+        return proc.communicate(input, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        expired = e
+    except BaseException:
+        kill_tree(proc.pid)
+        proc.wait()
+        raise
+    kill_tree(proc.pid)
+    out, err = expired.stdout, expired.stderr
+    with contextlib.suppress(subprocess.TimeoutExpired):  # a pipe still held by a process outside the tree
+        out, err = proc.communicate(timeout=30)
+    shown = " ".join(str(c) for c in cmd)
+    pytest.fail(f"{shown[:500]}: still running after {timeout:g} s; killed with every process it started\n"
+                f"--- stdout (its end)\n{tail(out, 4000)}\n--- stderr (its end)\n{tail(err, 6000)}", pytrace=False)
+
+
+def run_command(cmd, *, timeout: float, cwd=REPO, env=None, input=None) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout) that cannot hang the suite (see
+    communicate_or_fail). stdin is empty unless input is given."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL if input is None else subprocess.PIPE)
+    out, err = communicate_or_fail(proc, cmd, timeout, input)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def torchrun(script, nproc: int, *args, timeout: float = 600, check: bool = True, extra_env=None):
     """`torchrun --standalone --nproc_per_node=N script args` from the repo root."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(script), *map(str, args)]
-    proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(**(extra_env or {})), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = run_command(cmd, timeout=timeout, env=cpu_env(**(extra_env or {})))
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd[2:])} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                     f"\n--- stderr\n{proc.stderr[-6000:]}")
@@ -69,8 +183,7 @@ def torchrun(script, nproc: int, *args, timeout: float = 600, check: bool = True
 
 def python(*args, timeout: float = 600, extra_env=None):
     """`python args` from the repo root, as a user would run it."""
-    return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, env=cpu_env(**(extra_env or {})),
-                          capture_output=True, text=True, timeout=timeout)
+    return run_command([sys.executable, *map(str, args)], timeout=timeout, env=cpu_env(**(extra_env or {})))
 
 
 def in_process(main, *argv) -> subprocess.CompletedProcess:
