@@ -2,9 +2,11 @@
 training runs that many tests read, made once per test session."""
 
 import contextlib
+import fcntl
 import io
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -240,6 +242,41 @@ SHORT = ["--num_iterations=8", "--extension_steps=1", "--val_loss_every=4", "--s
          "--stage_max_seq_len=64,128,128", "--val_tokens=2048", "--val_seq_len=512", "--warmup_steps=0"]
 
 
+# -----------------------------------------------------------------------------
+# What several tests read, made once per test session for every pytest-xdist worker. The workers are separate
+# processes, each with its own session fixtures: the first to ask makes the thing in the folder they share (the
+# session's base temporary folder) under a file lock, the others wait for it there and read it.
+
+def shared_folder(tmp_path_factory) -> Path:
+    """The session's folder that every pytest-xdist worker sees: the parent of each worker's basetemp (xdist
+    gives them <basetemp>/popen-gwN), or the basetemp itself without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """The folder `name` of shared_folder(), made by make(folder) in this session's first process to ask; a
+    process that asks meanwhile waits until it is made. A failure is not retried: every process that asks
+    fails with its message."""
+    root = shared_folder(tmp_path_factory)
+    folder, done, failed = root / name, root / f".{name}.made", root / f".{name}.failed"
+    with open(root / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        if failed.exists():
+            pytest.fail(f"{name}, made for several tests, failed in another test of this session:\n{failed.read_text()}",
+                        pytrace=False)
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            try:
+                make(folder)
+            except BaseException as e:
+                failed.write_text(f"{type(e).__name__}: {e}"[-8000:])
+                raise
+            done.touch()
+    return folder
+
+
 class ShortRun:
     def __init__(self, root: Path, world_size: int):
         self.world_size, self.logs_dir, self.checkpoint_dir = world_size, root / "logs", root / "ck"
@@ -253,20 +290,23 @@ class ShortRun:
 
 @pytest.fixture(scope="session")
 def short_run(tmp_path_factory):
-    """short_run(world_size): the SHORT run at that world size, trained once per test session (per pytest-xdist
-    worker). World size 1 runs in this process and keeps checkpoints every 2 steps and its final weights; others
-    run under torchrun and keep checkpoints every 4 steps. Tests must not write into its folders: copy first."""
+    """short_run(world_size): the SHORT run at that world size, trained once per test session for all pytest-xdist
+    workers (made_once). World size 1 runs in the process that makes it and keeps checkpoints every 2 steps and its
+    final weights; others run under torchrun and keep checkpoints every 4 steps. Tests must not write into its
+    folders: copy first."""
     runs = {}
+
+    def train(world_size: int, root: Path):
+        argv = [*SHORT, f"--logs_dir={root}/logs", f"--checkpoint_dir={root}/ck", f"--run_id=short{world_size}"]
+        if world_size == 1:
+            proc = run_main(*argv, "--save_every=2", "--save_final=true")
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        else:
+            torchrun(TRAIN, world_size, *argv, "--save_every=4")
 
     def get(world_size: int) -> ShortRun:
         if world_size not in runs:
-            root = tmp_path_factory.mktemp(f"short{world_size}")
-            argv = [*SHORT, f"--logs_dir={root}/logs", f"--checkpoint_dir={root}/ck", f"--run_id=short{world_size}"]
-            if world_size == 1:
-                proc = run_main(*argv, "--save_every=2", "--save_final=true")
-                assert proc.returncode == 0, proc.stderr[-3000:]
-            else:
-                torchrun(TRAIN, world_size, *argv, "--save_every=4")
+            root = made_once(tmp_path_factory, f"short{world_size}", lambda folder: train(world_size, folder))
             runs[world_size] = ShortRun(root, world_size)
         return runs[world_size]
     return get
