@@ -25,6 +25,11 @@ train_gpt.keep_freed_cpu_memory()  # the in-process tests allocate like the trai
 # are small, and on a 2-core machine with another process busy, a second thread that spins waiting for the
 # first made in-process work 5x slower (measured: 150 generated tokens, 1.9 s with one thread, 10.2 s with two).
 torch.set_num_threads(1)
+# A suite started in the background of a script or under nohup inherits SIGINT ignored, and so would every process
+# it starts: the tests of what Ctrl-C does would then wait for an interrupt that never comes (the data writers'
+# SIGINT tests timed out so). Python's own handler here; the processes the tests start get the default again.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_configure(config):
