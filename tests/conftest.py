@@ -282,6 +282,16 @@ def made_once(tmp_path_factory, name: str, make) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compile_caches_in_the_session_folder(tmp_path_factory):
+    """torch.compile's on-disk caches (inductor's, and Triton's inside it) in the session's shared folder, for
+    this process and the processes the tests start: a run never reads what an earlier session or another
+    checkout compiled, and leaves nothing in /tmp/torchinductor_$USER (the preflight's inductor scenarios, which
+    compile every kernel afresh for each card, left 18 folders, 25 MB, there per run). Nothing else compiles with inductor:
+    the other compiled tests use aot_eager or a counting backend, which keep no cache."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(shared_folder(tmp_path_factory) / "torchinductor")
+
+
 class ShortRun:
     def __init__(self, root: Path, world_size: int):
         self.world_size, self.logs_dir, self.checkpoint_dir = world_size, root / "logs", root / "ck"
