@@ -148,7 +148,18 @@ def tail(text, chars: int) -> str:
     return (text or "")[-chars:]
 
 
-def communicate_or_fail(proc: subprocess.Popen, cmd, timeout: float, input=None) -> tuple[str, str]:
+def kill_and_fail(proc: subprocess.Popen, why: str, out=None, err=None):
+    """Kills proc (started with stdout and stderr piped) and every process it started, and fails the test with
+    `why` and the end of what they printed."""
+    kill_tree(proc.pid)
+    with contextlib.suppress(subprocess.TimeoutExpired):  # a pipe still held by a process outside the tree
+        out, err = proc.communicate(timeout=30)
+    shown = " ".join(str(c) for c in proc.args) if isinstance(proc.args, (list, tuple)) else str(proc.args)
+    pytest.fail(f"{shown[:500]}: {why}; killed with every process it started\n"
+                f"--- stdout (its end)\n{tail(out, 4000)}\n--- stderr (its end)\n{tail(err, 6000)}", pytrace=False)
+
+
+def communicate_or_fail(proc: subprocess.Popen, timeout: float, input=None) -> tuple[str, str]:
     """proc.communicate(input) within timeout seconds. Past it, proc and every process it started are killed and
     the test fails with the last of their output, instead of waiting on them; an interrupted test kills them too."""
     try:
@@ -159,13 +170,7 @@ def communicate_or_fail(proc: subprocess.Popen, cmd, timeout: float, input=None)
         kill_tree(proc.pid)
         proc.wait()
         raise
-    kill_tree(proc.pid)
-    out, err = expired.stdout, expired.stderr
-    with contextlib.suppress(subprocess.TimeoutExpired):  # a pipe still held by a process outside the tree
-        out, err = proc.communicate(timeout=30)
-    shown = " ".join(str(c) for c in cmd)
-    pytest.fail(f"{shown[:500]}: still running after {timeout:g} s; killed with every process it started\n"
-                f"--- stdout (its end)\n{tail(out, 4000)}\n--- stderr (its end)\n{tail(err, 6000)}", pytrace=False)
+    kill_and_fail(proc, f"still running after {timeout:g} s", expired.stdout, expired.stderr)
 
 
 def run_command(cmd, *, timeout: float, cwd=REPO, env=None, input=None) -> subprocess.CompletedProcess:
@@ -173,7 +178,7 @@ def run_command(cmd, *, timeout: float, cwd=REPO, env=None, input=None) -> subpr
     communicate_or_fail). stdin is empty unless input is given."""
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL if input is None else subprocess.PIPE)
-    out, err = communicate_or_fail(proc, cmd, timeout, input)
+    out, err = communicate_or_fail(proc, timeout, input)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

@@ -84,7 +84,7 @@ def test_two_nodes_match_one_node_with_two_ranks(short_run, tmp_path):
                                *args, "--run_id=two_nodes"], cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     try:
-        outputs = [communicate_or_fail(node, node.args, timeout=600) for node in nodes]
+        outputs = [communicate_or_fail(node, timeout=600) for node in nodes]
     finally:  # a node that failed or ran past its timeout leaves no process behind
         for node in nodes:
             if node.poll() is None:

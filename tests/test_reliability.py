@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, SHORT, TRAIN, cpu_env, in_process, train_at, val_losses
+from conftest import (REPO, SHORT, TRAIN, communicate_or_fail, cpu_env, in_process, kill_and_fail, kill_tree, train_at,
+                      val_losses)
 
 
 def refused(proc, *fragments):
@@ -160,9 +161,9 @@ def wait_for(path, pattern, proc, timeout=300):
         if path.exists() and re.search(pattern, path.read_text(), re.M):
             return
         if proc.poll() is not None:
-            pytest.fail(f"the run ended early: {proc.communicate()}")
+            pytest.fail(f"the run ended early: {communicate_or_fail(proc, 30)}")
         time.sleep(0.2)
-    pytest.fail(f"{pattern!r} never appeared in {path}")
+    kill_and_fail(proc, f"{pattern!r} never appeared in {path} within {timeout} s")
 
 
 @pytest.mark.slow
@@ -178,11 +179,14 @@ def test_a_dead_rank_ends_the_job_within_the_timeout(tmp_path):
         victim = next(pid for pid in children(proc.pid) if rank_of(pid) == 1)
         os.kill(victim, signal.SIGKILL)
         killed_at = time.time()
-        proc.wait(timeout=timeout_s + 60)
+        try:
+            proc.wait(timeout=timeout_s + 60)
+        except subprocess.TimeoutExpired:
+            kill_and_fail(proc, f"still running {timeout_s + 60} s after rank 1 was killed")
         took = time.time() - killed_at
     finally:
         if proc.poll() is None:
-            proc.kill()
+            kill_tree(proc.pid)  # torchrun and its ranks, which run in sessions of their own
     print(f"the job exited {took:.1f}s after rank 1 was killed")
     assert proc.returncode != 0
     assert took < timeout_s + 30
@@ -202,7 +206,7 @@ def test_a_killed_run_keeps_every_completed_step_in_its_log(tmp_path):
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            kill_tree(proc.pid)
     steps = [int(s) for s in re.findall(r"^step:(\d+)/100 (?:train_loss:\S+ )?train_time", log.read_text(), re.M)]
     assert steps[:4] == [1, 2, 3, 4] and steps == list(range(1, len(steps) + 1))
 
@@ -262,13 +266,14 @@ def test_ctrl_c_under_torchrun_ends_every_rank_in_one_line(tmp_path):
     try:
         deadline = time.time() + 300
         while not ((run_dir / "latest").exists() and list(run_dir.glob(".step_*.partial/*"))):
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            if proc.poll() is not None or time.time() > deadline:
+                kill_and_fail(proc, f"no checkpoint was being written (exit {proc.poll()})")
             time.sleep(0.005)
         os.killpg(proc.pid, signal.SIGINT)
-        _, stderr = proc.communicate(timeout=120)
+        _, stderr = communicate_or_fail(proc, 120)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)  # torchrun and its ranks, which run in sessions of their own
     assert proc.returncode != 0
     errors = [line for line in stderr.splitlines() if line.startswith("error")]
     pattern = r"error \[rank ([01])\]: (interrupted by SIGINT at step \d+(?:, while saving its checkpoint)?)"
