@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,11 +38,10 @@ def pytest_configure(config):
                                        "the inner loop `python -m pytest tests -m \"not slow\"` leaves these out")
 
 
-# Every phase of a test (setup, call, teardown) ends within TEST_LIMIT_S, even one that waits in this process on
-# something that never comes (a pool's workers, a lock, a queue): SIGALRM then fails it with the traceback of
-# where it waited. The processes the tests start have shorter timeouts of their own (run_command), which fail
-# with the process's output first. Far above any test's time: the longest, the preflight's scenarios, take
-# under 8 minutes on a loaded 2-core machine.
+# Every phase of a test (setup, call, teardown) ends within TEST_LIMIT_S of its own time, even one that waits in
+# this process on something that never comes (a pool's workers, a lock, a queue): SIGALRM then fails it with the
+# traceback of where it waited. The time it waits on a process it started does not count: those have timeouts
+# of their own (communicate_or_fail), which fail with the process's output. Far above any test's own time.
 TEST_LIMIT_S = 1800
 
 
@@ -159,18 +159,63 @@ def kill_and_fail(proc: subprocess.Popen, why: str, out=None, err=None):
                 f"--- stdout (its end)\n{tail(out, 4000)}\n--- stderr (its end)\n{tail(err, 6000)}", pytrace=False)
 
 
-def communicate_or_fail(proc: subprocess.Popen, timeout: float, input=None) -> tuple[str, str]:
-    """proc.communicate(input) within timeout seconds. Past it, proc and every process it started are killed and
-    the test fails with the last of their output, instead of waiting on them; an interrupted test kills them too."""
+def tree_cpu_seconds(pid: int) -> float:
+    """The CPU time pid and every process below it have used, those they have waited for included."""
+    ticks = 0
+    for p in [pid, *descendants(pid)]:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{p}/stat") as f:
+                ticks += sum(int(field) for field in f.read().rsplit(")", 1)[1].split()[11:15])  # utime .. cstime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+# A timeout is for a process that waits on something that never comes, not for one that a loaded machine slows
+# down: past its timeout, a process that used CPU in the last PROGRESS_WINDOW_S gets another window, up to
+# TIMEOUT_FACTOR times its timeout. (A run of the suite on 2 cores at a load average of 11 to 14 lost both
+# preflights at their 1,200 s and the smoke run at its 600 s, each still computing.)
+PROGRESS_WINDOW_S = 60
+TIMEOUT_FACTOR = 4
+
+
+@contextlib.contextmanager
+def _alarm_paused():
+    """TEST_LIMIT_S's alarm stopped meanwhile: a wait on a process has its own timeout."""
+    left = signal.alarm(0)
     try:
-        return proc.communicate(input, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        expired = e
-    except BaseException:
-        kill_tree(proc.pid)
-        proc.wait()
-        raise
-    kill_and_fail(proc, f"still running after {timeout:g} s", expired.stdout, expired.stderr)
+        yield
+    finally:
+        if left:
+            signal.alarm(left)
+
+
+def communicate_or_fail(proc: subprocess.Popen, timeout: float, input=None) -> tuple[str, str]:
+    """proc.communicate(input) within timeout seconds, or while proc's processes use CPU (above), up to
+    TIMEOUT_FACTOR times that. Past it, or when they use none for PROGRESS_WINDOW_S, proc and every process it
+    started are killed and the test fails with the end of their output; an interrupted test kills them too."""
+    started = time.monotonic()
+    with _alarm_paused():
+        try:
+            try:
+                return proc.communicate(input, timeout=timeout)
+            except subprocess.TimeoutExpired as e:
+                expired = e
+            while time.monotonic() - started < TIMEOUT_FACTOR * timeout:
+                before = tree_cpu_seconds(proc.pid)
+                try:
+                    return proc.communicate(timeout=PROGRESS_WINDOW_S)
+                except subprocess.TimeoutExpired as e:
+                    expired = e
+                if tree_cpu_seconds(proc.pid) - before < 1.0:
+                    kill_and_fail(proc, f"still running after {time.monotonic() - started:.0f} s (timeout {timeout:g} "
+                                        f"s) and idle for the last {PROGRESS_WINDOW_S} s: waiting on something that "
+                                        f"does not come", expired.stdout, expired.stderr)
+        except BaseException as e:
+            if not isinstance(e, pytest.fail.Exception):
+                kill_tree(proc.pid)
+                proc.wait()
+            raise
+        kill_and_fail(proc, f"still running after {time.monotonic() - started:.0f} s, past {TIMEOUT_FACTOR} times its "
+                            f"timeout of {timeout:g} s", expired.stdout, expired.stderr)
 
 
 def run_command(cmd, *, timeout: float, cwd=REPO, env=None, input=None) -> subprocess.CompletedProcess:
