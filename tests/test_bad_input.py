@@ -323,6 +323,7 @@ def test_micro_batches_is_one_setting_however_it_is_spelled(checkpoint, tmp_path
     assert "  micro_batches = 1\n" in (tmp_path / "logs/spelled.txt").read_text()
 
 
+@pytest.mark.slow  # resumes a run and trains
 def test_a_resume_across_a_packing_change_gets_advice_that_works(tmp_path):
     # The same tokens with another packing in the shard header: auto packs them otherwise, so the checkpoint's
     # position would mean other tokens. The advice once named no value, and following it was refused again

@@ -47,6 +47,7 @@ def test_checkpoints_of_another_world_size_are_refused_by_every_rank(short_run, 
         assert f"error [rank {rank}]: --resume={checkpoint}: written at world size 1" in proc.stderr
 
 
+@pytest.mark.slow  # resumes the SHORT run and trains two steps
 def test_checkpoints_of_other_code_are_refused_unless_forced(short_run, tmp_path):
     common = [*SHORT, f"--logs_dir={tmp_path}/logs"]
     checkpoint = short_run(1).checkpoint(2)
@@ -69,6 +70,7 @@ def test_checkpoints_of_other_code_are_refused_unless_forced(short_run, tmp_path
     assert "at step 6" in forced and sorted(val_losses(forced)) == [8]
 
 
+@pytest.mark.slow  # resumes the SHORT run for its final validation
 def test_resume_latest_and_unsafe_pickles(short_run, tmp_path):
     ck = tmp_path / "ck"
     shutil.copytree(short_run(1).checkpoint_dir, ck)
@@ -214,6 +216,7 @@ def test_a_killed_run_keeps_every_completed_step_in_its_log(tmp_path):
 # -----------------------------------------------------------------------------
 # Ctrl-C and SIGTERM: one line, exit 128 + the signal, no unfinished checkpoint, the last good one kept
 
+@pytest.mark.slow  # trains four steps
 def test_ctrl_c_during_a_save_keeps_the_last_checkpoint_and_ends_in_one_line(tmp_path, monkeypatch):
     real_write = T._RecordingWriter.write
 
@@ -235,6 +238,7 @@ def test_ctrl_c_during_a_save_keeps_the_last_checkpoint_and_ends_in_one_line(tmp
     T.check_checkpoint(run_dir / "step_000002", args, T.DistEnv(0, 0, 1, torch.device("cpu")), TRAIN.read_text())
 
 
+@pytest.mark.slow  # runs the trainer to its second step
 def test_sigterm_outside_torchrun_says_so_and_leaves_no_empty_folders(tmp_path, monkeypatch):
     real_step = T.train_step
 

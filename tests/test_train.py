@@ -58,6 +58,7 @@ def main_in(folder, *argv):
     return code, out.getvalue(), err.getvalue()
 
 
+@pytest.mark.slow  # trains two steps
 def test_the_smoke_preset_finds_its_bundled_corpus_from_another_directory(tmp_path):
     code, _, err = main_in(tmp_path, "--preset=smoke", "--num_iterations=2", "--extension_steps=1",
                            "--val_loss_every=0", "--stage_batch_tokens=256,256,256", "--micro_batches=1", "--val_tokens=1024",
