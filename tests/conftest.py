@@ -80,8 +80,9 @@ def _time_limit():
 
 # pytest.ini runs the suite on two pytest-xdist workers, one test file at a time (--dist=loadfile): the tests
 # that share an expensive module fixture (the smoke run, the preflight scenarios, the gloo launches, the bench)
-# are in one file, so each is made once; the SHORT runs, read by several files, are made once by made_once. The files that took longest (measured on a 2-core machine) start first, so
-# that neither worker is left with a long file at the end while the other is idle; the rest follow in order.
+# are in one file, so each is made once; the SHORT runs, which several files read, are shared by made_once. The
+# files that took longest (measured on a 2-core machine) start first, so that neither worker is left with a long
+# file at the end while the other is idle; the rest follow in order.
 # CPU-s per file in a run of the suite on 2026-11-26: 251, 231, 191, 119, 91, 69, 48, 46, 42; the rest 18 or less.
 LONGEST_FILES_FIRST = ("test_preflight_faults.py", "test_preflight.py", "test_equivalence.py", "test_train.py",
                        "test_reliability.py", "test_bench.py", "test_optimizers.py", "test_memory.py",
@@ -317,10 +318,11 @@ def made_once(tmp_path_factory, name: str, make) -> Path:
     root = shared_folder(tmp_path_factory)
     folder, done, failed = root / name, root / f".{name}.made", root / f".{name}.failed"
     with open(root / f".{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        with _alarm_paused():  # the maker's own time limits apply to it
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
         if failed.exists():
-            pytest.fail(f"{name}, made for several tests, failed in another test of this session:\n{failed.read_text()}",
-                        pytrace=False)
+            pytest.fail(f"{name}, made for several tests, failed in another test of this session:\n"
+                        f"{failed.read_text()}", pytrace=False)
         if not done.exists():
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir()
@@ -338,8 +340,8 @@ def compile_caches_in_the_session_folder(tmp_path_factory):
     """torch.compile's on-disk caches (inductor's, and Triton's inside it) in the session's shared folder, for
     this process and the processes the tests start: a run never reads what an earlier session or another
     checkout compiled, and leaves nothing in /tmp/torchinductor_$USER (the preflight's inductor scenarios, which
-    compile every kernel afresh for each card, left 18 folders, 25 MB, there per run). Nothing else compiles with inductor:
-    the other compiled tests use aot_eager or a counting backend, which keep no cache."""
+    compile every kernel afresh for each card, left 18 folders, 25 MB, there per run). Nothing else compiles
+    with inductor: the other compiled tests use aot_eager or a counting backend, which keep no cache."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(shared_folder(tmp_path_factory) / "torchinductor")
 
 
