@@ -2,12 +2,15 @@
 training runs that many tests read, made once per test session."""
 
 import contextlib
+import fcntl
 import io
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,11 @@ train_gpt.keep_freed_cpu_memory()  # the in-process tests allocate like the trai
 # are small, and on a 2-core machine with another process busy, a second thread that spins waiting for the
 # first made in-process work 5x slower (measured: 150 generated tokens, 1.9 s with one thread, 10.2 s with two).
 torch.set_num_threads(1)
+# A suite started in the background of a script or under nohup inherits SIGINT ignored, and so would every process
+# it starts: the tests of what Ctrl-C does would then wait for an interrupt that never comes (the data writers'
+# SIGINT tests timed out so). Python's own handler here; the processes the tests start get the default again.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_configure(config):
@@ -30,12 +38,54 @@ def pytest_configure(config):
                                        "the inner loop `python -m pytest tests -m \"not slow\"` leaves these out")
 
 
+# Every phase of a test (setup, call, teardown) ends within TEST_LIMIT_S of its own time, even one that waits in
+# this process on something that never comes (a pool's workers, a lock, a queue): SIGALRM then fails it with the
+# traceback of where it waited. The time it waits on a process it started does not count: those have timeouts
+# of their own (communicate_or_fail), which fail with the process's output. Far above any test's own time.
+TEST_LIMIT_S = 1800
+
+
+def _expired(signum, frame):
+    pytest.fail(f"still running after {TEST_LIMIT_S} s (tests/conftest.py's TEST_LIMIT_S): stopped where it waited")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with _time_limit():
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _time_limit():
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    with _time_limit():
+        yield
+
+
+@contextlib.contextmanager
+def _time_limit():
+    previous = signal.signal(signal.SIGALRM, _expired)
+    signal.alarm(TEST_LIMIT_S)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 # pytest.ini runs the suite on two pytest-xdist workers, one test file at a time (--dist=loadfile): the tests
-# that share an expensive fixture (a training run, the preflight scenarios, the gloo launches) are in one file,
-# so each fixture is made once. The files that took longest (measured on a 2-core machine) start first, so
-# that neither worker is left with a long file at the end while the other is idle; the rest follow in order.
-LONGEST_FILES_FIRST = ("test_preflight.py", "test_preflight_faults.py", "test_equivalence.py", "test_train.py",
-                       "test_bench.py", "test_reliability.py", "test_memory.py", "test_optimizers.py",
+# that share an expensive module fixture (the smoke run, the preflight scenarios, the gloo launches, the bench)
+# are in one file, so each is made once; the SHORT runs, which several files read, are shared by made_once. The
+# files that took longest (measured on a 2-core machine) start first, so that neither worker is left with a long
+# file at the end while the other is idle; the rest follow in order.
+# CPU-s per file in a run of the suite on 2026-11-26: 251, 231, 191, 119, 91, 69, 48, 46, 42; the rest 18 or less.
+LONGEST_FILES_FIRST = ("test_preflight_faults.py", "test_preflight.py", "test_equivalence.py", "test_train.py",
+                       "test_reliability.py", "test_bench.py", "test_optimizers.py", "test_memory.py",
                        "test_bad_input.py")
 
 
@@ -55,12 +105,135 @@ def cpu_env(**extra) -> dict:
     return env
 
 
+# -----------------------------------------------------------------------------
+# Processes the tests start: none may outlive its timeout. torchrun starts its ranks in sessions of their own
+# (a signal to torchrun's process group misses them), so the whole tree is found by /proc's parent links.
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below pid."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid: int):
+    """SIGKILL to pid and every process below it. Stopped first, so that none starts another meanwhile or leaves
+    the tree (a child whose parent dies is adopted elsewhere)."""
+    stopped = [pid]
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGSTOP)
+    while new := [p for p in descendants(pid) if p not in stopped]:
+        for p in new:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGSTOP)
+        stopped += new
+    for p in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
+def tail(text, chars: int) -> str:
+    if isinstance(text, bytes):  # a TimeoutExpired's partial output
+        text = text.decode(errors="replace")
+    return (text or "")[-chars:]
+
+
+def kill_and_fail(proc: subprocess.Popen, why: str, out=None, err=None):
+    """Kills proc (started with stdout and stderr piped) and every process it started, and fails the test with
+    `why` and the end of what they printed."""
+    kill_tree(proc.pid)
+    with contextlib.suppress(subprocess.TimeoutExpired):  # a pipe still held by a process outside the tree
+        out, err = proc.communicate(timeout=30)
+    shown = " ".join(str(c) for c in proc.args) if isinstance(proc.args, (list, tuple)) else str(proc.args)
+    pytest.fail(f"{shown[:500]}: {why}; killed with every process it started\n"
+                f"--- stdout (its end)\n{tail(out, 4000)}\n--- stderr (its end)\n{tail(err, 6000)}", pytrace=False)
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """The CPU time pid and every process below it have used, those they have waited for included."""
+    ticks = 0
+    for p in [pid, *descendants(pid)]:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{p}/stat") as f:
+                ticks += sum(int(field) for field in f.read().rsplit(")", 1)[1].split()[11:15])  # utime .. cstime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+# A timeout is for a process that waits on something that never comes, not for one that a loaded machine slows
+# down: past its timeout, a process that used CPU in the last PROGRESS_WINDOW_S gets another window, up to
+# TIMEOUT_FACTOR times its timeout. (A run of the suite on 2 cores at a load average of 11 to 14 lost both
+# preflights at their 1,200 s and the smoke run at its 600 s, each still computing.)
+PROGRESS_WINDOW_S = 60
+TIMEOUT_FACTOR = 4
+
+
+@contextlib.contextmanager
+def _alarm_paused():
+    """TEST_LIMIT_S's alarm stopped meanwhile: a wait on a process has its own timeout."""
+    left = signal.alarm(0)
+    try:
+        yield
+    finally:
+        if left:
+            signal.alarm(left)
+
+
+def communicate_or_fail(proc: subprocess.Popen, timeout: float, input=None) -> tuple[str, str]:
+    """proc.communicate(input) within timeout seconds, or while proc's processes use CPU (above), up to
+    TIMEOUT_FACTOR times that. Past it, or when they use none for PROGRESS_WINDOW_S, proc and every process it
+    started are killed and the test fails with the end of their output; an interrupted test kills them too."""
+    started = time.monotonic()
+    with _alarm_paused():
+        try:
+            try:
+                return proc.communicate(input, timeout=timeout)
+            except subprocess.TimeoutExpired as e:
+                expired = e
+            while time.monotonic() - started < TIMEOUT_FACTOR * timeout:
+                before = tree_cpu_seconds(proc.pid)
+                try:
+                    return proc.communicate(timeout=PROGRESS_WINDOW_S)
+                except subprocess.TimeoutExpired as e:
+                    expired = e
+                if tree_cpu_seconds(proc.pid) - before < 1.0:
+                    kill_and_fail(proc, f"still running after {time.monotonic() - started:.0f} s (timeout {timeout:g} "
+                                        f"s) and idle for the last {PROGRESS_WINDOW_S} s: waiting on something that "
+                                        f"does not come", expired.stdout, expired.stderr)
+        except BaseException as e:
+            if not isinstance(e, pytest.fail.Exception):
+                kill_tree(proc.pid)
+                proc.wait()
+            raise
+        kill_and_fail(proc, f"still running after {time.monotonic() - started:.0f} s, past {TIMEOUT_FACTOR} times its "
+                            f"timeout of {timeout:g} s", expired.stdout, expired.stderr)
+
+
+def run_command(cmd, *, timeout: float, cwd=REPO, env=None, input=None) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout) that cannot hang the suite (see
+    communicate_or_fail). stdin is empty unless input is given."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL if input is None else subprocess.PIPE)
+    out, err = communicate_or_fail(proc, timeout, input)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def torchrun(script, nproc: int, *args, timeout: float = 600, check: bool = True, extra_env=None):
     """`torchrun --standalone --nproc_per_node=N script args` from the repo root."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(script), *map(str, args)]
-    proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(**(extra_env or {})), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = run_command(cmd, timeout=timeout, env=cpu_env(**(extra_env or {})))
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd[2:])} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                     f"\n--- stderr\n{proc.stderr[-6000:]}")
@@ -69,8 +242,7 @@ def torchrun(script, nproc: int, *args, timeout: float = 600, check: bool = True
 
 def python(*args, timeout: float = 600, extra_env=None):
     """`python args` from the repo root, as a user would run it."""
-    return subprocess.run([sys.executable, *map(str, args)], cwd=REPO, env=cpu_env(**(extra_env or {})),
-                          capture_output=True, text=True, timeout=timeout)
+    return run_command([sys.executable, *map(str, args)], timeout=timeout, env=cpu_env(**(extra_env or {})))
 
 
 def in_process(main, *argv) -> subprocess.CompletedProcess:
@@ -127,6 +299,52 @@ SHORT = ["--num_iterations=8", "--extension_steps=1", "--val_loss_every=4", "--s
          "--stage_max_seq_len=64,128,128", "--val_tokens=2048", "--val_seq_len=512", "--warmup_steps=0"]
 
 
+# -----------------------------------------------------------------------------
+# What several tests read, made once per test session for every pytest-xdist worker. The workers are separate
+# processes, each with its own session fixtures: the first to ask makes the thing in the folder they share (the
+# session's base temporary folder) under a file lock, the others wait for it there and read it.
+
+def shared_folder(tmp_path_factory) -> Path:
+    """The session's folder that every pytest-xdist worker sees: the parent of each worker's basetemp (xdist
+    gives them <basetemp>/popen-gwN), or the basetemp itself without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """The folder `name` of shared_folder(), made by make(folder) in this session's first process to ask; a
+    process that asks meanwhile waits until it is made. A failure is not retried: every process that asks
+    fails with its message."""
+    root = shared_folder(tmp_path_factory)
+    folder, done, failed = root / name, root / f".{name}.made", root / f".{name}.failed"
+    with open(root / f".{name}.lock", "w") as lock:
+        with _alarm_paused():  # the maker's own time limits apply to it
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        if failed.exists():
+            pytest.fail(f"{name}, made for several tests, failed in another test of this session:\n"
+                        f"{failed.read_text()}", pytrace=False)
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            try:
+                make(folder)
+            except BaseException as e:
+                failed.write_text(f"{type(e).__name__}: {e}"[-8000:])
+                raise
+            done.touch()
+    return folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compile_caches_in_the_session_folder(tmp_path_factory):
+    """torch.compile's on-disk caches (inductor's, and Triton's inside it) in the session's shared folder, for
+    this process and the processes the tests start: a run never reads what an earlier session or another
+    checkout compiled, and leaves nothing in /tmp/torchinductor_$USER (the preflight's inductor scenarios, which
+    compile every kernel afresh for each card, left 18 folders, 25 MB, there per run). Nothing else compiles
+    with inductor: the other compiled tests use aot_eager or a counting backend, which keep no cache."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(shared_folder(tmp_path_factory) / "torchinductor")
+
+
 class ShortRun:
     def __init__(self, root: Path, world_size: int):
         self.world_size, self.logs_dir, self.checkpoint_dir = world_size, root / "logs", root / "ck"
@@ -140,20 +358,23 @@ class ShortRun:
 
 @pytest.fixture(scope="session")
 def short_run(tmp_path_factory):
-    """short_run(world_size): the SHORT run at that world size, trained once per test session (per pytest-xdist
-    worker). World size 1 runs in this process and keeps checkpoints every 2 steps and its final weights; others
-    run under torchrun and keep checkpoints every 4 steps. Tests must not write into its folders: copy first."""
+    """short_run(world_size): the SHORT run at that world size, trained once per test session for all pytest-xdist
+    workers (made_once). World size 1 runs in the process that makes it and keeps checkpoints every 2 steps and its
+    final weights; others run under torchrun and keep checkpoints every 4 steps. Tests must not write into its
+    folders: copy first."""
     runs = {}
+
+    def train(world_size: int, root: Path):
+        argv = [*SHORT, f"--logs_dir={root}/logs", f"--checkpoint_dir={root}/ck", f"--run_id=short{world_size}"]
+        if world_size == 1:
+            proc = run_main(*argv, "--save_every=2", "--save_final=true")
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        else:
+            torchrun(TRAIN, world_size, *argv, "--save_every=4")
 
     def get(world_size: int) -> ShortRun:
         if world_size not in runs:
-            root = tmp_path_factory.mktemp(f"short{world_size}")
-            argv = [*SHORT, f"--logs_dir={root}/logs", f"--checkpoint_dir={root}/ck", f"--run_id=short{world_size}"]
-            if world_size == 1:
-                proc = run_main(*argv, "--save_every=2", "--save_final=true")
-                assert proc.returncode == 0, proc.stderr[-3000:]
-            else:
-                torchrun(TRAIN, world_size, *argv, "--save_every=4")
+            root = made_once(tmp_path_factory, f"short{world_size}", lambda folder: train(world_size, folder))
             runs[world_size] = ShortRun(root, world_size)
         return runs[world_size]
     return get

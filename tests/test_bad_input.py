@@ -427,6 +427,7 @@ def test_a_live_run_s_unfinished_save_is_left_alone(checkpoint, tmp_path):
     assert (run / ".step_000004.partial" / "model.pt").exists() and "note: removed" not in proc.stdout
 
 
+@pytest.mark.slow  # resumes a run and trains
 def test_a_resume_across_a_packing_change_gets_advice_that_works(tmp_path):
     # The same tokens with another packing in the shard header: auto packs them otherwise, so the checkpoint's
     # position would mean other tokens. The advice once named no value, and following it was refused again

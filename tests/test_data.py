@@ -19,6 +19,7 @@ DATA = REPO / "data"
 sys.path[:0] = [str(REPO), str(DATA)]
 
 import cached_fineweb10B  # noqa: E402
+from conftest import run_command  # noqa: E402
 import shakespeare_docs  # noqa: E402
 import shards  # noqa: E402
 import tokenize_text  # noqa: E402
@@ -26,8 +27,8 @@ import train_gpt  # noqa: E402
 
 
 def run_script(script, *args, cwd=REPO, env=None, timeout=120):
-    return subprocess.run([sys.executable, str(DATA / script), *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    """`python data/<script> args`; past the timeout the test fails with the script's last output (run_command)."""
+    return run_command([sys.executable, str(DATA / script), *map(str, args)], cwd=cwd, env=env, timeout=timeout)
 
 
 def tokenize(*args, **kwargs):

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, communicate_or_fail, run_command
 
 DATA = REPO / "data"
 sys.path.insert(0, str(DATA))
@@ -58,8 +58,8 @@ def corpus(folder, word: str, documents: int):
 
 
 def tokenize(*args, cwd):
-    return subprocess.run([sys.executable, str(DATA / "tokenize_text.py"), *map(str, args), *BPE], cwd=cwd,
-                          capture_output=True, text=True, timeout=DEADLINE_S)
+    return run_command([sys.executable, str(DATA / "tokenize_text.py"), *map(str, args), *BPE], cwd=cwd,
+                       timeout=DEADLINE_S)
 
 
 _STARTED = []  # the gated runs of the current test, stopped at its end if it failed before they finished
@@ -92,7 +92,7 @@ def start_gated(gate, *args, cwd):
 
 def finish(process, gate) -> tuple[int, str, str]:
     open(f"{gate}.go", "w").close()
-    out, err = process.communicate(timeout=DEADLINE_S)
+    out, err = communicate_or_fail(process, DEADLINE_S)
     return process.returncode, out, err
 
 
@@ -189,7 +189,7 @@ def test_a_lock_held_elsewhere_refuses_the_tokenizer_and_the_downloader(tmp_path
 def test_a_stale_lock_and_staging_folder_of_a_killed_run_are_taken_over_in_one_line_each(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = run_command([sys.executable, "-c", "import os; print(os.getpid())"], timeout=DEADLINE_S)
     dead_pid = int(gone.stdout)
     (out / safe_write.LOCK_NAME).write_text(f"{dead_pid} tokenize_text.py\n")
     (out / ".out-staging-x1y2").mkdir()
@@ -394,7 +394,7 @@ def test_a_signal_midway_leaves_no_trace(tmp_path, signum, code):
     gate, out = tmp_path / "gate", tmp_path / "new" / "out"
     run = start_gated(gate, corpus(tmp_path / "a", "apple", 3), "--out", out, "--shard-tokens", "60", cwd=tmp_path)
     run.send_signal(signum)
-    _, err = run.communicate(timeout=DEADLINE_S)
+    _, err = communicate_or_fail(run, DEADLINE_S)
     assert run.returncode == code, err
     assert "Traceback" not in err and not (tmp_path / "new").exists()
 

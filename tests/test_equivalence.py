@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, SHORT, TRAIN, cpu_env, train_at, val_losses
+from conftest import REPO, SHORT, TRAIN, communicate_or_fail, cpu_env, kill_tree, train_at, val_losses
 
 
 @pytest.mark.slow
@@ -83,7 +83,13 @@ def test_two_nodes_match_one_node_with_two_ranks(short_run, tmp_path):
                                "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", "--rdzv_id=two-nodes",
                                *args, "--run_id=two_nodes"], cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    outputs = [node.communicate(timeout=600) for node in nodes]
+    try:
+        outputs = [communicate_or_fail(node, timeout=600) for node in nodes]
+    finally:  # a node that failed or ran past its timeout leaves no process behind
+        for node in nodes:
+            if node.poll() is None:
+                kill_tree(node.pid)
+                node.wait()
     assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
     two_nodes = (tmp_path / "two_nodes.txt").read_text()
     assert "world_size: 2" in two_nodes

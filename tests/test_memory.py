@@ -196,6 +196,7 @@ def test_auto_takes_the_fewest_micro_batches_that_fit_at_any_world_size(limit_gi
     assert stage_peak(1536, world_size=2) > budget  # stage 3 at 2 micro-batches of 1,536 tokens
 
 
+@pytest.mark.slow  # trains the smoke model four steps
 def test_auto_micro_batches_under_a_memory_limit_train_and_an_explicit_count_over_it_is_refused(tmp_path, limit_gib):
     flags = ["--preset=smoke", "--num_iterations=4", "--extension_steps=1", "--val_loss_every=0", "--val_tokens=1024",
              f"--memory_limit_gib={limit_gib}", f"--logs_dir={tmp_path}/logs"]

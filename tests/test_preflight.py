@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, one_line_error, python, run_main
+from conftest import REPO, made_once, one_line_error, python, run_main
 
 sys.path.insert(0, str(REPO / "tools"))
 import fake_cuda  # noqa: E402  (stdlib only: importing it loads nothing)
@@ -26,9 +26,11 @@ FUSED_RMS_NORM_ON_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("aten::_
 
 # --- the preflight, in one worker process -----------------------------------------------------
 
-def run_scenarios(*names: str) -> dict:
-    """Scenarios of tests/workers/preflight_worker.py, run in one worker process (one start-up, one build
-    of the fake CUDA device), by name."""
+def run_scenarios(tmp_path_factory, *names: str) -> dict:
+    """Scenarios of tests/workers/preflight_worker.py, run in one worker process (one start-up), by name. The
+    fake CUDA device is built first, once for the session: test_preflight_faults.py's worker starts beside
+    this file's, and in a fresh clone each would compile it."""
+    made_once(tmp_path_factory, "fake_cuda", lambda folder: fake_cuda.build())
     proc = python(REPO / "tests/workers/preflight_worker.py", *names, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     runs = {run["scenario"]: run for run in map(json.loads, proc.stdout.splitlines())}
@@ -37,10 +39,10 @@ def run_scenarios(*names: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def preflight_runs():
+def preflight_runs(tmp_path_factory):
     """The speedrun preset at world size 8 (about 3 minutes on 2 cores); the other scenarios are
     tests/test_preflight_faults.py's, which pytest-xdist runs beside this file."""
-    return run_scenarios("world_size_8")
+    return run_scenarios(tmp_path_factory, "world_size_8")
 
 
 def passed(run) -> dict:

@@ -11,9 +11,9 @@ from test_preflight import GIB, HAS_TRITON, PHASES, failed, fake_cuda, line_of, 
 
 
 @pytest.fixture(scope="module")
-def preflight_runs():
+def preflight_runs(tmp_path_factory):
     # huge first: the worker's peak memory is read right after it
-    return run_scenarios("huge", "host_sync", "blocking_copy", "cpu_tensor", "fp8_layout", "rtx3090_too_big", "cards", "inductor",
+    return run_scenarios(tmp_path_factory, "huge", "host_sync", "blocking_copy", "cpu_tensor", "fp8_layout", "rtx3090_too_big", "cards", "inductor",
                          "inductor_rtx4090")
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_command
+
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "records" / "records.py"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -356,8 +358,7 @@ def test_verify_format_b(capsys, tmp_path):
 def test_verify_never_prints_a_traceback(tmp_path):
     bad = tmp_path / "empty.txt"
     bad.write_text("")
-    proc = subprocess.run([sys.executable, str(TOOL), "verify", str(bad), str(PUBLIC[0])],
-                          capture_output=True, text=True, timeout=60)
+    proc = run_command([sys.executable, str(TOOL), "verify", str(bad), str(PUBLIC[0])], timeout=60)
     assert proc.returncode == 1
     assert proc.stdout.strip() == f"FAIL {bad}: not a speedrun log (empty file)"
     assert "Traceback" not in proc.stderr

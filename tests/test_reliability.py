@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, SHORT, TRAIN, cpu_env, in_process, train_at, val_losses
+from conftest import (REPO, SHORT, TRAIN, communicate_or_fail, cpu_env, in_process, kill_and_fail, kill_tree, train_at,
+                      val_losses)
 
 
 def refused(proc, *fragments):
@@ -46,6 +47,7 @@ def test_checkpoints_of_another_world_size_are_refused_by_every_rank(short_run, 
         assert f"error [rank {rank}]: --resume={checkpoint}: written at world size 1" in proc.stderr
 
 
+@pytest.mark.slow  # resumes the SHORT run and trains two steps
 def test_checkpoints_of_other_code_are_refused_unless_forced(short_run, tmp_path):
     common = [*SHORT, f"--logs_dir={tmp_path}/logs"]
     checkpoint = short_run(1).checkpoint(2)
@@ -68,6 +70,7 @@ def test_checkpoints_of_other_code_are_refused_unless_forced(short_run, tmp_path
     assert "at step 6" in forced and sorted(val_losses(forced)) == [8]
 
 
+@pytest.mark.slow  # resumes the SHORT run for its final validation
 def test_resume_latest_and_unsafe_pickles(short_run, tmp_path):
     ck = tmp_path / "ck"
     shutil.copytree(short_run(1).checkpoint_dir, ck)
@@ -160,9 +163,9 @@ def wait_for(path, pattern, proc, timeout=300):
         if path.exists() and re.search(pattern, path.read_text(), re.M):
             return
         if proc.poll() is not None:
-            pytest.fail(f"the run ended early: {proc.communicate()}")
+            pytest.fail(f"the run ended early: {communicate_or_fail(proc, 30)}")
         time.sleep(0.2)
-    pytest.fail(f"{pattern!r} never appeared in {path}")
+    kill_and_fail(proc, f"{pattern!r} never appeared in {path} within {timeout} s")
 
 
 @pytest.mark.slow
@@ -178,11 +181,14 @@ def test_a_dead_rank_ends_the_job_within_the_timeout(tmp_path):
         victim = next(pid for pid in children(proc.pid) if rank_of(pid) == 1)
         os.kill(victim, signal.SIGKILL)
         killed_at = time.time()
-        proc.wait(timeout=timeout_s + 60)
+        try:
+            proc.wait(timeout=timeout_s + 60)
+        except subprocess.TimeoutExpired:
+            kill_and_fail(proc, f"still running {timeout_s + 60} s after rank 1 was killed")
         took = time.time() - killed_at
     finally:
         if proc.poll() is None:
-            proc.kill()
+            kill_tree(proc.pid)  # torchrun and its ranks, which run in sessions of their own
     print(f"the job exited {took:.1f}s after rank 1 was killed")
     assert proc.returncode != 0
     assert took < timeout_s + 30
@@ -202,7 +208,7 @@ def test_a_killed_run_keeps_every_completed_step_in_its_log(tmp_path):
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            kill_tree(proc.pid)
     steps = [int(s) for s in re.findall(r"^step:(\d+)/100 (?:train_loss:\S+ )?train_time", log.read_text(), re.M)]
     assert steps[:4] == [1, 2, 3, 4] and steps == list(range(1, len(steps) + 1))
 
@@ -210,6 +216,7 @@ def test_a_killed_run_keeps_every_completed_step_in_its_log(tmp_path):
 # -----------------------------------------------------------------------------
 # Ctrl-C and SIGTERM: one line, exit 128 + the signal, no unfinished checkpoint, the last good one kept
 
+@pytest.mark.slow  # trains four steps
 def test_ctrl_c_during_a_save_keeps_the_last_checkpoint_and_ends_in_one_line(tmp_path, monkeypatch):
     real_write = T._RecordingWriter.write
 
@@ -231,6 +238,7 @@ def test_ctrl_c_during_a_save_keeps_the_last_checkpoint_and_ends_in_one_line(tmp
     T.check_checkpoint(run_dir / "step_000002", args, T.DistEnv(0, 0, 1, torch.device("cpu")), TRAIN.read_text())
 
 
+@pytest.mark.slow  # runs the trainer to its second step
 def test_sigterm_outside_torchrun_says_so_and_leaves_no_empty_folders(tmp_path, monkeypatch):
     real_step = T.train_step
 
@@ -262,13 +270,14 @@ def test_ctrl_c_under_torchrun_ends_every_rank_in_one_line(tmp_path):
     try:
         deadline = time.time() + 300
         while not ((run_dir / "latest").exists() and list(run_dir.glob(".step_*.partial/*"))):
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            if proc.poll() is not None or time.time() > deadline:
+                kill_and_fail(proc, f"no checkpoint was being written (exit {proc.poll()})")
             time.sleep(0.005)
         os.killpg(proc.pid, signal.SIGINT)
-        _, stderr = proc.communicate(timeout=120)
+        _, stderr = communicate_or_fail(proc, 120)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)  # torchrun and its ranks, which run in sessions of their own
     assert proc.returncode != 0
     errors = [line for line in stderr.splitlines() if line.startswith("error")]
     pattern = r"error \[rank ([01])\]: (interrupted by SIGINT at step \d+(?:, while saving its checkpoint)?)"

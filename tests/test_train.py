@@ -5,13 +5,12 @@ import errno
 import io
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
 import train_gpt as T
-from conftest import REPO, TRAIN, one_line_error, python, run_main, val_losses
+from conftest import REPO, TRAIN, one_line_error, python, run_command, run_main, val_losses
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +58,7 @@ def main_in(folder, *argv):
     return code, out.getvalue(), err.getvalue()
 
 
+@pytest.mark.slow  # trains two steps
 def test_the_smoke_preset_finds_its_bundled_corpus_from_another_directory(tmp_path):
     code, _, err = main_in(tmp_path, "--preset=smoke", "--num_iterations=2", "--extension_steps=1",
                            "--val_loss_every=0", "--stage_batch_tokens=256,256,256", "--micro_batches=1", "--val_tokens=1024",
@@ -137,8 +137,7 @@ def test_run_sh_without_torch_says_so_in_one_line(tmp_path):
     no_torch = tmp_path / "python"
     no_torch.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
     no_torch.chmod(0o755)
-    proc = subprocess.run([str(REPO / "run.sh")], env={**os.environ, "PYTHON": str(no_torch)},
-                          capture_output=True, text=True, timeout=60)
+    proc = run_command([str(REPO / "run.sh")], env={**os.environ, "PYTHON": str(no_torch)}, timeout=60)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [f"error: {no_torch} cannot import torch; install it first "
                                                 f"(README, Quick start), or set PYTHON to an interpreter that has it"]
