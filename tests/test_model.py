@@ -366,6 +366,23 @@ def test_block_masks_query_side_is_what_flex_attention_derives_from_the_key_side
         assert mask.full_q_num_blocks.sum() > 0 and mask.q_num_blocks.sum() > 0, kind  # both kinds of block
 
 
+def test_block_masks_are_create_block_mask_s_for_their_mask_mod():
+    # block_mask_parts orders each row's key blocks by counting, not by the stable argsort create_block_mask
+    # uses (inductor's Triton sort took 475 s to compile for stage 1's masks): every index tensor must still be
+    # PyTorch's own, the hidden blocks' order included, for documents that start on and off block boundaries.
+    from torch.nn.attention.flex_attention import create_block_mask
+    args = T.parse_args(["--preset=speedrun"], True)
+    tokens = tokens_with_documents(2048, [0, 100, 101, 256, 700, 1500, 1501], seed=4)
+    for windows in ((1, 3), (3, 7), (16, 16)):
+        masks = T.build_masks(tokens, T.layer_plan(args), windows, 128, use_flex=True)
+        for kind, mask in masks.by_kind.items():
+            n = mask.seq_lengths[0]
+            reference = create_block_mask(mask.mask_mod, None, None, n, n, device="cpu", BLOCK_SIZE=128)
+            for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                         "q_indices", "full_q_num_blocks", "full_q_indices"):
+                assert torch.equal(getattr(mask, name), getattr(reference, name)), (windows, kind, name)
+
+
 def test_fp8_mlp_matches_its_quantised_definition_and_backward_is_bf16():
     g = torch.Generator().manual_seed(6)
     mlp = T.MLP(64, 4, "fp8")
