@@ -232,3 +232,37 @@ def test_an_empty_out_is_refused_not_the_working_directory(out):
     with pytest.raises(bench.BenchError, match=f"^--out={out}: names no folder; give the folder for bench.json"):
         bench.parse_options([f"--out={out}", "--small"])
     assert bench.parse_options(["--out=x", "--small"]).out == "x"
+
+
+@pytest.fixture(scope="module")
+def small_counts(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-counts")
+    # stage 1 only: the count is per step and the same code runs at every stage (about 35 s on 2 cores)
+    proc = python(REPO / "tools" / "bench.py", "--counts", "--small", "--parts=stage1", f"--out={out}", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads((out / "bench.json").read_text()), (out / "bench.md").read_text()
+
+
+@pytest.mark.slow
+def test_cpu_counts_a_step_as_few_eager_ops_whatever_the_number_of_matrices_or_buckets(small_counts):
+    # The bench's CPU mode (issue 37): per step on a fake H100, eager kernel-launching ops by source, graph calls,
+    # the autograd engine's gradient adds. Before issue 37 each matrix, bucket and chunk of rows cost ops of its
+    # own (the smoke preset's stage 1: NorMuon about 170 ops a step, DistAdam about 230 an Adam step).
+    data, markdown = small_counts
+    steps = data["counts"]["stages"]["stage 1"]["steps"]
+    assert sorted(steps) == ["with Adam", "without Adam"]
+    model = T.GPT(SMALL_ARGS)
+    _, adam = T.build_optimizers(model, SMALL_ARGS)
+    for kind, counts in steps.items():
+        by_source = counts["eager_ops_by_source"]
+        assert by_source.get("NorMuon", 0) <= 8 * 3, kind  # one stack per shape of matrix, a few ops each
+        assert by_source.get("DistAdam", 0) <= 6 * len(adam.buckets) + 8, kind
+        assert (by_source.get("DistAdam", 0) > 0) == (kind == "with Adam"), kind
+        assert by_source.get("block masks", 0) <= 2 and by_source.get("loss head", 0) <= 8, kind
+        assert counts["eager_ops"] == sum(by_source.values()) and counts["graph_calls"]["forward"] > 0, kind
+        # the engine's adds into activations: none of a whole gathered tensor (the value-embedding tables)
+        tables = model.value_embeds.size(0) // model.embed.weight.size(0)
+        assert not any(len(add["shape"]) == 3 and add["shape"][0] == tables and add["into"] == "an activation"
+                       for add in counts["adds"]), (kind, counts["adds"])
+        assert counts["gradient_adds"] == sum(add["count"] for add in counts["adds"]), kind
+    assert "## CPU counts: rank 0 of 8, fake H100" in markdown and "| stage 1 | with Adam |" in markdown
