@@ -333,3 +333,30 @@ def test_step_times_come_from_cuda_events_read_after_the_sync(monkeypatch):
     timer.synced = True
     timer.read()
     assert timer.step_ms == [10, 10, 10] and read_early == [False] * 3
+
+
+HOST_VALUE_AND_GPU_VALUE = """
+import sys; sys.path[:0] = ["tools", "."]
+import fake_cuda; fake_cuda.load()
+import torch, preflight
+fake_cuda.pretend_gpu()
+fake_mode = preflight.FakeTensorMode(allow_non_fake_inputs=True)
+gpu = preflight.FakeGPU(fake_mode)
+with fake_mode, gpu, gpu.running("training step 1", training_step=True):
+    print("host value", torch.tensor(0.75).item())
+    try:
+        torch.ones(3, device="cuda").sum().item()
+    except preflight.PreflightFailure as e:
+        print(e)
+"""
+
+
+def test_reading_a_host_value_in_a_step_is_no_host_sync_but_reading_a_gpu_value_is(tmp_path_factory):
+    # A Python float that a compiled graph takes as a tensor (DistAdam's betas and eps, which differ between
+    # buckets: dynamo unspecialises them) is read back with .item() by inductor's kernel launcher, on the host.
+    # The inductor preflight under PyTorch 2.11 called that a host sync in adam_update.
+    made_once(tmp_path_factory, "fake_cuda", lambda folder: fake_cuda.build())
+    proc = python("-c", HOST_VALUE_AND_GPU_VALUE, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["host value 0.75", "training step 1: host sync (aten::_local_scalar_dense) in "
+                                        "outside train_gpt.py: a training step must let the host run ahead of the GPU"]

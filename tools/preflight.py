@@ -278,6 +278,13 @@ class FakeGPU(TorchDispatchMode):
             counts = self.host_counts.get(StorageWeakRef(args[0].untyped_storage()))
             if counts is not None:  # a host value: no sync
                 return counts[args[0].storage_offset()]
+            value = args[0].constant if isinstance(args[0], FakeTensor) else args[0]
+            if value is not None:
+                # a value the host holds, read on the host, waits for nothing: a Python number that a compiled
+                # graph takes as a tensor (dynamo's unspecialised floats, which inductor's launcher reads with
+                # .item(): DistAdam's betas and eps, which differ between buckets)
+                with _disable_current_modes():
+                    return value.item()
         if name in SYNCING_OPS:
             self.host_sync(name)
             if name == "aten::_local_scalar_dense":
