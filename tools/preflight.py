@@ -314,6 +314,7 @@ class GraphCounter:
         self.backend = backend
         self.part = None
         self.graphs = collections.Counter()
+        self.seconds = collections.Counter()  # the backend's time per part: what a compile cliff shows in
 
     def watch(self, model: T.GPT, optimizers, compiled: bool):
         """Names the part of the step that compiles: each layer (one code object, Block.forward, for all of
@@ -343,11 +344,15 @@ class GraphCounter:
 
     def __call__(self, graph_module, example_inputs):
         self.graphs[self.part] += 1
-        if self.backend == "inductor":
-            from torch._inductor.compile_fx import compile_fx
-            return compile_fx(graph_module, example_inputs)
-        from torch._dynamo.backends.debugging import aot_eager
-        return aot_eager(graph_module, example_inputs)
+        start = time.perf_counter()
+        try:
+            if self.backend == "inductor":
+                from torch._inductor.compile_fx import compile_fx
+                return compile_fx(graph_module, example_inputs)
+            from torch._dynamo.backends.debugging import aot_eager
+            return aot_eager(graph_module, example_inputs)
+        finally:
+            self.seconds[self.part] += time.perf_counter() - start
 
 
 # -----------------------------------------------------------------------------
@@ -377,6 +382,7 @@ class Report:
     parameters: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # dtype -> elements
     phases: dict = dataclasses.field(default_factory=dict)  # name -> Phase, in run order
     graphs: dict = dataclasses.field(default_factory=dict)  # part of the model -> graphs
+    compile_seconds: dict = dataclasses.field(default_factory=dict)  # part -> seconds in the compile backend
     estimate: dict = dataclasses.field(default_factory=dict)  # estimate_memory's phase -> row -> bytes
     kernels: list = dataclasses.field(default_factory=list)  # inductor: (name, shared memory bytes)
     checkpoint_bytes: int | None = None
@@ -538,6 +544,7 @@ def run_steps(args: T.Hyperparameters, world_size: int, backend: str) -> Report:
         report.seconds["validation and checkpoint"] = time.perf_counter() - start - sum(report.seconds.values())
 
     report.graphs = dict(counter.graphs)
+    report.compile_seconds = dict(counter.seconds)
     report.estimate = env.memory.rows  # the trainer's start-up check: tools/estimate_memory.py's table
     return report
 
@@ -610,6 +617,9 @@ def print_report(report: Report):
     print(f"  an {card.short_name} has {card.total_memory / GIB:.2f} GiB")
     print("graphs compiled: " + (", ".join(f"{n} for the {part}" for part, n in report.graphs.items()) or "none") +
           f"; dynamo's limit per code object is {torch._dynamo.config.recompile_limit}")
+    if report.compile_seconds:  # under inductor, on this CPU: a part far above the others will be on the GPU too
+        print(f"compile seconds ({report.backend}, this CPU): " +
+              ", ".join(f"{seconds:.1f} for the {part}" for part, seconds in report.compile_seconds.items()))
     per_step = report.collectives_per_step()
     if world_size > 1:
         print("collectives per step, averaged over an Adam cycle: " +
