@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "train_gpt.py"
 sys.path.insert(0, str(REPO))
 import train_gpt  # noqa: E402
+from process_tree import descendants  # noqa: E402
 
 train_gpt.keep_freed_cpu_memory()  # the in-process tests allocate like the trainer does
 # One intra-op thread, as the processes the tests start have (OMP_NUM_THREADS=1 in cpu_env): the tests' tensors
@@ -107,26 +108,8 @@ def cpu_env(**extra) -> dict:
 
 # -----------------------------------------------------------------------------
 # Processes the tests start: none may outlive its timeout. torchrun starts its ranks in sessions of their own
-# (a signal to torchrun's process group misses them), so the whole tree is found by /proc's parent links.
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below pid."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue  # gone meanwhile
-            children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
+# (a signal to torchrun's process group misses them), so the whole tree is found by /proc's parent links
+# (process_tree.descendants).
 
 def kill_tree(pid: int):
     """SIGKILL to pid and every process below it. Stopped first, so that none starts another meanwhile or leaves

@@ -33,6 +33,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "data"
+sys.path.insert(0, str(REPO / "tests"))
+from process_tree import descendants  # noqa: E402
 
 # The command line of data/tokenize_text.py with the case's injection; SIGUSR1 prints every thread's stack.
 WRAPPER = f"""
@@ -77,23 +79,6 @@ def inputs(folder: Path, case: str) -> list[str]:
     else:
         (folder / "in.jsonl").write_text('{"text": "FIRST document"}\n' + rest)
     return [str(folder / "in.jsonl")]
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-            except (OSError, ValueError, IndexError):
-                continue
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def running_with(text: str) -> list[int]:
