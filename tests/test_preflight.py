@@ -364,3 +364,23 @@ def test_reading_a_host_value_in_a_step_is_no_host_sync_but_reading_a_gpu_value_
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == ["host value 0.75", "training step 1: host sync (aten::_local_scalar_dense) in "
                                         "outside train_gpt.py: a training step must let the host run ahead of the GPU"]
+
+
+def test_the_fake_devices_compile_settings_hold_in_every_thread():
+    # From PyTorch 2.13 a config assignment holds only in the thread that makes it; inductor compiles the
+    # backward's graphs, and what a gradient hook compiles, on autograd's threads. The fake device's settings (no
+    # static launcher, no compile workers, no caches) were lost there: bench --counts --kernels failed in
+    # DistAdam's hook with "cannot import name '_StaticCudaLauncher'".
+    import threading
+
+    import torch._inductor.config as inductor_config
+    previous = inductor_config.shape_padding
+    try:
+        fake_cuda.set_in_every_thread(inductor_config, "shape_padding", not previous)
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(inductor_config.shape_padding))
+        thread.start()
+        thread.join()
+        assert seen == [not previous] and inductor_config.shape_padding == (not previous)
+    finally:
+        fake_cuda.set_in_every_thread(inductor_config, "shape_padding", previous)

@@ -1236,7 +1236,7 @@ def run_counts(options: argparse.Namespace, argv: list[str]) -> Report:
                          "pip install triton==3.7.1)")
     fake_cuda.pretend_gpu()
     torch._logging.set_logs(all=logging.CRITICAL)
-    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    fake_cuda.set_in_every_thread(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
     report = Report(Path(options.out))
     report.data["header"] = header(options, argv)
     flags = (SMALL_FLAGS if options.small else []) + options.flags

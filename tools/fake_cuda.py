@@ -210,6 +210,16 @@ def pretend_gpu(card: SimpleNamespace = H100):
     device_interface.caching_worker_device_properties["cuda"] = [card]
 
 
+def set_in_every_thread(config, name: str, value):
+    """A torch config setting (torch._inductor.config and the like) for this process: assigned, and made the
+    default that threads without an assignment of their own read (PyTorch 2.13 keeps assignments per thread;
+    earlier versions have one value, which the assignment sets)."""
+    setattr(config, name, value)
+    entry = getattr(config, "_config", {}).get(name)
+    if entry is not None:
+        entry.default = value
+
+
 def fake_triton() -> list[tuple[str, int]]:
     """Lets torch.compile's inductor generate and compile every Triton kernel for the card pretend_gpu()
     set (sm_90 for the H100), with triton's own bundled ptxas, and launch none. Returns the list that
@@ -267,13 +277,15 @@ def fake_triton() -> list[tuple[str, int]]:
     active_driver.set_active(FakeDriver())
     # Inductor steps that run ops or time kernels on the device itself.
     CachingAutotuner.benchmark_all_configs = lambda self, *args, **kwargs: {launcher: 0.0 for launcher in self.launchers}
-    inductor_config.joint_graph_constant_folding = False
-    inductor_config.shape_padding = False
-    inductor_config.use_static_cuda_launcher = False  # a CUDA build's C++ launcher
-    inductor_config.compile_threads = 1  # compile workers would be processes without the fake device
-    # Every kernel compiled afresh for this card: a graph cached by an earlier compile (on disk, or loaded in
-    # this process by an earlier preflight run) would load no kernel, and the count would say none.
-    inductor_config.force_disable_caches = True
+    # Set in every thread: from PyTorch 2.13 a config assignment holds only in the thread that makes it, and the
+    # backward's graphs (and what a gradient hook compiles) are compiled on autograd's threads.
+    for name, value in (("joint_graph_constant_folding", False), ("shape_padding", False),
+                        ("use_static_cuda_launcher", False),  # a CUDA build's C++ launcher
+                        ("compile_threads", 1),  # compile workers would be processes without the fake device
+                        # every kernel compiled afresh for this card: a graph cached by an earlier compile (on disk,
+                        # or loaded in this process by an earlier preflight run) would load none, and count none
+                        ("force_disable_caches", True)):
+        set_in_every_thread(inductor_config, name, value)
     warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")  # its notice of the above
     from torch._inductor.codecache import PyCodeCache
     PyCodeCache.cache_clear()

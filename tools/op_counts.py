@@ -265,9 +265,10 @@ def count_stages(flags: list[str], world_size: int, kernels: bool, stages: list[
     args = T.parse_args(flags, True)
     T.check_world_size(args, world_size)
     if kernels:
-        fake_cuda_kernels = preflight.fake_cuda.fake_triton()
+        preflight.fake_cuda.fake_triton()  # inductor compiles every kernel for sm_90, without a GPU
         import torch._inductor.config as inductor_config
-        inductor_config.benchmark_kernel = True  # kernel_num_gb in each kernel's metadata
+        # kernel_num_gb in each kernel's metadata
+        preflight.fake_cuda.set_in_every_thread(inductor_config, "benchmark_kernel", True)
     torch._dynamo.reset()
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size))  # what torchrun tells rank 0
     if world_size > 1:
@@ -291,7 +292,7 @@ def _count(args: T.Hyperparameters, world_size: int, kernels: bool, stages, prog
             model = T.build_model(args, env)
     counter = OpCounter(model)
     backend = CountingBackend(counter, kernels)
-    result = {"stages": {}, "world_size": world_size, "preset": args.preset, "kernels": kernels}
+    result = {"stages": {}, "world_size": world_size, "preset": args.preset, "kernels": kernels, "graphs_compiled": 0}
     with fake_mode, gpu, warnings.catch_warnings(), \
             unittest.mock.patch.object(T, "host_bigram_rows", preflight.on_host), \
             unittest.mock.patch.object(dist, "all_to_all_single", gpu.all_to_all_single), \
@@ -332,7 +333,6 @@ def _count(args: T.Hyperparameters, world_size: int, kernels: bool, stages, prog
             result["graphs_compiled"] = backend.graphs
             flush(result)
             progress(f"counts: {name} done in {row['seconds']:.1f} s")
-    result["graphs_compiled"] = backend.graphs
     return result
 
 

@@ -654,7 +654,8 @@ def main(argv: list[str] | None = None) -> int:
     card = fake_cuda.GPUS[options.gpu]
     fake_cuda.pretend_gpu(card)
     torch._logging.set_logs(all=logging.CRITICAL)  # errors come back as one line; torch's logging would bury it
-    torch._dynamo.config.fail_on_recompile_limit_hit = True  # rather than a silent fallback to uncompiled code
+    # rather than a silent fallback to uncompiled code
+    fake_cuda.set_in_every_thread(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
     # inductor's advice on fp32 matmuls (the record's numerics keep them fp32, as the trainer does)
     warnings.filterwarnings("ignore", message="TensorFloat32 tensor cores")
     try:
