@@ -26,11 +26,15 @@ FUSED_RMS_NORM_ON_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("aten::_
 
 # --- the preflight, in one worker process -----------------------------------------------------
 
+def build_fake_device_once(tmp_path_factory):
+    made_once(tmp_path_factory, "fake_cuda", lambda folder: fake_cuda.build())
+
+
 def run_scenarios(tmp_path_factory, *names: str) -> dict:
     """Scenarios of tests/workers/preflight_worker.py, run in one worker process (one start-up), by name. The
     fake CUDA device is built first, once for the session: test_preflight_faults.py's worker starts beside
     this file's, and in a fresh clone each would compile it."""
-    made_once(tmp_path_factory, "fake_cuda", lambda folder: fake_cuda.build())
+    build_fake_device_once(tmp_path_factory)
     proc = python(REPO / "tests/workers/preflight_worker.py", *names, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     runs = {run["scenario"]: run for run in map(json.loads, proc.stdout.splitlines())}
@@ -359,7 +363,7 @@ def test_reading_a_host_value_in_a_step_is_no_host_sync_but_reading_a_gpu_value_
     # A Python float that a compiled graph takes as a tensor (DistAdam's betas and eps, which differ between
     # buckets: dynamo unspecialises them) is read back with .item() by inductor's kernel launcher, on the host.
     # The inductor preflight under PyTorch 2.11 called that a host sync in adam_update.
-    made_once(tmp_path_factory, "fake_cuda", lambda folder: fake_cuda.build())
+    build_fake_device_once(tmp_path_factory)
     proc = python("-c", HOST_VALUE_AND_GPU_VALUE, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == ["host value 0.75", "training step 1: host sync (aten::_local_scalar_dense) in "
