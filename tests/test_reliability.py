@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,8 +29,19 @@ def refused(proc, *fragments):
         assert fragment in lines[0], lines[0]
 
 
-def test_mismatched_checkpoints_are_refused(short_run, tmp_path):
-    checkpoint = short_run(1).checkpoint(2)
+def saved_untrained(argv: list[str], folder: Path) -> Path:
+    """The checkpoint a run of argv would save at step 2, saved from its untrained model, optimizers and loader:
+    what a refusal that reads only meta.json and the folder needs, without training the SHORT run (15 s)."""
+    args = T.parse_args([*argv, f"--checkpoint_dir={folder}"], False)
+    env = T.DistEnv(0, 0, 1, torch.device("cpu"))
+    model = T.build_model(args, env)
+    loader = T.TrainLoader(args, env)
+    return T.save_checkpoint(2, 1.0, model, T.build_optimizers(model, args), loader, args, env, TRAIN.read_text(),
+                             "untrained")
+
+
+def test_mismatched_checkpoints_are_refused(tmp_path):
+    checkpoint = saved_untrained(SHORT, tmp_path / "ck")
     common = [*SHORT, f"--logs_dir={tmp_path}/logs"]
     # another config
     refused(train_at(1, *common, "--adam_lr=0.5", f"--resume={checkpoint}", check=False),
