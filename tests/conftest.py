@@ -372,6 +372,25 @@ def final_folder(short_run):
     return folder
 
 
+def random_final_weights(root: Path, *flags: str) -> Path:
+    """The final-weights folder (save_final_weights) of the smoke model with flags, untrained: random weights, so
+    that generated text varies and HellaSwag's endings score differently. For the tests of what reads such a
+    folder (sample.py), which need no training run (the SHORT run's takes 15 s)."""
+    args = train_gpt.parse_args(["--preset=smoke", *flags, f"--checkpoint_dir={root}"], False)
+    model = train_gpt.build_model(args, train_gpt.DistEnv(0, 0, 1, torch.device("cpu")))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    return train_gpt.save_final_weights(model, args, TRAIN.read_text(), "untrained", args.num_iterations, 10.8)
+
+
+@pytest.fixture(scope="session")
+def untrained_final_folder(tmp_path_factory):
+    """random_final_weights of the SHORT run's config (its context of 128 positions), once per process."""
+    return random_final_weights(tmp_path_factory.mktemp("untrained"), *SHORT)
+
+
 def random_model(seed=0):
     """The smoke model with random weights (a trained smoke model repeats itself) and short windows,
     so that generation runs past every window. In float64: weights this large amplify fp32 rounding, which

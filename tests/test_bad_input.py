@@ -26,7 +26,7 @@ from torch.testing import assert_close
 
 import sample
 import train_gpt as T
-from conftest import REPO, in_process, one_line_error, random_model, run_main, torchrun
+from conftest import REPO, in_process, one_line_error, random_final_weights, random_model, run_main, torchrun
 
 TRAIN = REPO / "train_gpt.py"
 # The smoke model, one micro-batch of 256 tokens a step and one 1,024-token validation sequence: the
@@ -746,15 +746,8 @@ def test_a_config_error_under_torchrun(tmp_path):
 
 @pytest.fixture(scope="module")
 def final_folder_in_process(tmp_path_factory):
-    """Final weights of the smoke model, written by save_final_weights; random weights, so that
-    HellaSwag's endings score differently (a trained smoke model takes a 30 s run)."""
-    root = tmp_path_factory.mktemp("final")
-    args = T.parse_args(["--preset=smoke", f"--checkpoint_dir={root}"], False)
-    model = T.build_model(args, T.DistEnv(0, 0, 1, torch.device("cpu")))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
-    return T.save_final_weights(model, args, TRAIN.read_text(), "s", args.num_iterations, 10.8)
+    """Final weights of the smoke preset's model, untrained (conftest.random_final_weights)."""
+    return random_final_weights(tmp_path_factory.mktemp("final"))
 
 
 def sample_main(*argv):

@@ -133,9 +133,9 @@ def test_packed_sequences_score_as_if_each_were_alone():
     assert_close(token_losses([sequences[2]])[0], full[1:], rtol=1e-5, atol=1e-5)
 
 
-def test_sample_eval_hellaswag_on_the_fixture(final_folder):
+def test_sample_eval_hellaswag_on_the_fixture(untrained_final_folder):
     def run(*extra):
-        proc = in_process(sample.main, final_folder, "--eval=hellaswag", f"--data={FIXTURE}", *extra)
+        proc = in_process(sample.main, untrained_final_folder, "--eval=hellaswag", f"--data={FIXTURE}", *extra)
         assert proc.returncode == 0, proc.stderr[-2000:]
         return proc.stdout.strip()
 
@@ -143,6 +143,7 @@ def test_sample_eval_hellaswag_on_the_fixture(final_folder):
     assert whole.startswith("hellaswag: 5 examples  acc_norm ")
     assert run("--batch_size=1") == whole  # batching does not change any choice
     assert run("--limit=2").startswith("hellaswag: 2 examples")
-    missing = in_process(sample.main, final_folder, "--eval=hellaswag", f"--data={FIXTURE.parent / 'nope.jsonl'}")
+    missing = in_process(sample.main, untrained_final_folder, "--eval=hellaswag",
+                         f"--data={FIXTURE.parent / 'nope.jsonl'}")
     one_line_error(missing, "nope.jsonl: no such file")
 
