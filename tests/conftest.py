@@ -372,6 +372,14 @@ def final_folder(short_run):
     return folder
 
 
+def fill_random(model: torch.nn.Module):
+    """Every parameter drawn from N(0, 0.3^2) with torch's global generator (the caller seeds it): weights large
+    enough that a model's outputs differ from position to position and ending to ending."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+
+
 def random_final_weights(root: Path, *flags: str) -> Path:
     """The final-weights folder (save_final_weights) of the smoke model with flags, untrained: random weights, so
     that generated text varies and HellaSwag's endings score differently. For the tests of what reads such a
@@ -379,9 +387,7 @@ def random_final_weights(root: Path, *flags: str) -> Path:
     args = train_gpt.parse_args(["--preset=smoke", *flags, f"--checkpoint_dir={root}"], False)
     model = train_gpt.build_model(args, train_gpt.DistEnv(0, 0, 1, torch.device("cpu")))
     torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
+    fill_random(model)
     return train_gpt.save_final_weights(model, args, TRAIN.read_text(), "untrained", args.num_iterations, 10.8)
 
 
@@ -403,8 +409,6 @@ def random_model(seed=0):
                          "--dc_window=16"], False)
     torch.manual_seed(seed)
     model = T.GPT(args)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
+    fill_random(model)
     model.rotary.set_window(3)
     return model.double().eval(), args, {"windows": [1, 4]}

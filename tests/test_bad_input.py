@@ -26,7 +26,8 @@ from torch.testing import assert_close
 
 import sample
 import train_gpt as T
-from conftest import REPO, in_process, one_line_error, random_final_weights, random_model, run_main, torchrun
+from conftest import (REPO, fill_random, in_process, one_line_error, random_final_weights, random_model, run_main,
+                      torchrun)
 
 TRAIN = REPO / "train_gpt.py"
 # The smoke model, one micro-batch of 256 tokens a step and one 1,024-token validation sequence: the
@@ -876,9 +877,8 @@ def positions_model(train_max_seq_len: int, positions: int):
                          f"--val_tokens={4 * positions}", f"--stage_max_seq_len={cap}", "--dc_window=16"], False)
     torch.manual_seed(0)
     model = T.GPT(args)
+    fill_random(model)
     with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
         model.lm_head[:, T.BOS_ID] = 0  # a middling logit: generation never ends on <|endoftext|>
     model.rotary.set_window(3)
     return model.eval(), args, {"windows": [1, 4]}
