@@ -1651,6 +1651,15 @@ def split_mantissa(precise: Tensor, mantissa: Tensor) -> Tensor:
     return (raw >> 16).to(torch.int16).view(torch.bfloat16)
 
 
+class EagerOptimizer(torch.optim.Optimizer):
+    """torch.optim.Optimizer less the torch._dynamo.disable wrappers on add_param_group and zero_grad, whose first
+    call imports torch._dynamo: 2 s of every process's start-up, which a run that compiles nothing (on CPU) never
+    needs otherwise. The wrappers keep dynamo from tracing into these methods from compiled code; this file's
+    optimizers are only ever called eagerly (their compiled parts are the update functions they call)."""
+    add_param_group = torch.optim.Optimizer.add_param_group.__wrapped__
+    zero_grad = torch.optim.Optimizer.zero_grad.__wrapped__
+
+
 class NorMuonHyper(NamedTuple):
     """One NorMuon step's settings for a stack of k matrices, each (k, 1, 1) fp32 on the device: a tensor,
     not a constant, so that a compiled update never recompiles as the schedule moves them."""
@@ -1696,7 +1705,7 @@ class _MatrixStack:
         self.state: dict[str, Tensor] = {}  # stacked: (per_rank, ...) each
 
 
-class NorMuon(torch.optim.Optimizer):
+class NorMuon(EagerOptimizer):
     """NorMuon with Polar Express and cautious weight decay. A 3-D parameter is a stack of matrices, each its
     own unit (the record's units: a head pair's queries or keys, the value, output, up- and
     down-projection matrices).
@@ -1931,7 +1940,7 @@ class _SparseWork:
     sent: tuple
 
 
-class DistAdam(torch.optim.Optimizer):
+class DistAdam(EagerOptimizer):
     """Adam with state sharded over ranks (ZeRO-1 style) and communication overlapped with backward.
 
     A post-accumulate-grad hook on every parameter starts an async reduce-scatter of its gradient

@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_gpt as T
-from conftest import run_main
+from conftest import python, run_main
 
 # Ops that make the host wait for the device: reading a value, or shapes that depend on data.
 SYNCING_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique_dim",
@@ -112,3 +112,20 @@ def test_synthetic_steps_fill_any_number_of_micro_batches(micro_batches):
         micro = T.Schedule(args).micro_tokens(step)
         assert len(batch) == micro_batches
         assert all(inputs.shape == targets.shape == (micro,) and inputs[0] == T.BOS_ID for inputs, targets in batch)
+
+
+def test_a_run_that_compiles_nothing_never_imports_dynamo(tmp_path):
+    # Importing torch._dynamo costs a process 2 s on 2 cores, and torch.optim's add_param_group and zero_grad
+    # import it on their first call: a CPU run with its checkpoints, which compiles nothing, must not pay for it
+    # (the trainer's optimizers bypass those wrappers). Broken, it fails: dynamo is imported.
+    script = f"""
+import sys
+import train_gpt as T
+assert T.main(["--num_iterations=4", "--extension_steps=1", "--val_loss_every=0", "--stage_batch_tokens=256,256,256",
+               "--val_tokens=1024", "--save_every=2", "--save_final=true", "--logs_dir={tmp_path}",
+               "--checkpoint_dir={tmp_path}/ck", "--run_id=plain"]) == 0
+print("dynamo imported:", "torch._dynamo" in sys.modules)
+"""
+    proc = python("-c", script)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "dynamo imported: False", proc.stdout[-2000:]
