@@ -114,6 +114,7 @@ def test_synthetic_steps_fill_any_number_of_micro_batches(micro_batches):
         assert all(inputs.shape == targets.shape == (micro,) and inputs[0] == T.BOS_ID for inputs, targets in batch)
 
 
+@pytest.mark.slow  # a process of its own, which trains
 def test_a_run_that_compiles_nothing_never_imports_dynamo(tmp_path):
     # Importing torch._dynamo costs a process 2 s on 2 cores, and torch.optim's add_param_group and zero_grad
     # import it on their first call: a CPU run with its checkpoints, which compiles nothing, must not pay for it
@@ -121,8 +122,8 @@ def test_a_run_that_compiles_nothing_never_imports_dynamo(tmp_path):
     script = f"""
 import sys
 import train_gpt as T
-assert T.main(["--num_iterations=4", "--extension_steps=1", "--val_loss_every=0", "--stage_batch_tokens=256,256,256",
-               "--val_tokens=1024", "--save_every=2", "--save_final=true", "--logs_dir={tmp_path}",
+assert T.main(["--num_iterations=2", "--extension_steps=1", "--val_loss_every=0", "--stage_batch_tokens=256,256,256",
+               "--val_tokens=512", "--val_seq_len=512", "--save_every=2", "--save_final=true", "--logs_dir={tmp_path}",
                "--checkpoint_dir={tmp_path}/ck", "--run_id=plain"]) == 0
 print("dynamo imported:", "torch._dynamo" in sys.modules)
 """
