@@ -115,6 +115,7 @@ def smoke_args(*flags):
     return T.parse_args(["--preset=smoke", *flags], False)
 
 
+@pytest.mark.slow  # real forward and backward passes of the smoke model (7 s)
 def test_the_memory_model_predicts_real_cpu_steps_and_validation():
     # Real tensors on this CPU, followed op by op: a micro-batch's forward and backward from the second one
     # of a step on (the gradients of the first exist), at sizes where the loss chunk, the saved activations

@@ -359,6 +359,7 @@ with fake_mode, gpu, gpu.running("training step 1", training_step=True):
 """
 
 
+@pytest.mark.slow  # a process of its own on the fake device (6 s)
 def test_reading_a_host_value_in_a_step_is_no_host_sync_but_reading_a_gpu_value_is(tmp_path_factory):
     # A Python float that a compiled graph takes as a tensor (DistAdam's betas and eps, which differ between
     # buckets: dynamo unspecialises them) is read back with .item() by inductor's kernel launcher, on the host.

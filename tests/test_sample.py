@@ -42,6 +42,7 @@ def test_sample_prints_text_and_repeats_itself_with_the_same_seed(untrained_fina
     assert other.stdout != first.stdout
 
 
+@pytest.mark.slow  # 90 tokens generated twice, then 86 positions fed twice (6 s)
 def test_cached_and_uncached_generation_agree():
     model, args, info = random_model()
     prompt = [464, 3290, 11, 257, 1110, 13]

@@ -28,7 +28,7 @@ class NoHostSync(TorchDispatchMode):
 
 def smoke_setup():
     # Short micro-batches: a host sync is the same whatever their length.
-    args = T.parse_args(["--preset=smoke", "--stage_batch_tokens=1024,1024,1024"], False)
+    args = T.parse_args(["--preset=smoke", "--stage_batch_tokens=256,256,256"], False)
     env = T.DistEnv(0, 0, 1, torch.device("cpu"))
     model = T.build_model(args, env)
     return args, env, model, T.build_optimizers(model, args)
