@@ -3458,6 +3458,9 @@ class MemoryModel:
         self.muon_state, self.muon_buffers = normuon_bytes(self.muon, world_size)
         self.adam_state = dist_adam_bytes(self.adam, world_size, self.model.bigram_embed.weight, 0)[0]
         self.counted: dict = {}  # (micro_tokens, micro-batches per rank), or the validation's length -> its rows
+        # what a forward pass keeps depends on none of the world size, the micro-batch counts or the run's controls
+        self.forward_key = (tuple((k, v) for k, v in dataclasses.asdict(args).items()
+                                  if k not in (*RUN_CONTROL_FIELDS, "micro_batches")), device.type, numerics, attention_kind)
 
     def state(self) -> int:
         """What a training rank holds whatever the phase: weights, buffers, gradients, optimizer state."""
@@ -3472,37 +3475,36 @@ class MemoryModel:
         masks = build_masks(inputs, self.model.plans, windows, self.args.window_block, self.use_flex)
         return masks, mask_bytes(masks)
 
-    def training(self, micro_tokens: int, windows: tuple[int, int], micro_per_rank: int) -> dict[str, int]:
-        """The rows of a training phase whose micro-batches hold micro_tokens tokens."""
-        args = self.args
+    def _shared_count(self, what: tuple, count) -> tuple[int, int]:
+        """count() of a forward pass, made once for every memory model of the same configuration (world sizes
+        and micro-batch counts differ only in what the optimizers hold): tools/estimate_memory.py's world sizes
+        and the counts --micro_batches=auto tries share them."""
+        key = (self.forward_key, what)
+        if key not in FORWARD_COUNTS:
+            if len(FORWARD_COUNTS) >= 256:  # a long-lived process (the tests) keeps the newest
+                FORWARD_COUNTS.pop(next(iter(FORWARD_COUNTS)))
+            FORWARD_COUNTS[key] = count()
+        return FORWARD_COUNTS[key]
+
+    def _saved_by_forward(self, micro_tokens: int, windows: tuple[int, int]) -> tuple[int, int]:
+        """(bytes the forward keeps for backward, bytes of the block masks) for one micro-batch."""
         with self.fake, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             x = self._tokens(micro_tokens + 1)
             masks, masks_size = self._masks(x[:-1], windows)
-            touched = min(self.model.bigram_embed.num_embeddings, args.adam_every * micro_tokens * micro_per_rank)
-            adam_buffers = dist_adam_bytes(self.adam, self.world_size, self.model.bigram_embed.weight, touched)[1]
             saved: dict = {}
 
             def keep(t):
                 saved[StorageWeakRef(t.untyped_storage())] = t.untyped_storage().nbytes()
                 return t
 
-            mtp = torch.ones(len(Schedule(args).mtp_weights(0)))
+            mtp = torch.ones(len(Schedule(self.args).mtp_weights(0)))
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
                 self.model(x[:-1], x[1:], masks, mtp, loss_scale=1.0)
-        activations, chunk = sum(saved.values()), loss_chunk_bytes(args, micro_tokens, self.device_type,
-                                                                       self.model.numerics.head)
-        tables = (self.model.value_embeds, self.model.embed.weight, self.model.bigram_embed.weight)
-        embedding_backward = 2 * max(tensor_bytes([table]) for table in tables)
-        step_buffers = self.muon_buffers + adam_buffers
-        return {"weights": self.weights, "buffers": self.buffers, "gradients": self.weights,
-                "NorMuon state": self.muon_state, "DistAdam state": self.adam_state,
-                "saved activations": activations, "loss chunk": chunk, "block masks": masks_size,
-                "embedding backward": embedding_backward, "optimizer-step buffers": step_buffers,
-                "peak": self.state() + max(activations + chunk + masks_size, embedding_backward, step_buffers)}
+        return sum(saved.values()), masks_size
 
-    def validation(self, seq_len: int, windows: tuple[int, int]) -> dict[str, int]:
-        """The rows of a validation forward pass over one seq_len-token sequence (no gradients)."""
+    def _live_in_forward(self, seq_len: int, windows: tuple[int, int]) -> tuple[int, int]:
+        """(the most bytes a validation forward pass holds beyond the model, bytes of its block masks)."""
         with self.fake, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             x = self._tokens(seq_len + 1)
@@ -3515,7 +3517,30 @@ class MemoryModel:
                 base = live.live
                 self.model(x[:-1], x[1:], masks)
             self.model.train()
-        forward = live.peak - base
+        return live.peak - base, masks_size
+
+    def training(self, micro_tokens: int, windows: tuple[int, int], micro_per_rank: int) -> dict[str, int]:
+        """The rows of a training phase whose micro-batches hold micro_tokens tokens."""
+        args = self.args
+        activations, masks_size = self._shared_count(("training", micro_tokens),
+                                                     lambda: self._saved_by_forward(micro_tokens, windows))
+        touched = min(self.model.bigram_embed.num_embeddings, args.adam_every * micro_tokens * micro_per_rank)
+        with self.fake, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            adam_buffers = dist_adam_bytes(self.adam, self.world_size, self.model.bigram_embed.weight, touched)[1]
+        chunk = loss_chunk_bytes(args, micro_tokens, self.device_type, self.model.numerics.head)
+        tables = (self.model.value_embeds, self.model.embed.weight, self.model.bigram_embed.weight)
+        embedding_backward = 2 * max(tensor_bytes([table]) for table in tables)
+        step_buffers = self.muon_buffers + adam_buffers
+        return {"weights": self.weights, "buffers": self.buffers, "gradients": self.weights,
+                "NorMuon state": self.muon_state, "DistAdam state": self.adam_state,
+                "saved activations": activations, "loss chunk": chunk, "block masks": masks_size,
+                "embedding backward": embedding_backward, "optimizer-step buffers": step_buffers,
+                "peak": self.state() + max(activations + chunk + masks_size, embedding_backward, step_buffers)}
+
+    def validation(self, seq_len: int, windows: tuple[int, int]) -> dict[str, int]:
+        """The rows of a validation forward pass over one seq_len-token sequence (no gradients)."""
+        forward, masks_size = self._shared_count(("validation", seq_len), lambda: self._live_in_forward(seq_len, windows))
         persistent = self.weights + self.buffers + self.muon_state + self.adam_state
         return {"weights": self.weights, "buffers": self.buffers, "gradients": 0, "NorMuon state": self.muon_state,
                 "DistAdam state": self.adam_state, "forward's largest live tensors": forward,
@@ -3547,6 +3572,7 @@ class MemoryModel:
 # tools/estimate_memory.py ask about the same configuration again (the trainer's start-up, the fitting flags,
 # another card), and a model's counts are kept with it.
 MEMORY_MODELS: dict[tuple, MemoryModel] = {}
+FORWARD_COUNTS: dict[tuple, tuple[int, int]] = {}  # MemoryModel._shared_count's
 
 
 def memory_model(args: Hyperparameters, world_size: int, device: torch.device, numerics: Numerics,

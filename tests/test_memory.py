@@ -171,6 +171,27 @@ def test_auto_choices_are_multiples_of_the_world_size_that_split_the_batch_into_
         T.fit_micro_batches(smoke_args("--micro_batches=auto"), 32, CPU, T.Numerics(), "sdpa", 2 ** 40, "")
 
 
+def test_memory_models_of_one_configuration_share_their_forward_passes(monkeypatch):
+    # World sizes and micro-batch counts change only what the optimizers hold and what a step sends: one forward
+    # pass per micro-batch size serves every memory model of a configuration (tools/estimate_memory.py's world
+    # sizes, the counts --micro_batches=auto tries), and its rows are those of a model counted on its own.
+    args = smoke_args()
+
+    def counted_alone(world_size):
+        T.FORWARD_COUNTS.clear()
+        return T.MemoryModel(args, world_size, CPU, T.Numerics(), "sdpa").phases({0})  # stage 1, the validation
+
+    alone = {world_size: counted_alone(world_size) for world_size in (1, 2)}
+    assert alone[1] != alone[2]  # the optimizer state and buffers differ
+    T.FORWARD_COUNTS.clear()
+    passes, forward = [], T.MemoryModel._saved_by_forward
+    monkeypatch.setattr(T.MemoryModel, "_saved_by_forward",
+                        lambda self, micro_tokens, windows: passes.append(micro_tokens) or forward(self, micro_tokens, windows))
+    shared = {world_size: T.MemoryModel(args, world_size, CPU, T.Numerics(), "sdpa").phases({0}) for world_size in (1, 2)}
+    assert shared == alone
+    assert passes == [T.Schedule(args).stages[0].micro_tokens]  # once for both
+
+
 def stage_peak(micro_tokens: int, world_size: int = 1) -> int:
     """The smoke model's predicted training peak at a micro-batch of micro_tokens (stage 3's windows)."""
     args = smoke_args(f"--micro_batches={world_size},{world_size},{3072 // micro_tokens}")
