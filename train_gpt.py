@@ -3459,8 +3459,7 @@ class MemoryModel:
         self.adam_state = dist_adam_bytes(self.adam, world_size, self.model.bigram_embed.weight, 0)[0]
         self.counted: dict = {}  # (micro_tokens, micro-batches per rank), or the validation's length -> its rows
         # what a forward pass keeps depends on none of the world size, the micro-batch counts or the run's controls
-        self.forward_key = (tuple((k, v) for k, v in dataclasses.asdict(args).items()
-                                  if k not in (*RUN_CONTROL_FIELDS, "micro_batches")), device.type, numerics, attention_kind)
+        self.forward_key = (config_fields(args, ignored=("micro_batches",)), device.type, numerics, attention_kind)
 
     def state(self) -> int:
         """What a training rank holds whatever the phase: weights, buffers, gradients, optimizer state."""
@@ -3479,12 +3478,7 @@ class MemoryModel:
         """count() of a forward pass, made once for every memory model of the same configuration (world sizes
         and micro-batch counts differ only in what the optimizers hold): tools/estimate_memory.py's world sizes
         and the counts --micro_batches=auto tries share them."""
-        key = (self.forward_key, what)
-        if key not in FORWARD_COUNTS:
-            if len(FORWARD_COUNTS) >= 256:  # a long-lived process (the tests) keeps the newest
-                FORWARD_COUNTS.pop(next(iter(FORWARD_COUNTS)))
-            FORWARD_COUNTS[key] = count()
-        return FORWARD_COUNTS[key]
+        return kept(FORWARD_COUNTS, (self.forward_key, what), count, 256)
 
     def _saved_by_forward(self, micro_tokens: int, windows: tuple[int, int]) -> tuple[int, int]:
         """(bytes the forward keeps for backward, bytes of the block masks) for one micro-batch."""
@@ -3577,13 +3571,22 @@ FORWARD_COUNTS: dict[tuple, tuple[int, int]] = {}  # MemoryModel._shared_count's
 
 def memory_model(args: Hyperparameters, world_size: int, device: torch.device, numerics: Numerics,
                  attention_kind: str) -> MemoryModel:
-    key = (tuple((k, v) for k, v in dataclasses.asdict(args).items() if k not in RUN_CONTROL_FIELDS), world_size,
-           device.type, numerics, attention_kind)
-    if key not in MEMORY_MODELS:
-        if len(MEMORY_MODELS) >= 64:  # a long-lived process (the tests) keeps the newest
-            MEMORY_MODELS.pop(next(iter(MEMORY_MODELS)))
-        MEMORY_MODELS[key] = MemoryModel(args, world_size, device, numerics, attention_kind)
-    return MEMORY_MODELS[key]
+    key = (config_fields(args), world_size, device.type, numerics, attention_kind)
+    return kept(MEMORY_MODELS, key, lambda: MemoryModel(args, world_size, device, numerics, attention_kind), 64)
+
+
+def config_fields(args: Hyperparameters, ignored: tuple[str, ...] = ()) -> tuple:
+    """The fields of args that decide a count, as a key: all but the run's controls and `ignored`."""
+    return tuple((k, v) for k, v in dataclasses.asdict(args).items() if k not in (*RUN_CONTROL_FIELDS, *ignored))
+
+
+def kept(table: dict, key, make, most: int):
+    """table[key], made by make() the first time; a long-lived process (the tests) keeps the newest `most`."""
+    if key not in table:
+        if len(table) >= most:
+            table.pop(next(iter(table)))
+        table[key] = make()
+    return table[key]
 
 
 class DoesNotFitError(ConfigError):
