@@ -4500,7 +4500,7 @@ class Logger:
             raise write_error(self.path, e) from None
         self.size += len(data)
         if console:
-            print(line, flush=True)
+            console_line(line)
 
     def last_line(self, line: str):
         """The line that says how a run ended, if the disk still has room for it."""
@@ -4656,7 +4656,7 @@ def train(args: Hyperparameters, env: DistEnv):
             raise DataError(f"--init_from={args.init_from}: not a final-weights folder (no model.pt); a resumed run "
                             f"continues from its checkpoint's weights and does not read it: drop --init_from")
         for line in sweep_unfinished_saves(run_dir) if env.is_main else []:  # the id's run is refused below
-            print(line, file=sys.stderr)
+            console_line(line, sys.stderr)
         if env.is_main and log_path.exists():
             raise ConfigError(f"--run_id={run_id}: {log_path} already exists; choose another run id")
         # A run id names one run, its log and its checkpoint folder, whichever --logs_dir and --checkpoint_dir
@@ -5045,12 +5045,21 @@ def failure_line(error: BaseException) -> str:
     return f"{type(error).__name__ + ': ' if not isinstance(error, TrainingError) else ''}{error}"
 
 
+def console_line(line: str, stream=None):
+    """Prints one line to stdout (or `stream`) in a single write. print() writes the text and its newline
+    separately, and unbuffered (PYTHONUNBUFFERED) they are two writes: under torchrun the ranks share one
+    stderr, and two ranks' lines came out run together with the newlines after them."""
+    stream = sys.stdout if stream is None else stream
+    stream.write(line + "\n")
+    stream.flush()
+
+
 def report_error(line: str, exit_code: int, print_it: bool = True) -> int:
     """Prints a failed run's one line and returns its exit code. Under torchrun the line also goes to the
     rank's error file (TORCHELASTIC_ERROR_FILE, which torchrun sets), so that torchrun's own summary of
     the failure shows it instead of a pointer to its documentation."""
     if print_it:
-        print(line, file=sys.stderr)
+        console_line(line, sys.stderr)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         record = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}

@@ -303,3 +303,33 @@ def test_ctrl_c_under_torchrun_ends_every_rank_in_one_line(tmp_path):
     assert names == ["latest", *sorted(p.name for p in run_dir.glob("step_*"))] and latest.name == names[-1]
     args = T.parse_args([*LONG_SHORT, "--save_every=2"], False)
     T.check_checkpoint(latest, args, T.DistEnv(0, 0, 2, torch.device("cpu")), TRAIN.read_text())
+
+
+class WriteRecorder:
+    """A console stream that keeps each write: unbuffered (PYTHONUNBUFFERED), each is one write(2) to a pipe the
+    ranks under torchrun share."""
+
+    def __init__(self):
+        self.writes = []
+
+    def write(self, text):
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self):
+        pass
+
+
+def test_each_console_line_goes_out_in_one_write(tmp_path, monkeypatch):
+    # Two ranks' error lines, each printed as its text and then its newline, came out of torchrun as
+    # "error [rank 0]: ...error [rank 1]: ...\n\n": a line and its newline must be one write.
+    stdout, stderr = WriteRecorder(), WriteRecorder()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    monkeypatch.setattr(sys, "stderr", stderr)
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    assert T.report_error("error [rank 1]: interrupted by SIGINT at step 4", 130) == 130
+    log = T.Logger(tmp_path / "run.txt")
+    log("step:1/2 train_loss:10.8")
+    log.close()
+    assert stderr.writes == ["error [rank 1]: interrupted by SIGINT at step 4\n"]
+    assert stdout.writes == ["step:1/2 train_loss:10.8\n"]
