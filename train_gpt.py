@@ -3519,9 +3519,7 @@ class MemoryModel:
         activations, masks_size = self._shared_count(("training", micro_tokens),
                                                      lambda: self._saved_by_forward(micro_tokens, windows))
         touched = min(self.model.bigram_embed.num_embeddings, args.adam_every * micro_tokens * micro_per_rank)
-        with self.fake, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            adam_buffers = dist_adam_bytes(self.adam, self.world_size, self.model.bigram_embed.weight, touched)[1]
+        adam_buffers = dist_adam_bytes(self.adam, self.world_size, self.model.bigram_embed.weight, touched)[1]
         chunk = loss_chunk_bytes(args, micro_tokens, self.device_type, self.model.numerics.head)
         tables = (self.model.value_embeds, self.model.embed.weight, self.model.bigram_embed.weight)
         embedding_backward = 2 * max(tensor_bytes([table]) for table in tables)
