@@ -4951,7 +4951,9 @@ class Performance:
 
     @staticmethod
     def measure(run: Run, model: GPT, loader) -> "Performance":
-        peak = matmul_peak_flops(run.env.device, model.numerics.compute)
+        # The peak is measured by the rank that logs, alone: ranks that share a CPU's cores would slow each
+        # other's matmuls and so understate it (the other ranks wait for rank 0 at their first collective).
+        peak = matmul_peak_flops(run.env.device, model.numerics.compute) if run.env.is_main else float("nan")
         position = loader.state_dict()
         tokens = loader.next_batch(0)[0][0]  # the first batch's documents
         flops = schedule_flops_per_token(run.args, model, tokens, run.schedule)

@@ -100,6 +100,23 @@ def test_synthetic_benchmark_runs_on_cpu(tmp_path):
     assert re.search(r"^summary: .* mfu:[\d.]+% ", log, re.M)
 
 
+def test_only_the_rank_that_logs_measures_the_matmul_peak(monkeypatch):
+    # Ranks sharing a CPU's cores (gloo) would slow each other's measurement and understate the peak; the other
+    # ranks' figures are never logged.
+    measured = []
+    monkeypatch.setattr(T, "matmul_peak_flops", lambda device, dtype: measured.append(device) or 1e12)
+    args = T.parse_args(["--preset=smoke", "--synthetic=true", "--stage_batch_tokens=256,256,256"], False)
+    model = T.GPT(args)
+    perfs = []
+    for rank in (0, 1):
+        env = T.DistEnv(rank, rank, 2, torch.device("cpu"))
+        run = T.Run(args, env, T.Schedule(args), T.Logger(None), "", "peak")
+        perfs.append(T.Performance.measure(run, model, T.SyntheticLoader(args, env)))
+    assert measured == [torch.device("cpu")]
+    assert perfs[0].peak_flops == 1e12 and perfs[1].peak_flops != perfs[1].peak_flops  # NaN off rank 0
+    assert perfs[0].flops_per_token > 0 and perfs[1].flops_per_token > 0
+
+
 @pytest.mark.parametrize("micro_batches", [8, 32, 256])
 def test_synthetic_steps_fill_any_number_of_micro_batches(micro_batches):
     # Each micro-batch's cut document is skipped, as the loader does with shards: 32 micro-batches of 4,097
