@@ -2,9 +2,11 @@
 nodes, and with or without the untimed warmup. All read the session's SHORT runs (under pytest-xdist this
 file runs on one worker, which makes each of them once)."""
 
+import random
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,9 +72,21 @@ def test_resume_reaches_the_val_losses_of_an_uninterrupted_run(short_run, tmp_pa
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range, for a rendezvous that binds it after this socket lets it
+    go. A port from the range (bind to port 0) could meanwhile become the local end of any connection: other
+    tests' gloo ranks make many. Below the range only a server that asks for that very port can take it."""
+    try:
+        first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768  # Linux's default
+    for port in random.Random().sample(range(max(1024, first_ephemeral // 2), first_ephemeral), 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    pytest.fail(f"no free port among 100 tried below the ephemeral range (from {first_ephemeral})")
 
 
 @pytest.mark.slow
