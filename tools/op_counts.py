@@ -63,6 +63,12 @@ NO_KERNEL = {
 }
 COLLECTIVE_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::")
 MATMULS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::_scaled_mm", "aten::matmul"}
+# Which argument of a matmul is its first operand (the others take it first): K is that operand's last dimension.
+FIRST_OPERAND = {"aten::addmm": 1, "aten::baddbmm": 1}
+# The kinds of device work a step is counted in (tools/cost_model.py prices each): an inductor Triton kernel, one of
+# inductor's FlexAttention templates, a bf16/fp32 matmul, an FP8 matmul, an eager element-wise op, and an eager op
+# with an operand out of order (a transposing copy runs in PyTorch's strided kernel, not its vectorized one).
+WORK_KINDS = ("triton", "attention", "matmul", "fp8 matmul", "eager", "eager strided")
 
 # Where an eager op comes from: the first category any of its train_gpt.py frames belongs to, by the frame's
 # qualified name. The more specific categories come first (a loss computed inside GPT.forward is the loss head's).
@@ -129,6 +135,8 @@ class StepCounts:
     kernel_bytes: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # category -> bytes
     extern_bytes: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # category -> bytes
     matmul_bytes: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # category -> bytes
+    # Every piece of device work, for tools/cost_model.py: (source, kind, bytes, flops) -> launches. Kinds: WORK_KINDS.
+    work: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     def as_dict(self) -> dict:
         adds = [{"shape": list(shape), "dtype": dtype, "into": into, "count": n}
@@ -139,7 +147,9 @@ class StepCounts:
                 "kernel_launches": sum(self.kernels.values()),
                 "kernel_launches_by_source": dict(self._launches_by_source()),
                 "kernel_bytes_by_source": dict(self.kernel_bytes), "extern_bytes_by_source": dict(self.extern_bytes),
-                "matmul_bytes_by_source": dict(self.matmul_bytes)}
+                "matmul_bytes_by_source": dict(self.matmul_bytes),
+                "work": [{"source": source, "kind": kind, "bytes": nbytes, "flops": flops, "count": n}
+                         for (source, kind, nbytes, flops), n in sorted(self.work.items())]}
 
     def _launches_by_source(self) -> collections.Counter:
         counts = collections.Counter()
@@ -178,13 +188,17 @@ class OpCounter(TorchDispatchMode):
         if name in NO_KERNEL or name.startswith("prim::"):  # prim::device and the like: attribute reads
             return
         where = category(sys._getframe(2))
-        moved = tensor_bytes([*flat_tensors(args), *flat_tensors(kwargs.values()), *flat_tensors([result])])
+        tensors = [*flat_tensors(args), *flat_tensors(kwargs.values()), *flat_tensors([result])]
+        moved = tensor_bytes(tensors)
+        kind, flops = work_kind(name, args, result, tensors)
         if where is None:  # an extern kernel of a compiled graph (inductor calls aten for matmuls)
             source = self.graph_source()
             (counts.matmul_bytes if name in MATMULS else counts.extern_bytes)[source] += moved
+            counts.work[(source, kind, moved, flops)] += 1
             return
         counts.eager_ops[where] += 1
         (counts.matmul_bytes if name in MATMULS else counts.eager_bytes)[where] += moved
+        counts.work[(where, kind, moved, flops)] += 1
         if where == ENGINE and name in ("aten::add", "aten::add_"):
             target = args[0]
             into = "a parameter's .grad" if any(p.grad is target for p in self.model.parameters()) else "an activation"
@@ -206,6 +220,18 @@ class OpCounter(TorchDispatchMode):
             if any(q.startswith(prefixes) for q in trainer_frames):
                 return name if name != "model, between its graphs" else "forward graphs"
         return STEP
+
+
+def work_kind(name: str, args, result, tensors: list) -> tuple[str, int]:
+    """The kind of device work an aten op is (WORK_KINDS) and its FLOPs: 2 x the output's elements x K for a matmul,
+    none for the rest."""
+    if name in MATMULS:
+        first = args[FIRST_OPERAND.get(name, 0)]
+        out = result[0] if isinstance(result, (tuple, list)) else result
+        kind = "fp8 matmul" if first.element_size() == 1 else "matmul"
+        return kind, 2 * out.numel() * first.shape[-1]
+    strided = any(t.dim() > 1 and t.numel() > 1 and not t.is_contiguous() for t in tensors)
+    return ("eager strided" if strided else "eager"), 0
 
 
 class CountingBackend:
@@ -239,8 +265,8 @@ class CountingBackend:
 
 @contextlib.contextmanager
 def kernel_launches(counter: OpCounter):
-    """Each launch of an inductor-generated Triton kernel (fake Triton launches nothing) noted with the bytes its
-    metadata says it moves."""
+    """Each launch of an inductor-generated Triton kernel (fake Triton launches nothing) noted with the bytes and
+    FLOPs its metadata gives, and each call of a compiled graph."""
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
     run = CachingAutotuner.run
 
@@ -250,10 +276,23 @@ def kernel_launches(counter: OpCounter):
             source = OpCounter.graph_source()
             name = self.inductor_meta.get("kernel_name") or getattr(self.fn, "__name__", "kernel")
             counts.kernels[(source, name)] += 1
-            counts.kernel_bytes[source] += int(round(1e9 * (self.inductor_meta.get("kernel_num_gb") or 0.0)))
+            moved = int(round(1e9 * (self.inductor_meta.get("kernel_num_gb") or 0.0)))
+            counts.kernel_bytes[source] += moved
+            kind = "attention" if "flex_attention" in name else "triton"
+            counts.work[(source, kind, moved, int(self.inductor_meta.get("kernel_flop") or 0))] += 1
         return run(self, *args, **kwargs)
 
-    with unittest.mock.patch.object(CachingAutotuner, "run", counted_run):
+    from torch._inductor.output_code import CompiledFxGraph
+    call = CompiledFxGraph.__call__
+
+    def counted_call(self, inputs):  # a compiled graph's call: the backward's run on autograd's side, no frame of ours
+        counts = counter.counts
+        if counts is not None:
+            counts.graph_calls["backward" if OpCounter.graph_source() == "backward graphs" else "forward"] += 1
+        return call(self, inputs)
+
+    with unittest.mock.patch.object(CachingAutotuner, "run", counted_run), \
+            unittest.mock.patch.object(CompiledFxGraph, "__call__", counted_call):
         yield
 
 
