@@ -1228,7 +1228,7 @@ def run_counts(options: argparse.Namespace, argv: list[str]) -> Report:
     import logging
 
     import fake_cuda
-    import op_counts
+    import preflight
     if fake_cuda.loaded is None:
         raise BenchError("--counts: run tools/bench.py as a script (the fake H100 goes in before torch is imported)")
     if options.kernels and importlib.util.find_spec("triton") is None:
@@ -1250,7 +1250,7 @@ def run_counts(options: argparse.Namespace, argv: list[str]) -> Report:
         report.data["counts"] = result
         report.flush()
 
-    report.data["counts"] = op_counts.count_stages(flags, options.world_size, options.kernels,
+    report.data["counts"] = preflight.count_stages(flags, options.world_size, options.kernels,
                                                    stages if options.parts_given else None,
                                                    progress=lambda line: print(line, flush=True), flush=flush)
     report.data["header"]["total_s"] = time.perf_counter() - start

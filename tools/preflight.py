@@ -579,6 +579,90 @@ def save_checkpoints(model, optimizers, loader, args: T.Hyperparameters, env: T.
 
 
 # -----------------------------------------------------------------------------
+# The bench's CPU mode (tools/bench.py --counts): rank 0's steps of each stage counted by tools/op_counts.py
+
+def count_stages(flags: list[str], world_size: int, kernels: bool, stages: list[str] | None = None,
+                 progress=print, flush=lambda result: None) -> dict:
+    """Per stage ("stage 1", ..., "extension"; None: all), the counts of a step without Adam and a step with it
+    (rank 0 of world_size, fake H100); flush(result) after each stage."""
+    args = T.parse_args(flags, True)
+    T.check_world_size(args, world_size)
+    if kernels:
+        fake_cuda.fake_triton()  # inductor compiles every kernel for sm_90, without a GPU
+        import torch._inductor.config as inductor_config
+        # kernel_num_gb in each kernel's metadata
+        fake_cuda.set_in_every_thread(inductor_config, "benchmark_kernel", True)
+    torch._dynamo.reset()
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size))  # what torchrun tells rank 0
+    if world_size > 1:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        return _count_stages(args, world_size, kernels, stages, progress, flush)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _count_stages(args: T.Hyperparameters, world_size: int, kernels: bool, stages, progress, flush) -> dict:
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    gpu = FakeGPU(fake_mode)
+    with gpu:
+        env, args = T.setup_distributed(args)
+        schedule = T.Schedule(args)
+        with torch.device("meta"):
+            model = T.build_model(args, env)
+    counter = op_counts.OpCounter(model)
+    backend = op_counts.CountingBackend(counter, kernels)
+    result = {"stages": {}, "world_size": world_size, "preset": args.preset, "kernels": kernels, "graphs_compiled": 0}
+    with fake_mode, gpu, warnings.catch_warnings(), \
+            unittest.mock.patch.object(T, "host_bigram_rows", on_host), \
+            unittest.mock.patch.object(dist, "all_to_all_single", gpu.all_to_all_single), \
+            unittest.mock.patch.object(torch, "from_numpy", real_from_numpy), \
+            op_counts.kernel_launches(counter) if kernels else contextlib.nullcontext(), counter:
+        warnings.filterwarnings("ignore")
+        optimizers, use_flex = T.prepare_training(model, args, env, backend=backend)
+        loader = T.SyntheticLoader(args, env, schedule)
+        for index, stage in enumerate(schedule.stages):
+            name = "extension" if index == len(schedule.stages) - 1 else f"stage {index + 1}"
+            if stages is not None and name not in stages:
+                continue
+            start = time.perf_counter()
+            cycle = 2 * args.adam_every
+            steps = [s for s in range(stage.start, min(stage.start + cycle, stage.end))]
+            if len(steps) < cycle:
+                continue
+            row = {"micro_tokens": stage.micro_tokens, "micro_batches_per_rank": stage.micro_batches // world_size,
+                   "logits_per_micro_batch": stage.micro_tokens * model.vocab, "steps_in_stage": stage.end - stage.start,
+                   "steps": {}}
+            for i, step in enumerate(steps):
+                model.rotary.set_window(schedule.windows(step)[1])
+                T.set_schedules(step, optimizers, schedule, args)
+                batch = loader.next_batch(step)
+                counted = i >= args.adam_every  # the second cycle: every graph compiled, every state made
+                counter.counts = op_counts.StepCounts() if counted else None
+                sent = collections.Counter(gpu.collective_bytes[gpu.phase])
+                T.train_step(model, optimizers, batch, step, schedule, args, use_flex)
+                if counted:
+                    kind = "with Adam" if schedule.adam_steps(step) else "without Adam"
+                    row["steps"][kind] = counter.counts.as_dict()
+                    # each collective's whole buffer, by kind (a reduce-scatter's input, an all-gather's output)
+                    row["steps"][kind]["collective_bytes"] = dict(gpu.collective_bytes[gpu.phase] - sent)
+                counter.counts = None
+            for kind, counts in row["steps"].items():
+                head = counts["eager_bytes_by_source"].get("loss head", 0) + \
+                    counts["kernel_bytes_by_source"].get("loss head", 0)
+                counts["loss_head_bytes_per_logit"] = head / (row["logits_per_micro_batch"] *
+                                                              row["micro_batches_per_rank"])
+            row["seconds"] = time.perf_counter() - start
+            result["stages"][name] = row
+            result["graphs_compiled"] = backend.graphs
+            flush(result)
+            progress(f"counts: {name} done in {row['seconds']:.1f} s")
+    return result
+
+
+# -----------------------------------------------------------------------------
 # Output
 
 def eager_ops(counts: dict) -> str:
