@@ -124,6 +124,7 @@ class StepCounts:
     eager_bytes: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # category -> bytes
     collectives: int = 0
     graph_calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # forward/backward
+    graph_calls_by_source: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     adds: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # (shape, dtype, into) -> n
     kernels: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # (category, name) -> n
     kernel_bytes: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # category -> bytes
@@ -137,7 +138,8 @@ class StepCounts:
                 for (shape, dtype, into), n in self.adds.most_common()]
         return {"eager_ops": sum(self.eager_ops.values()), "eager_ops_by_source": dict(self.eager_ops.most_common()),
                 "eager_bytes_by_source": dict(self.eager_bytes), "collectives": self.collectives,
-                "graph_calls": dict(self.graph_calls), "gradient_adds": sum(self.adds.values()), "adds": adds,
+                "graph_calls": dict(self.graph_calls),
+                "graph_calls_by_source": dict(self.graph_calls_by_source), "gradient_adds": sum(self.adds.values()), "adds": adds,
                 "kernel_launches": sum(self.kernels.values()),
                 "kernel_launches_by_source": dict(self._launches_by_source()),
                 "kernel_bytes_by_source": dict(self.kernel_bytes), "extern_bytes_by_source": dict(self.extern_bytes),
@@ -250,6 +252,7 @@ class CountingBackend:
                 def call(*args):
                     if self.counter.counts is not None:
                         self.counter.counts.graph_calls[kind] += 1
+                        self.counter.counts.graph_calls_by_source[OpCounter.graph_source()] += 1
                     return run(*args)
                 return make_boxed_func(call)
             return compiler
@@ -282,7 +285,9 @@ def kernel_launches(counter: OpCounter):
     def counted_call(self, inputs):  # a compiled graph's call: the backward's run on autograd's side, no frame of ours
         counts = counter.counts
         if counts is not None:
-            counts.graph_calls["backward" if OpCounter.graph_source() == "backward graphs" else "forward"] += 1
+            source = OpCounter.graph_source()
+            counts.graph_calls["backward" if source == "backward graphs" else "forward"] += 1
+            counts.graph_calls_by_source[source] += 1
         return call(self, inputs)
 
     with unittest.mock.patch.object(CachingAutotuner, "run", counted_run), \
