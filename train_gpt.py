@@ -1173,6 +1173,15 @@ def fp8_copies(fcs: list[Tensor], lm_head: Tensor | None) -> tuple[list, tuple |
     return [mlp_fp8(fc) for fc in fcs], (head_fp8(lm_head) if lm_head is not None else None)
 
 
+def round_to_bf16(x: Tensor) -> Tensor:
+    """fp32 x rounded to the nearest bf16 (ties to even), kept in fp32: x.to(bf16).float() for finite x, written
+    as integer arithmetic on its bits. Inductor drops a cast down and back up as a no-op in a fused kernel unless
+    a config flag (emulate_precision_casts) is set, which the public record rules forbid; it keeps this."""
+    bits = x.view(torch.int32)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536  # add half an ulp of bf16 (ties to even), cut 16 bits
+    return bits.view(torch.float32)
+
+
 def mtp_chunk(u: Tensor, targets: Tensor, weights: Tensor, cap: tuple, loss_scale: float,
               grad_s: float | None = None) -> tuple[Tensor, Tensor]:
     """One chunk of SoftcappedMTPLoss: its summed loss and the gradient of its logits u (rows, vocab), given
@@ -1184,8 +1193,10 @@ def mtp_chunk(u: Tensor, targets: Tensor, weights: Tensor, cap: tuple, loss_scal
     A, shift, width = cap
     s = u.float() if u.dtype != torch.float32 else u.clone()
     s.mul_(1 / width).add_(shift / width).sigmoid_()  # the kernel's u / C + B / C
-    if u.dtype != torch.float32:
-        s = s.to(u.dtype).float()  # the kernel keeps the squashed logits in bf16 (compiled too: compile_model)
+    if u.dtype == torch.bfloat16:
+        s = round_to_bf16(s)  # the kernel keeps the squashed logits in bf16
+    elif u.dtype != torch.float32:
+        s = s.to(u.dtype).float()
     valid, columns = targets >= 0, targets.clamp(min=0)
     e = s.mul(A).exp_()  # z = A * s is below 23: exp(z) cannot overflow, no max to subtract
     sum_exp = e.sum(dim=-1, keepdim=True)
@@ -1507,19 +1518,9 @@ def compile_model(model: GPT, backend="inductor", attention_only: bool = False):
         block.forward = torch.compile(block.forward, **options)
     model.stem = torch.compile(model.stem, **options)
     model.head_mix = torch.compile(model.head_mix, **options)
-    model.head_loss = keeping_casts(torch.compile(head_loss, **options))
+    model.head_loss = torch.compile(head_loss, **options)
     model.mask_parts = torch.compile(mask_parts, **options)
     model.fp8_copies = torch.compile(fp8_copies, **options)
-
-
-def keeping_casts(compiled: Callable) -> Callable:
-    """A compiled function whose graphs inductor builds keeping each rounding to bf16 that is converted back up
-    (x.to(bf16).float()), which it otherwise drops as a no-op: the loss head rounds its squashed logits to bf16,
-    as the record's kernel does, and computes on those."""
-    def call(*args, **kwargs):
-        with torch._inductor.config.patch(emulate_precision_casts=True):
-            return compiled(*args, **kwargs)
-    return call
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:

@@ -672,6 +672,45 @@ def test_gpu_parameter_dtypes_are_record_85s():
     assert model.bigram_signs.dtype == torch.bfloat16
 
 
+# --- the loss head's bf16 rounding, compiled without inductor flags (the public record rule 3) ---------------
+
+def rounding_inputs() -> torch.Tensor:
+    """fp32 values of every magnitude and sign, bf16's halfway points (ties to even both ways, and one ulp of fp32
+    either side), subnormals, zeros and the largest finite values that stay finite in bf16."""
+    g = torch.Generator().manual_seed(0)
+    spread = torch.randn(1 << 16, generator=g) * torch.logspace(-30, 30, 1 << 16)
+    grid = torch.arange(-1024, 1024, dtype=torch.float32) * 2 ** -8 + 0.5
+    ties = (grid.view(torch.int32) | 0x8000).view(torch.float32)  # exactly halfway between two bf16 values
+    near = torch.cat([(ties.view(torch.int32) + d).view(torch.float32) for d in (-1, 1)])
+    special = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 2 ** -126, 3.38e38, -3.38e38, 1.0 - 2 ** -24])
+    return torch.cat([spread, grid, ties, near, special])
+
+
+def test_round_to_bf16_is_the_cast_down_and_back_up_bit_for_bit():
+    x = rounding_inputs()
+    expected = x.to(torch.bfloat16).float()
+    assert torch.equal(T.round_to_bf16(x).view(torch.int32), expected.view(torch.int32))
+
+
+def test_inductor_keeps_the_bf16_rounding_without_a_config_flag():
+    """The squashed logits are rounded to bf16 in the compiled loss head, as the record's kernel rounds them, with
+    no torch._inductor.config setting: inductor's generated code has the rounding's integer constants and computes
+    the cast's values exactly. (Inductor drops a plain x.to(bf16).float() in a fused kernel: on this CPU, for the
+    same function, most values differed.)"""
+    from torch._inductor.utils import run_and_get_code
+
+    def squash(u):
+        return T.round_to_bf16(torch.sigmoid(u * 0.25 + 0.5)) * 3.0
+
+    u = rounding_inputs().clamp(-80, 80)
+    out, code = run_and_get_code(torch.compile(squash, backend="inductor", fullgraph=True), u)
+    source = "\n".join(code)
+    assert "32767" in source and "-65536" in source, "the rounding is not in inductor's generated code"
+    expected = torch.sigmoid(u * 0.25 + 0.5).to(torch.bfloat16).float() * 3.0
+    assert torch.equal(out, expected)
+    assert not torch._inductor.config.emulate_precision_casts
+
+
 # --- config -----------------------------------------------------------------------------------
 
 def test_config_overrides_and_errors():
