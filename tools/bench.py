@@ -82,13 +82,12 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import train_gpt as T  # noqa: E402
+import cost_model  # noqa: E402  (tools/ is on the path: this script's folder)
+from cost_model import RECORD_MS, RECORD_TOTAL_S  # noqa: E402
 
 PARTS = ("stage3", "optimizer", "profile", "stage2", "stage1", "attention", "extension", "validation", "training",
          "fp8", "memory_model")
 STAGE_PARTS = ("stage1", "stage2", "stage3", "extension")
-# Record #85's ten public 8xH100 logs: ms per step in each stage (they agree to 0.1 ms), and the whole run.
-RECORD_MS = {"stage 1": 32.4, "stage 2": 58.0, "stage 3": 84.0, "extension": 85.1}
-RECORD_TOTAL_S = 75.5
 # --small: the smoke preset (the speedrun's structure at width 64), eight micro-batches a step so that rank 0
 # of 8 gets one, compiled (aot_eager on CPU) so that the graph counting runs too.
 SMALL_FLAGS = ["--preset=smoke", "--micro_batches=8", "--compile=true"]
@@ -1143,6 +1142,8 @@ def render_markdown(data: dict) -> str:
     if data.get("counts"):
         import op_counts
         lines += op_counts.markdown(data["counts"])
+    if data.get("model"):
+        lines += cost_model.markdown(data["model"])
     errors = [(name, row["error"]) for name, row in parts.items() if row.get("error")]
     if errors:
         lines += ["## Errors", ""] + [f"- {name}: {error}" for name, error in errors] + [""]
@@ -1171,6 +1172,8 @@ def parse_options(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--kernels", action="store_true",
                         help="with --counts: also compile with inductor (fake Triton, sm_90) and count every kernel's "
                              "launches and bytes")
+    parser.add_argument("--card", choices=("h100", "h200"), default="h100",
+                        help="with --counts: the GPU machine the cost model prices the counts for (tools/cost_model.py)")
     parser.add_argument("--bus_gbps", type=float, default=360.0,
                         help="NVLink bus bandwidth the estimate assumes, GB/s (default 360: nccl-tests' large-message "
                              "all-gather on 8xH100 SXM; not measured here)")
@@ -1254,6 +1257,7 @@ def run_counts(options: argparse.Namespace, argv: list[str]) -> Report:
                                                    stages if options.parts_given else None,
                                                    progress=lambda line: print(line, flush=True), flush=flush)
     report.data["header"]["total_s"] = time.perf_counter() - start
+    report.data["model"] = cost_model.model_counts(report.data["counts"], options.card)
     report.flush()
     return report
 
