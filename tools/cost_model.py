@@ -167,8 +167,19 @@ def combined(device_ms: float, host_ms: float, constants: Constants) -> float:
     return (device_ms ** p + host_ms ** p) ** (1 / p)
 
 
+def device_by_source(step: dict, card: Card, constants: Constants) -> dict:
+    """The device's ms for each source of work and kind of kernel ("loss head: element-wise and reductions"), the
+    gaps after each launch included: where a step's time goes."""
+    parts: dict[str, float] = {}
+    for item in step["work"]:
+        key = f"{item['source']}: {PROFILE_KIND[item['kind']]}"
+        parts[key] = parts.get(key, 0.0) + item["count"] * launch_us(item, card, constants) / 1e3
+    return dict(sorted(parts.items(), key=lambda kv: -kv[1]))
+
+
 def model_step(step: dict, card: Card, constants: Constants, world_size: int) -> dict:
-    """A counted step's modeled ms: the device's by kind, the host's, the step's, and a forward+backward's."""
+    """A counted step's modeled ms: the device's by kind and by source, the host's, the step's, and a
+    forward+backward's."""
     kinds = device_part(step, card, constants, world_size)
     device = sum(kinds.values()) / 1e3
     host = host_us(step, card, constants) / 1e3
@@ -177,6 +188,7 @@ def model_step(step: dict, card: Card, constants: Constants, world_size: int) ->
     step_ms = combined(device, host, constants)
     return {"device_ms": device, "host_ms": host, "step_ms": step_ms, "idle_share": 1 - device / step_ms,
             "device_ms_by_kind": {k: v / 1e3 for k, v in sorted(kinds.items())},
+            "device_ms_by_source": device_by_source(step, card, constants),
             "forward_backward_ms": combined(fb_device, fb_host, constants), "forward_backward_device_ms": fb_device,
             "forward_backward_host_ms": fb_host}
 
@@ -360,6 +372,15 @@ def markdown(model: dict) -> list[str]:
     if model["total_s"] is not None:
         lines.append(f"| **8xH100 run (modeled)** | | | | | | | {model['record_total_s']} s | "
                      f"**{model['total_s']:.1f} s** |")
+    lines += ["", "Where the device's time goes, per stage (modeled ms per step; each source's kernels with the gaps "
+              "after them):", ""]
+    for name, s in model["stages"].items():
+        parts: dict[str, float] = {}
+        for step in s["steps"].values():
+            for part, ms in step["device_ms_by_source"].items():
+                parts[part] = parts.get(part, 0.0) + ms / len(s["steps"])
+        top = sorted(parts.items(), key=lambda kv: -kv[1])[:5]
+        lines.append(f"- {name}: " + ", ".join(f"{part} {ms:.1f}" for part, ms in top))
     lines.append("")
     if model["validation"]:
         lines += validation_markdown(model["validation"])
