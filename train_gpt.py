@@ -4320,9 +4320,10 @@ def comparable_config(saved: dict, args: Hyperparameters) -> dict:
     """A checkpoint's config (or this run's) as the two are compared: every setting as a run settles it, so that
     two spellings of one setting are equal. --micro_batches in its canonical spelling (older checkpoints may hold
     "4,4,4" for "4"); --device and --attention as resolved on this run's device (setup_distributed settles them;
-    older checkpoints hold "auto", which resolves here as it would have in this run); --packing left to
-    check_resume_shards, which compares what it resolved to for each shard (auto on a shard of documents is
-    documents)."""
+    older checkpoints hold "auto", which resolves here as it would have in this run); --lm_head_precision and
+    --mlp_precision as resolve_precision settles auto on this run's device (fp32 on a CPU: a resume that spelled
+    that out was refused); --packing left to check_resume_shards, which compares what it resolved to for each
+    shard (auto on a shard of documents is documents)."""
     saved = {k: v for k, v in saved.items() if k != "packing"}
     if isinstance(saved.get("micro_batches"), (str, int)):
         with contextlib.suppress(ConfigError):
@@ -4333,6 +4334,9 @@ def comparable_config(saved: dict, args: Hyperparameters) -> dict:
         saved["device"] = here
     if saved.get("attention") == "auto":
         saved["attention"] = "flex" if saved.get("device", here) == "cuda" else "sdpa"
+    for flag in ("lm_head_precision", "mlp_precision"):
+        if saved.get(flag) == "auto":  # by this run's widths: where the checkpoint's differ, they differ too
+            saved[flag] = resolve_precision(dataclasses.replace(args, **{flag: "auto"}), torch.device(here), flag)
     return saved
 
 
