@@ -38,6 +38,7 @@ import re
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -2731,52 +2732,107 @@ def gather_from_ranks(obj) -> list:
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
 SHARD_HEADER_INTS = 256
+SHARD_HEADER_BYTES = SHARD_HEADER_INTS * 4
 SHARD_PACKING_INDEX, SHARD_PACKINGS = 3, {"documents": 0, "stream": 1}  # header[3]; data/shards.py writes it
 FETCH_HINT = "fetch FineWeb with `python data/cached_fineweb10B.py`"
 REPO_DIR = Path(__file__).resolve().parent  # where the bundled corpus and the data tools are
 BUNDLED_CORPUS = REPO_DIR / "data" / "shakespeare"
 
 
-def read_shard_header(path) -> int:
-    """Checks a shard's header against its size; returns its token count."""
+# One reader for token shards, used at every open: the start-up scan, the loader's (and its prefetch's) open of
+# each shard, and the validation tokens. A shard replaced during a run was once read unchecked by the loader: ids past
+# the vocabulary ended in a 40-line IndexError, valid ids in training on data no scan had seen. The checks cost a
+# header, an fstat and a vectorised max over the tokens read, on the host before they reach the device (the
+# loader's next shard is read in its prefetch thread): nothing is added to a training step.
+
+class ShardHeader(NamedTuple):
+    num_tokens: int  # the token count, which the file's size matches
+    packing: int  # header[SHARD_PACKING_INDEX], as stored (shard_packing names it)
+
+
+def file_kind(mode: int) -> str:
+    """What a path that is not a regular file is, in words."""
+    kinds = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device",
+             stat.S_IFBLK: "a device"}
+    return kinds.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def open_shard(path) -> tuple[io.BufferedReader, ShardHeader]:
+    """A shard opened for reading and its checked header. Only a regular file is opened: a FIFO matched by a glob
+    once blocked the run forever before its log (stat, then an open that does not wait, then fstat, so that a file
+    swapped between the two is caught too). The header must be ours and agree with the file's size."""
     path = Path(path)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(SHARD_HEADER_INTS * 4)
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise DataError(f"{path}: {file_kind(mode)}, not a token shard (a shard is a regular file)")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         raise DataError(f"{path}: cannot read shard ({e.strerror})") from None
-    if len(raw) < SHARD_HEADER_INTS * 4:
-        raise DataError(f"{path}: {'empty' if size == 0 else 'truncated'} shard ({size} bytes, "
-                        f"the header alone is {SHARD_HEADER_INTS * 4})")
-    header = np.frombuffer(raw, dtype="<i4")
-    if header[0] != SHARD_MAGIC:
-        raise DataError(f"{path}: not a token shard (magic {header[0]}, expected {SHARD_MAGIC})")
-    if header[1] != SHARD_VERSION:
-        raise DataError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION})")
-    num_tokens = int(header[2])
-    expected = SHARD_HEADER_INTS * 4 + 2 * num_tokens
-    if num_tokens < 0 or size != expected:
-        raise DataError(f"{path}: header says {num_tokens} tokens ({expected} bytes) but the file has {size} bytes"
-                        f"{' (truncated?)' if size < expected else ''}")
-    return num_tokens
+    f = os.fdopen(fd, "rb")
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DataError(f"{path}: {file_kind(st.st_mode)}, not a token shard (a shard is a regular file)")
+        os.set_blocking(fd, True)
+        raw = f.read(SHARD_HEADER_BYTES)
+        if len(raw) < SHARD_HEADER_BYTES:
+            raise DataError(f"{path}: {'empty' if st.st_size == 0 else 'truncated'} shard ({st.st_size} bytes, "
+                            f"the header alone is {SHARD_HEADER_BYTES})")
+        header = np.frombuffer(raw, dtype="<i4")
+        if header[0] != SHARD_MAGIC:
+            raise DataError(f"{path}: not a token shard (magic {header[0]}, expected {SHARD_MAGIC})")
+        if header[1] != SHARD_VERSION:
+            raise DataError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION})")
+        num_tokens = int(header[2])
+        expected = SHARD_HEADER_BYTES + 2 * num_tokens
+        if num_tokens < 0 or st.st_size != expected:
+            raise DataError(f"{path}: header says {num_tokens} tokens ({expected} bytes) but the file has "
+                            f"{st.st_size} bytes{' (truncated?)' if st.st_size < expected else ''}")
+    except OSError as e:
+        f.close()
+        raise DataError(f"{path}: cannot read shard ({e.strerror})") from None
+    except BaseException:
+        f.close()
+        raise
+    return f, ShardHeader(num_tokens, int(header[SHARD_PACKING_INDEX]))
+
+
+def read_shard_header(path) -> int:
+    """Checks a shard's header against its size; returns its token count."""
+    f, header = open_shard(path)
+    f.close()
+    return header.num_tokens
 
 
 def shard_packing(path) -> str:
     """The packing a shard's header asks for (data/shards.py's PACKINGS: FineWeb's shards say documents)."""
-    with open(path, "rb") as f:
-        value = int(np.frombuffer(f.read(SHARD_HEADER_INTS * 4), dtype="<i4")[SHARD_PACKING_INDEX])
+    f, header = open_shard(path)
+    f.close()
     names = {v: k for k, v in SHARD_PACKINGS.items()}
-    if value not in names:
-        raise DataError(f"{path}: unknown packing {value} in its header (known: "
+    if header.packing not in names:
+        raise DataError(f"{path}: unknown packing {header.packing} in its header (known: "
                         f"{', '.join(f'{v} {k}' for k, v in SHARD_PACKINGS.items())}); pass --packing")
-    return names[value]
+    return names[header.packing]
 
 
-def read_shard(path) -> np.ndarray:
-    """All tokens of a shard as uint16, after the header checks."""
-    num_tokens = read_shard_header(path)
-    return np.fromfile(path, dtype="<u2", count=num_tokens, offset=SHARD_HEADER_INTS * 4).astype(np.uint16, copy=False)
+def read_shard(path, vocab_size: int | None = None) -> np.ndarray:
+    """All tokens of a shard as uint16, read from the one open whose header was checked (open_shard); with
+    vocab_size, every id must be below it (check_token_ids)."""
+    f, header = open_shard(path)
+    with f:
+        stored = np.empty(header.num_tokens, dtype="<u2")
+        try:
+            got = f.readinto(memoryview(stored).cast("B"))
+        except OSError as e:
+            raise DataError(f"{path}: cannot read shard ({e.strerror})") from None
+    if got != stored.nbytes:  # shortened since its size was read
+        raise DataError(f"{path}: truncated while it was read ({SHARD_HEADER_BYTES + got} of "
+                        f"{SHARD_HEADER_BYTES + stored.nbytes} bytes)")
+    tokens = stored.astype(np.uint16, copy=False)
+    if vocab_size is not None:
+        check_token_ids(tokens, path, vocab_size)
+    return tokens
 
 
 def match_shards(pattern: str) -> tuple[list[Path], bool]:
@@ -2953,6 +3009,7 @@ class ShardScan:
     num_tokens: int
     starts: np.ndarray  # BOS positions: the loader reuses them when it opens the shard
     packing: str = "documents"  # SHARD_PACKINGS: --packing, or the shard's header under auto
+    fingerprint: str = ""  # shard_fingerprint's: what a checkpoint records, and what every later open must find
     first_step: int = 0  # the step of the schedule the run reaches this shard at
     steps: int = 0  # steps the loader takes from it (DocumentPieces.count_steps)
 
@@ -2961,39 +3018,46 @@ SCAN_THREADS = 4  # shards scanned at once; numpy releases the GIL while it read
 FINGERPRINT_BLOCKS, FINGERPRINT_BLOCK_TOKENS = 16, 4096
 
 
-def shard_fingerprint(scan: ShardScan) -> str:
-    """sha256 of what tells a scanned shard from another cheaply: its token count, 16 evenly spaced blocks
-    of 4,096 tokens (the first and the last included; 128 KiB read) and every document's start (found by
-    the scan). Another shard, or this text tokenized or shuffled differently, changes it; one token edited
-    between the blocks, inside a document, would not."""
-    h = hashlib.sha256(np.int64(scan.num_tokens).tobytes())
-    last = max(scan.num_tokens - FINGERPRINT_BLOCK_TOKENS, 0)
-    try:
-        with open(scan.path, "rb") as f:
-            for offset in np.linspace(0, last, FINGERPRINT_BLOCKS).astype(np.int64):
-                f.seek(SHARD_HEADER_INTS * 4 + 2 * int(offset))
-                h.update(f.read(2 * FINGERPRINT_BLOCK_TOKENS))
-    except OSError as e:
-        raise DataError(f"{scan.path}: cannot read shard ({e.strerror})") from None
-    h.update(scan.starts.astype("<i8").tobytes())
+def shard_fingerprint(tokens: np.ndarray, starts: np.ndarray) -> str:
+    """sha256 of what tells a shard's tokens from another's cheaply: their count, 16 evenly spaced blocks
+    of 4,096 tokens (the first and the last included; 128 KiB) and every document's start. Another shard,
+    or this text tokenized or shuffled differently, changes it; one token edited between the blocks, inside
+    a document, would not."""
+    h = hashlib.sha256(np.int64(len(tokens)).tobytes())
+    last = max(len(tokens) - FINGERPRINT_BLOCK_TOKENS, 0)
+    for offset in np.linspace(0, last, FINGERPRINT_BLOCKS).astype(np.int64):
+        h.update(tokens[offset:offset + FINGERPRINT_BLOCK_TOKENS].astype("<u2", copy=False).tobytes())
+    h.update(starts.astype("<i8").tobytes())
     return h.hexdigest()
+
+
+def read_scanned_shard(scan: ShardScan, vocab_size: int) -> np.ndarray:
+    """A scanned shard's tokens, read again (read_shard's checks) and refused unless they are still the ones the
+    scan counted: a shard replaced during a run would otherwise be trained on unseen, its documents cut at the
+    old shard's starts."""
+    tokens = read_shard(scan.path, vocab_size)
+    if shard_fingerprint(tokens, np.flatnonzero(tokens == BOS_ID)) != scan.fingerprint:
+        raise DataError(f"{scan.path}: changed since the run scanned it at start-up ({len(tokens):,} tokens now, "
+                        f"{scan.num_tokens:,} then, or other tokens): a run's shards must not be replaced while it "
+                        f"trains; start it again (or resume it) on the new shards")
+    return tokens
 
 
 def scan_shard(path: Path, args: Hyperparameters) -> ShardScan:
     """One pass over a training shard: its token ids and its BOS positions."""
-    tokens = read_shard(path)
-    check_token_ids(tokens, path, args.vocab_size)
+    tokens = read_shard(path, args.vocab_size)
     starts = np.flatnonzero(tokens == BOS_ID)
     if not len(starts):
         raise DataError(f"{path}: no document starts in it (no <|endoftext|>, id {BOS_ID}, the token every "
                         f"training piece starts with); tokenize text with `python data/tokenize_text.py`")
     packing = shard_packing(path) if args.packing == "auto" else args.packing
-    return ShardScan(path, len(tokens), starts, packing)
+    return ShardScan(path, len(tokens), starts, packing, shard_fingerprint(tokens, starts))
 
 
 def count_shard_steps(scan: ShardScan, first_step: int, args: Hyperparameters, schedule: Schedule) -> ShardScan:
     scan.first_step = first_step
-    scan.steps = packed(scan.packing, read_shard(scan.path), scan.starts).count_steps(first_step, schedule)
+    tokens = read_scanned_shard(scan, args.vocab_size)
+    scan.steps = packed(scan.packing, tokens, scan.starts).count_steps(first_step, schedule)
     if not scan.steps and scan.packing == "stream":
         raise DataError(f"{scan.path}: its {scan.num_tokens:,} tokens cannot fill one step of "
                         f"{step_tokens(first_step, schedule):,} (step {first_step}); add text")
@@ -3063,7 +3127,7 @@ class TrainLoader:
                 raise DataError(f"{f}: both a training shard (--train_files={args.train_files}) and a validation "
                                 f"shard (--val_files={args.val_files}); the val loss must come from text the run "
                                 f"does not train on")
-        self.fingerprints = [shard_fingerprint(scan) for scan in self.scans]  # what a checkpoint records
+        self.fingerprints = [scan.fingerprint for scan in self.scans]  # what a checkpoint records
         found = [f"--{name}={pattern}" for name, pattern, under_repo in (
             ("train_files", args.train_files, match_shards(args.train_files)[1]),
             ("val_files", args.val_files, val_under_repo)) if under_repo]
@@ -3083,6 +3147,7 @@ class TrainLoader:
                             f"from the first shard; for your own text, --packing=stream trains on every token (what "
                             f"data/tokenize_text.py's shards ask for)")
         self.env, self.bigram_buckets, self.packing_flag = env, args.bigram_vocab_size, args.packing
+        self.vocab_size = args.vocab_size
         self.file_index, self.piece = 0, 0
         self.pieces: DocumentPieces | TokenStream | None = None
         self.started_over = False  # whether the last batch was the first of another pass over the shards
@@ -3119,7 +3184,7 @@ class TrainLoader:
 
     def shard_record(self) -> list[dict]:
         """The shards the run reads, in order, as a checkpoint records them (see check_resume_shards)."""
-        return [{"file": str(scan.path), "bytes": SHARD_HEADER_INTS * 4 + 2 * scan.num_tokens,
+        return [{"file": str(scan.path), "bytes": SHARD_HEADER_BYTES + 2 * scan.num_tokens,
                  "fingerprint": fingerprint} for scan, fingerprint in zip(self.scans, self.fingerprints)]
 
     def state_dict(self) -> dict:
@@ -3142,7 +3207,7 @@ class TrainLoader:
 
     def _index(self, file_index: int) -> DocumentPieces | TokenStream:
         scan = self.scans[file_index]
-        return packed(scan.packing, read_shard(scan.path), scan.starts)
+        return packed(scan.packing, read_scanned_shard(scan, self.vocab_size), scan.starts)
 
     def _open(self, file_index: int) -> DocumentPieces | TokenStream:
         if self._next is not None and self._next[0] == file_index:
@@ -3219,8 +3284,7 @@ def load_val_tokens(args: Hyperparameters) -> Tensor:
     for f in files:
         if total >= needed:
             break
-        parts.append(read_shard(f)[:needed - total])
-        check_token_ids(parts[-1], f, args.vocab_size)
+        parts.append(read_shard(f, args.vocab_size)[:needed - total])
         total += len(parts[-1])
     if total < needed:
         raise DataError(f"validation shards {args.val_files!r} hold {total} tokens, fewer than "

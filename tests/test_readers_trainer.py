@@ -125,3 +125,144 @@ def test_a_resume_spelling_out_the_resolved_precisions_runs(at_end, tmp_path, wh
         assert f"resumed from {folder} at step 2" in (tmp_path / "logs/again.txt").read_text()
     else:
         one_error_line(proc, 1, f"config differs in {differ} (use --force_resume=true")
+
+
+# -----------------------------------------------------------------------------
+# Rows 9 and 10: a shard is checked at every open (regular file, header, ids); a FIFO is never opened
+
+def replace_shard(path, make):
+    path.unlink()
+    make(path)
+
+
+def with_tokens(change):
+    def make(path):
+        tokens = T.read_shard(BUNDLED_TRAIN).copy()
+        shards.write_shard(path, change(tokens))
+    return make
+
+
+def set_token(position, value):
+    def change(tokens):
+        tokens[position] = value
+        return tokens
+    return change
+
+
+REPLACED_CASES = [
+    # (what replaces the shard after the start-up scan, fragment of the DataError)
+    ("ids past the vocabulary (the issue's)", with_tokens(set_token(5000, 60000)),
+     "token id 60000 at position 5000 is outside the vocabulary (--vocab_size=50257)"),
+    ("valid ids, other text (the issue's)", with_tokens(lambda t: np.roll(t, 1000)), "changed since the run scanned it"),
+    ("one token more", with_tokens(lambda t: np.append(t, 1)), "(1,422,807 tokens now, 1,422,806 then"),
+    ("a document split in two", with_tokens(set_token(70, T.BOS_ID)), "changed since the run scanned it"),
+    ("a header that says more tokens", lambda p: p.write_bytes(BUNDLED_TRAIN.read_bytes()[:-2]), "(truncated?)"),
+    ("not a shard", lambda p: p.write_bytes(b"\0" * 4096), "not a token shard (magic 0"),
+    ("a folder", lambda p: p.mkdir(), "a folder, not a token shard (a shard is a regular file)"),
+]
+
+
+@pytest.mark.parametrize("what, make, fragment", REPLACED_CASES, ids=[c[0] for c in REPLACED_CASES])
+def test_a_shard_replaced_during_a_run_is_refused_when_it_is_opened(tmp_path, what, make, fragment):
+    shard = tmp_path / "t_train_000001.bin"
+    shutil.copyfile(BUNDLED_TRAIN, shard)
+    loader = T.TrainLoader(T.parse_args([*TINY, f"--train_files={tmp_path}/t_train_*.bin"], False), CPU)
+    replace_shard(shard, make)
+    with pytest.raises(T.DataError) as refused:
+        loader.next_batch(0)
+    assert str(refused.value).startswith(f"{shard}: ") and fragment in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_shard_replaced_by_a_fifo_is_refused_without_waiting(tmp_path):
+    shard = tmp_path / "t_train_000001.bin"
+    shutil.copyfile(BUNDLED_TRAIN, shard)
+    loader = T.TrainLoader(T.parse_args([*TINY, f"--train_files={tmp_path}/t_train_*.bin"], False), CPU)
+    shard.unlink()
+    with unblocked_fifo(shard), pytest.raises(T.DataError, match="t_train_000001.bin: a FIFO, not a token shard"):
+        loader.next_batch(0)
+
+
+def test_an_unchanged_shard_opens_as_it_was_scanned(tmp_path):
+    shard = tmp_path / "t_train_000001.bin"
+    shutil.copyfile(BUNDLED_TRAIN, shard)
+    loader = T.TrainLoader(T.parse_args([*TINY, f"--train_files={tmp_path}/t_train_*.bin"], False), CPU)
+    os.utime(shard, (0, 0))  # touched, not changed
+    inputs, targets = loader.next_batch(0)[0]
+    assert torch.equal(inputs[1:], targets[:-1]) and len(inputs) == 256
+
+
+NOT_A_FILE_CASES = [
+    # (what --val_files or --train_files matches, the flag, how it is made)
+    ("a FIFO for --val_files (the issue's)", "val_files", "fifo"),
+    ("a FIFO for --train_files", "train_files", "fifo"),
+    ("a folder for --val_files", "val_files", "folder"),
+    ("a link to /dev/null for --train_files", "train_files", "device"),
+]
+
+
+@pytest.mark.parametrize("what, flag, kind", NOT_A_FILE_CASES, ids=[c[0] for c in NOT_A_FILE_CASES])
+def test_a_shard_glob_matching_what_is_not_a_file_is_one_line(tmp_path, what, flag, kind):
+    path = tmp_path / ("v_000000.bin" if flag == "val_files" else "t_train_000001.bin")
+    shown = {"fifo": "a FIFO", "folder": "a folder", "device": "a device"}[kind]
+    with contextlib.ExitStack() as stack:
+        if kind == "fifo":
+            stack.enter_context(unblocked_fifo(path))
+        elif kind == "folder":
+            path.mkdir()
+        else:
+            path.symlink_to("/dev/null")
+        proc = run_main(*TINY, f"--{flag}={tmp_path}/{path.name[0]}_*.bin", f"--logs_dir={tmp_path}/logs")
+    one_error_line(proc, 2, f"error: {path}: {shown}, not a token shard (a shard is a regular file)")
+    assert not (tmp_path / "logs").exists()
+
+
+def header(magic=T.SHARD_MAGIC, version=T.SHARD_VERSION, count=0, packing=0) -> bytes:
+    values = np.zeros(T.SHARD_HEADER_INTS, dtype="<i4")
+    values[:4] = magic, version, count, packing
+    return values.tobytes()
+
+
+INT32 = st.integers(-2 ** 31, 2 ** 31 - 1)
+
+
+@pytest.fixture(scope="module")
+def shard_file(tmp_path_factory):
+    return tmp_path_factory.mktemp("shard") / "s_000000.bin"
+
+
+@PROPERTY
+@given(magic=st.just(T.SHARD_MAGIC) | INT32, version=st.just(T.SHARD_VERSION) | INT32,
+       count=st.integers(0, 40) | INT32, packing=st.sampled_from([0, 1]) | INT32,
+       tokens=st.lists(st.integers(0, 2 ** 16 - 1), max_size=40), cut=st.none() | st.integers(0, 1200),
+       vocab=st.none() | st.integers(1, 2 ** 16 + 5))
+def test_property_shard_reader_gives_the_tokens_or_one_line_naming_the_file(shard_file, magic, version, count,
+                                                                           packing, tokens, cut, vocab):
+    data = header(magic, version, count, packing) + np.array(tokens, dtype="<u2").tobytes()
+    data = data if cut is None else data[:cut]
+    shard_file.write_bytes(data)
+    valid = (len(data) >= T.SHARD_HEADER_BYTES and magic == T.SHARD_MAGIC and version == T.SHARD_VERSION
+             and count >= 0 and len(data) == T.SHARD_HEADER_BYTES + 2 * count)
+    in_vocab = vocab is None or all(t < vocab for t in tokens[:count])
+    try:
+        read = T.read_shard(shard_file, vocab)
+    except T.DataError as e:
+        assert not (valid and in_vocab), e
+        assert str(e).startswith(f"{shard_file}: ") and "\n" not in str(e) and len(str(e)) < 300
+        return
+    assert valid and in_vocab
+    assert read.dtype == np.uint16 and read.tolist() == tokens[:count]
+    assert T.read_shard_header(shard_file) == count
+
+
+@PROPERTY
+@given(count=st.integers(0, 3000), vocab=st.integers(1, 2 ** 16), seed=st.integers(0, 2 ** 32 - 1))
+def test_property_the_vocabulary_check_finds_the_first_id_past_it(shard_file, count, vocab, seed):
+    tokens = np.random.default_rng(seed).integers(0, 2 ** 16, count).astype(np.uint16)
+    shards.write_shard(shard_file, tokens)
+    past = np.flatnonzero(tokens >= vocab)
+    if not len(past):
+        assert np.array_equal(T.read_shard(shard_file, vocab), tokens)
+        return
+    with pytest.raises(T.DataError, match=f"token id {tokens[past[0]]} at position {past[0]} is outside"):
+        T.read_shard(shard_file, vocab)
