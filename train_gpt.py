@@ -26,6 +26,7 @@ import dataclasses
 import datetime
 import errno
 import fcntl
+import fnmatch
 import gc
 import glob
 import hashlib
@@ -4044,21 +4045,27 @@ UNFINISHED_SAVES = (".step_*.partial", ".final.partial", ".latest.tmp", ".write_
 
 def sweep_unfinished_saves(run_dir: Path) -> list[str]:
     """Removes what a run that is gone left unfinished in its checkpoint folder (UNFINISHED_SAVES); a folder a live
-    run holds is left alone. Returns a `note:` line per removal."""
+    run holds is left alone. Returns a `note:` line per removal. Nothing outside run_dir is touched: run_dir itself
+    is opened without following a link (a symlinked <checkpoint_dir>/<run_id> once had the sweep delete a
+    `.step_*.partial/` and `.write_test` of the folder it pointed to), and what is inside is listed and removed
+    through that descriptor, links as links."""
     try:
-        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
+        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:  # missing, not a folder, or a link: nothing of a run's to sweep
         return []
     notes = []
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        for path in sorted(p for pattern in UNFINISHED_SAVES for p in run_dir.glob(pattern)):
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-            if not os.path.lexists(path):
-                notes.append(f"note: removed {path}, which a run that is gone (killed while saving) left unfinished")
+        with os.scandir(fd) as entries:
+            names = sorted(e.name for e in entries if any(fnmatch.fnmatchcase(e.name, p) for p in UNFINISHED_SAVES))
+        for name in names:
+            with contextlib.suppress(OSError):  # what cannot be removed stays, and is not said to be removed
+                if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    shutil.rmtree(name, dir_fd=fd)
+                else:
+                    os.unlink(name, dir_fd=fd)
+                notes.append(f"note: removed {run_dir / name}, which a run that is gone (killed while saving) left "
+                             f"unfinished")
     except OSError:  # BlockingIOError: a live run's folder, its saves are its own (or a file system without flock)
         pass
     finally:

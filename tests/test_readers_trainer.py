@@ -266,3 +266,60 @@ def test_property_the_vocabulary_check_finds_the_first_id_past_it(shard_file, co
         return
     with pytest.raises(T.DataError, match=f"token id {tokens[past[0]]} at position {past[0]} is outside"):
         T.read_shard(shard_file, vocab)
+
+
+# -----------------------------------------------------------------------------
+# Row 7: the sweep of unfinished saves never follows a link, nor touches anything outside the run's folder
+
+def outside_folder(root):
+    """A user's folder that holds what a sweep would remove in a run folder: a partial save, a write test."""
+    outside = root / "outside"
+    (outside / ".step_000004.partial").mkdir(parents=True)
+    (outside / ".step_000004.partial/mine.txt").write_text("a user's file")
+    (outside / ".write_test").write_text("a user's file")
+    return outside
+
+
+def outside_contents(outside):
+    return sorted(str(p.relative_to(outside)) for p in outside.rglob("*"))
+
+
+SWEEP_CASES = ["the run folder is a link (the issue's)", "a partial save inside is a link to a folder outside",
+               ".write_test inside is a link to a file outside", "the run folder is a link to a link"]
+
+
+@pytest.mark.parametrize("case", SWEEP_CASES)
+def test_the_sweep_touches_nothing_outside_the_run_folder(tmp_path, case):
+    outside = outside_folder(tmp_path)
+    before = outside_contents(outside)
+    run = tmp_path / "ck/dead"
+    run.parent.mkdir()
+    if case == SWEEP_CASES[0]:
+        run.symlink_to(outside)
+        expected = []
+    elif case == SWEEP_CASES[3]:
+        (tmp_path / "ck/hop").symlink_to(outside)
+        run.symlink_to(tmp_path / "ck/hop")
+        expected = []
+    else:
+        run.mkdir()
+        name = ".step_000006.partial" if case == SWEEP_CASES[1] else ".write_test"
+        (run / name).symlink_to(outside / (".step_000004.partial" if name != ".write_test" else ".write_test"))
+        (run / ".final.partial").mkdir()  # a real leftover beside it, removed
+        expected = [f"note: removed {run / n}, which a run that is gone (killed while saving) left unfinished"
+                    for n in sorted([".final.partial", name])]
+    assert T.sweep_unfinished_saves(run) == expected
+    assert outside_contents(outside) == before
+    if expected:
+        assert list(run.iterdir()) == []
+
+
+def test_a_run_given_the_id_of_a_linked_run_folder_leaves_its_target_alone(tmp_path):
+    outside = outside_folder(tmp_path)
+    before = outside_contents(outside)
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck/dead").symlink_to(outside)
+    proc = run_main(*TINY, f"--logs_dir={tmp_path}/logs", f"--checkpoint_dir={tmp_path}/ck", "--run_id=dead",
+                    "--save_every=2")
+    one_error_line(proc, 2, f"--run_id=dead: {tmp_path}/ck/dead already exists")
+    assert outside_contents(outside) == before
