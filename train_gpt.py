@@ -3887,13 +3887,31 @@ class _RecordingWriter:
         pass
 
 
+# A file name may have 255 bytes, and a temporary adds to its name: NAME is kept whole in a temporary's name only up
+# to this many bytes (cut, the whole name's hash follows). Cut by characters, a legal 251-byte name of 4-byte characters
+# once got a 265-byte temporary ("File name too long"); bytes are what the file system counts.
+TEMPORARY_NAME_BYTES = 100
+
+
+def cut_to_bytes(name: str, limit: int) -> str:
+    """name's longest start that takes at most limit bytes as the file system stores it (UTF-8; bytes that are not
+    UTF-8 stay as they are, os.fsencode's way), never ending in part of a character."""
+    raw = os.fsencode(name)
+    if len(raw) <= limit:
+        return name
+    cut = limit
+    while cut > max(limit - 3, 0) and raw[cut] & 0xC0 == 0x80:  # a UTF-8 continuation byte: inside a character
+        cut -= 1
+    return os.fsdecode(raw[:cut])
+
+
 def temporary_path(path: Path, suffix: str) -> Path:
     """A hidden name beside path for its temporary (a file, or a folder written whole): `.NAME` + suffix, with NAME
-    cut to 100 characters and, when cut, a hash of the whole name so that two long names stay apart. A file name may
-    have 255 bytes: a legal 253-character one once failed with "File name too long", naming the temporary."""
+    cut to TEMPORARY_NAME_BYTES and, when cut, a hash of the whole name so that two long names stay apart."""
     name = path.name
-    if len(name) > 100:
-        name = f"{name[:100]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+    if len(os.fsencode(name)) > TEMPORARY_NAME_BYTES:
+        whole = hashlib.sha256(os.fsencode(name)).hexdigest()[:8]
+        name = f"{cut_to_bytes(name, TEMPORARY_NAME_BYTES)}-{whole}"
     return path.with_name(f".{name}{suffix}")
 
 

@@ -49,11 +49,27 @@ class NotALockFile(LockError):
     """FOLDER/.writing.lock is something no run of data/ made (a link, a folder, a FIFO): it is not touched."""
 
 
+TEMPORARY_NAME_BYTES = 100  # of NAME kept in a temporary's name; train_gpt.py's temporary_path keeps as many
+
+
+def cut_to_bytes(name: str, limit: int) -> str:
+    """name's longest start that takes at most limit bytes as the file system stores it (UTF-8; bytes that are not
+    UTF-8 stay as they are, os.fsencode's way), never ending in part of a character."""
+    raw = os.fsencode(name)
+    if len(raw) <= limit:
+        return name
+    cut = limit
+    while cut > max(limit - 3, 0) and raw[cut] & 0xC0 == 0x80:  # a UTF-8 continuation byte: inside a character
+        cut -= 1
+    return os.fsdecode(raw[:cut])
+
+
 def temporary_prefix(name: str) -> str:
-    """`.NAME.`, how a hidden temporary beside the file NAME starts, with NAME cut to 100 characters: a file name
-    may have 255 bytes, and a legal 253-character one once failed with "File name too long", naming the
-    temporary. Every temporary data/ makes is named through this (mkstemp and mkdtemp add their random part)."""
-    return f".{name[:100]}."
+    """`.NAME.`, how a hidden temporary beside the file NAME starts, with NAME cut to TEMPORARY_NAME_BYTES bytes: a
+    file name may have 255 bytes, and NAME cut to 100 characters could still take 400 (a legal name of 4-byte
+    characters then failed with "File name too long", naming the temporary). Every temporary data/ makes is named
+    through this (mkstemp and mkdtemp add their random part)."""
+    return f".{cut_to_bytes(name, TEMPORARY_NAME_BYTES)}."
 
 
 def visible(text: str) -> str:

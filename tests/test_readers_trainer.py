@@ -323,3 +323,79 @@ def test_a_run_given_the_id_of_a_linked_run_folder_leaves_its_target_alone(tmp_p
                     "--save_every=2")
     one_error_line(proc, 2, f"--run_id=dead: {tmp_path}/ck/dead already exists")
     assert outside_contents(outside) == before
+
+
+# -----------------------------------------------------------------------------
+# Row 13: temporary names are cut by bytes: a legal name (255 bytes or fewer) always has a legal temporary
+
+def named(bytes_: bytes) -> str:
+    return os.fsdecode(bytes_)
+
+
+NAME_CASES = [
+    ("251 bytes of 4-byte characters (the issue's)", "𝄞" * 62 + "abc"),
+    ("255 bytes of 4-byte characters", "𝄞" * 63 + "abc"),
+    ("255 bytes of 3-byte characters", "€" * 85),
+    ("255 bytes of 2-byte characters", "é" * 127 + "a"),
+    ("255 ASCII bytes", "a" * 255),
+    ("255 bytes that are not UTF-8", named(b"\xff" * 255)),
+    ("101 bytes, a 4-byte character across the cut", "a" * 98 + "𝄞"),
+]
+
+
+@pytest.mark.parametrize("what, name", NAME_CASES, ids=[c[0] for c in NAME_CASES])
+def test_every_writer_writes_a_legal_name_of_up_to_255_bytes(tmp_path, what, name):
+    assert len(os.fsencode(name)) <= 255
+    T.write_file(tmp_path / name, b"trainer")  # checkpoints, final weights, tools/bench.py, tools/record_weights.py
+    folder = T.temporary_path(tmp_path / f"{name[:-1]}_", ".partial")  # a folder written whole (to-ours)
+    folder.mkdir()
+    folder.rmdir()
+    (tmp_path / "data").mkdir()
+    with safe_write.atomic_file(tmp_path / "data" / name) as f:  # shards and downloads (data/)
+        f.write(b"data")
+    assert [p.name for p in tmp_path.iterdir() if p.is_file()] == [name]
+    assert (tmp_path / name).read_bytes() == b"trainer" and os.listdir(tmp_path / "data") == [name]
+
+
+def utf8_char(size: int):
+    """A character of `size` bytes in UTF-8 (and surrogate escapes: a byte that is not UTF-8, os.fsdecode's way)."""
+    ranges = {1: (0x21, 0x7e), 2: (0xa1, 0x7ff), 3: (0x800, 0xd7ff), 4: (0x10000, 0x10ffff)}
+    low, high = ranges[size]
+    chars = st.integers(low, high).map(chr).filter(lambda c: c != "/")
+    return chars | st.integers(0x80, 0xff).map(lambda b: named(bytes([b]))) if size == 1 else chars
+
+
+NAMES = st.lists(st.integers(1, 4).flatmap(utf8_char), min_size=1, max_size=255).map("".join).map(
+    lambda name: T.cut_to_bytes(name, 255)).filter(lambda name: name not in ("", ".", ".."))
+
+
+@PROPERTY
+@given(name=NAMES, other=NAMES)
+def test_property_temporary_names_fit_in_255_bytes_and_stay_apart(name, other):
+    for first, second in ((name, other), (other, name)):
+        for suffix in (".0123abcd.tmp", ".partial"):  # write_file's and a folder's
+            tmp = T.temporary_path(T.Path("/x") / first, suffix)
+            assert tmp.parent == T.Path("/x") and tmp.name.startswith(".") and tmp.name.endswith(suffix)
+            assert len(os.fsencode(tmp.name)) <= 255
+            same = os.fsencode(tmp) == os.fsencode(T.temporary_path(T.Path("/x") / second, suffix))
+            assert same == (os.fsencode(first) == os.fsencode(second))
+        prefix = safe_write.temporary_prefix(first)  # mkstemp adds 8 random characters and .tmp; the tokenizer's
+        assert len(os.fsencode(prefix + "abcdefgh.tmp")) <= 255  # staging folder `-staging-` and 8
+        assert len(os.fsencode(prefix[:-1] + "-staging-abcdefgh")) <= 255
+
+
+@PROPERTY
+@given(name=st.lists(st.integers(1, 4).flatmap(utf8_char), max_size=300).map("".join), limit=st.integers(0, 260))
+def test_property_a_name_is_cut_by_bytes_at_a_character_boundary(name, limit):
+    for cut_to_bytes in (T.cut_to_bytes, safe_write.cut_to_bytes):
+        whole, cut = os.fsencode(name), os.fsencode(cut_to_bytes(name, limit))
+        assert whole.startswith(cut) and len(cut) <= limit
+        if len(whole) <= limit:
+            assert cut == whole
+            continue
+        assert len(cut) >= limit - 3  # never more than one character short
+        try:
+            whole.decode()
+        except UnicodeDecodeError:
+            continue
+        cut.decode()  # a name that is UTF-8 is cut between characters
