@@ -4370,34 +4370,142 @@ def resolve_checkpoint(resume: str, args: Hyperparameters) -> Path:
     return pointer.parent / name
 
 
-# What meta.json must hold, and of which JSON types (a bool is never a number here).
-CHECKPOINT_META = {"step": int, "train_time_ms": (int, float), "world_size": int, "loader": dict, "config": dict,
-                   "code_sha256": str, "shards": list, "files": dict}
+# meta.json is read once, by read_checkpoint_meta, into a CheckpointMeta whose every field has its type and range
+# checked: no hash covers meta.json, so its numbers and names are anyone's (a train time of 1e308 ms resumed and was
+# logged as a 309-digit time). The loader's positions are checked against this run's shards (check_resume_shards).
+MAX_META_BYTES = 64 * 2 ** 20  # far above a meta.json of thousands of shards and ranks: more is not one we wrote
+MAX_COUNT = 2 ** 63 - 1  # steps, sizes, world sizes: what an int64 holds
+MAX_TRAIN_TIME_MS = 365 * 24 * 3600 * 1000  # a year of timed training: more is an edit, not a run
+MAX_PATH_CHARS = 4096  # PATH_MAX: a shard's recorded name, which a refusal quotes
+SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
+OLDER = "(edited, or written by an older train_gpt.py?)"
+
+
+class FileRecord(NamedTuple):
+    bytes: int
+    sha256: str
+
+
+class ShardRecord(NamedTuple):
+    file: str  # as the saving run named it: shown, never opened
+    bytes: int
+    fingerprint: str  # shard_fingerprint's
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    step: int
+    train_time_ms: float
+    world_size: int
+    loader: dict  # the loader's state_dict (packing checked here; positions in check_resume_shards)
+    config: dict  # setting name -> a JSON scalar, as config_for_checkpoint wrote it
+    code_sha256: str
+    shards: tuple[ShardRecord, ...]
+    files: dict[str, FileRecord]
+
+
+class MetaError(ValueError):
+    """A field of meta.json that save_checkpoint would not have written; the message names it."""
+
+
+def brief(value) -> str:
+    """repr(value), cut where it is long: a refusal quotes a bad value, not 4,000 digits of it."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:30]}... ({len(text):,} characters)"
+
+
+def meta_field(meta: dict, key: str, kind):
+    """meta[key] of a JSON type in kind (a bool is never a number here)."""
+    value = meta.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise MetaError(f"meta.json has no valid {key!r} {OLDER}")
+    return value
+
+
+def meta_count(meta: dict, key: str, least: int) -> int:
+    value = meta_field(meta, key, int)
+    if not least <= value <= MAX_COUNT:
+        raise MetaError(f"meta.json's {key} is {brief(value)}, not one a run saves (edited?)")
+    return value
+
+
+def parse_checkpoint_meta(meta) -> CheckpointMeta:
+    """meta.json's parsed JSON as a CheckpointMeta, or a MetaError naming the first field that is wrong."""
+    if not isinstance(meta, dict):
+        raise MetaError(f"meta.json is not a checkpoint's (a JSON {type(meta).__name__}, not an object)")
+    step, world_size = meta_count(meta, "step", 0), meta_count(meta, "world_size", 1)
+    train_time_ms = meta_field(meta, "train_time_ms", (int, float))
+    if not 0 <= train_time_ms <= MAX_TRAIN_TIME_MS:  # NaN fails too; an int of any size compares exactly
+        raise MetaError(f"meta.json's train_time_ms is {brief(train_time_ms)}, not a time (a finite number of ms, 0 "
+                        f"or more, at most {MAX_TRAIN_TIME_MS:,}: a year; edited?)")
+    loader = meta_field(meta, "loader", dict)
+    packing = loader.get("packing", [])
+    if not (isinstance(packing, list) and all(isinstance(p, str) and p in SHARD_PACKINGS for p in packing)):
+        raise MetaError(f"meta.json has no valid 'loader' (its packing is not a list of "
+                        f"{' or '.join(SHARD_PACKINGS)}) {OLDER}")
+    config = meta_field(meta, "config", dict)
+    if not all(k.isidentifier() and len(k) <= 100 and isinstance(v, (str, int, float, type(None)))
+               for k, v in config.items()):
+        raise MetaError(f"meta.json has no valid 'config' (settings map names to values) {OLDER}")
+    code = meta_field(meta, "code_sha256", str)
+    if not SHA256_PATTERN.fullmatch(code):
+        raise MetaError(f"meta.json has no valid 'code_sha256' (a sha256 in hex) {OLDER}")
+    shards = []
+    for shard in meta_field(meta, "shards", list):
+        if not (isinstance(shard, dict) and isinstance(shard.get("file"), str)
+                and 0 < len(shard["file"]) <= MAX_PATH_CHARS and type(shard.get("bytes")) is int
+                and 0 <= shard["bytes"] <= MAX_COUNT and isinstance(shard.get("fingerprint"), str)
+                and SHA256_PATTERN.fullmatch(shard["fingerprint"])):
+            raise MetaError(f"meta.json has no valid 'shards' {OLDER}")
+        shards.append(ShardRecord(shard["file"], shard["bytes"], shard["fingerprint"]))
+    files = {}
+    for name, listed in meta_field(meta, "files", dict).items():
+        if not (isinstance(listed, dict) and type(listed.get("bytes")) is int and 0 <= listed["bytes"] <= MAX_COUNT
+                and isinstance(listed.get("sha256"), str) and SHA256_PATTERN.fullmatch(listed["sha256"])):
+            raise MetaError(f"meta.json has no valid 'files' (each with its size and sha256) {OLDER}")
+        files[name] = FileRecord(listed["bytes"], listed["sha256"])
+    return CheckpointMeta(step, float(train_time_ms), world_size, loader, config, code, tuple(shards), files)
+
+
+def read_checkpoint_meta(path: Path) -> CheckpointMeta:
+    """The checkpoint folder path's meta.json (parse_checkpoint_meta); a TrainingError names what is wrong."""
+    meta_path = path / "meta.json"
+    if not meta_path.is_file():
+        raise TrainingError(f"--resume={path}: not a complete checkpoint (no meta.json)")
+    try:
+        size = meta_path.stat().st_size
+        if size > MAX_META_BYTES:
+            raise ValueError(f"{size:,} bytes, more than a train_gpt.py checkpoint's")
+        return parse_checkpoint_meta(read_json(meta_path))
+    except MetaError as e:
+        raise TrainingError(f"--resume={path}: {e}") from None
+    except (OSError, ValueError) as e:
+        raise TrainingError(f"--resume={path}: unreadable meta.json ({e})") from None
 
 
 @dataclass
 class Resume:
     """A checked checkpoint: its meta.json, and this rank's files, loaded to the CPU."""
     path: Path
-    meta: dict
+    meta: CheckpointMeta
     model_state: dict
     rank_state: dict
 
 
-def read_checkpoint_file(path: Path, name: str, meta: dict):
+def read_checkpoint_file(path: Path, name: str, meta: CheckpointMeta):
     """One of a checkpoint's files, checked against the size and sha256 meta.json recorded for it, then
     loaded with weights_only (a checkpoint can hold tensors and plain containers, never code)."""
-    listed = meta["files"].get(name)
-    if not (isinstance(listed, dict) and type(listed.get("bytes")) is int and isinstance(listed.get("sha256"), str)):
+    listed = meta.files.get(name)
+    if listed is None:
         raise TrainingError(f"--resume={path}: meta.json does not list {name} with its size and sha256")
     try:
         data = (path / name).read_bytes()
     except OSError as e:
         raise TrainingError(f"--resume={path}: cannot read {name} ({e.strerror})") from None
-    if len(data) != listed["bytes"]:
-        raise TrainingError(f"--resume={path}: {name} has {len(data)} bytes, meta.json recorded {listed['bytes']} "
+    if len(data) != listed.bytes:
+        raise TrainingError(f"--resume={path}: {name} has {len(data)} bytes, meta.json recorded {listed.bytes} "
                             f"(truncated, or not this checkpoint's file)")
-    if hashlib.sha256(data).hexdigest() != listed["sha256"]:
+    if hashlib.sha256(data).hexdigest() != listed.sha256:
         raise TrainingError(f"--resume={path}: {name} is not the file saved with this meta.json (its sha256 differs)")
     try:
         return load_weights(io.BytesIO(data), name)
@@ -4434,52 +4542,24 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
     meta.json's shape; that the checkpoint belongs to this run (world size, config, code); and that
     meta.json describes the files beside it (their sizes and sha256, and the step this rank's
     optimizer file was saved at)."""
-    meta_path = path / "meta.json"
-    if not meta_path.is_file():
-        raise TrainingError(f"--resume={path}: not a complete checkpoint (no meta.json)")
-    try:
-        meta = read_json(meta_path)
-    except (OSError, ValueError) as e:
-        raise TrainingError(f"--resume={path}: unreadable meta.json ({e})") from None
-    if not isinstance(meta, dict):
-        raise TrainingError(f"--resume={path}: meta.json is not a checkpoint's (a JSON {type(meta).__name__}, "
-                            f"not an object)")
-    for key, kind in CHECKPOINT_META.items():
-        if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
-            raise TrainingError(f"--resume={path}: meta.json has no valid {key!r} (edited, or written by an older "
-                                f"train_gpt.py?)")
-    for shard in meta["shards"]:
-        if not (isinstance(shard, dict) and isinstance(shard.get("file"), str) and type(shard.get("bytes")) is int
-                and isinstance(shard.get("fingerprint"), str)):
-            raise TrainingError(f"--resume={path}: meta.json has no valid 'shards' (edited, or written by an older "
-                                f"train_gpt.py?)")
-    # No hash covers meta.json: its numbers are checked with the rest, before the log exists. A step or time out of
-    # range once resumed and logged a train time of NaN or -1e12 ms, and an MFU of 86 billion %; the loader's
-    # position is checked against the shards in check_resume_shards.
-    if meta["step"] < 0 or meta["world_size"] < 1:
-        key = "step" if meta["step"] < 0 else "world_size"
-        raise TrainingError(f"--resume={path}: meta.json's {key} is {meta[key]}, not one a run saves (edited?)")
-    if not 0 <= meta["train_time_ms"] < math.inf:
-        raise TrainingError(f"--resume={path}: meta.json's train_time_ms is {meta['train_time_ms']!r}, not a time "
-                            f"(a finite number of ms, 0 or more; edited?)")
-    if meta["world_size"] != env.world_size:
-        raise TrainingError(f"--resume={path}: written at world size {meta['world_size']}, this run has "
+    meta = read_checkpoint_meta(path)  # before the log exists: every field in range
+    if meta.world_size != env.world_size:
+        raise TrainingError(f"--resume={path}: written at world size {meta.world_size}, this run has "
                             f"{env.world_size}; DistAdam and NorMuon state are sharded per rank, so resume with "
-                            f"{meta['world_size']} ranks")
+                            f"{meta.world_size} ranks")
     if not args.force_resume:
-        ours, theirs = comparable_config(config_for_checkpoint(args), args), comparable_config(meta["config"], args)
+        ours, theirs = comparable_config(config_for_checkpoint(args), args), comparable_config(meta.config, args)
         differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
         if differ:
             raise TrainingError(f"--resume={path}: config differs in {', '.join(differ)} "
                                 f"(use --force_resume=true to resume anyway)")
-        if meta["code_sha256"] != code_hash(source):
+        if meta.code_sha256 != code_hash(source):
             raise TrainingError(f"--resume={path}: written by a different train_gpt.py "
                                 f"(use --force_resume=true to resume anyway)")
     expected = model_state_shapes(args)
     try:
-        listed = meta["files"].get("model.pt")
-        size = listed.get("bytes") if isinstance(listed, dict) else None  # (read_checkpoint_file checks the listing)
-        check_fits_host(expected, size if type(size) is int else 0)
+        listed = meta.files.get("model.pt")  # (read_checkpoint_file refuses a missing listing)
+        check_fits_host(expected, listed.bytes if listed else 0)
         model_state = check_weights(read_checkpoint_file(path, "model.pt", meta), expected)
     except WeightsError as e:
         forced = "; --force_resume cannot change the architecture" if args.force_resume else ""
@@ -4487,12 +4567,12 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
             from None
     rank_state = read_checkpoint_file(path, f"rank_{env.rank}.pt", meta)
     saved_at = rank_state.get("step") if isinstance(rank_state, dict) else None
-    if saved_at != meta["step"]:
-        raise TrainingError(f"--resume={path}: meta.json says step {meta['step']}, but rank_{env.rank}.pt was "
-                            f"saved at step {saved_at}")
-    if meta["step"] > args.num_iterations or (args.force_resume and meta["step"] == args.num_iterations):
+    if saved_at != meta.step:
+        raise TrainingError(f"--resume={path}: meta.json says step {meta.step}, but rank_{env.rank}.pt was "
+                            f"saved at step {brief(saved_at)}")
+    if meta.step > args.num_iterations or (args.force_resume and meta.step == args.num_iterations):
         # (unforced, num_iterations matched: the same run's last checkpoint runs only its final validation)
-        raise TrainingError(f"--resume={path}: the checkpoint is at step {meta['step']}, at or past "
+        raise TrainingError(f"--resume={path}: the checkpoint is at step {meta.step}, at or past "
                             f"--num_iterations={args.num_iterations}: nothing is left to train (a longer run needs a "
                             f"larger --num_iterations)")
     return Resume(path, meta, model_state, rank_state)
@@ -4502,17 +4582,17 @@ def check_resume_shards(resume: Resume, loader, args: Hyperparameters):
     """The training shards this run reads must be the ones the checkpoint's run read, where both read them
     (in order, by size and fingerprint; a folder moved elsewhere is the same data): other data would not
     continue that run. --force_resume=true goes on anyway, from the same shard index and position."""
-    recorded = resume.meta["shards"]
+    recorded = resume.meta.shards
     scans = getattr(loader, "scans", [])
     if bool(recorded) != bool(scans):
         raise TrainingError(f"--resume={resume.path}: the checkpoint was trained on "
                             f"{'shards' if recorded else 'synthetic tokens'}, this run reads "
                             f"{'shards' if scans else 'synthetic tokens'}")
-    state = resume.meta["loader"]
+    state = resume.meta.loader
     if not scans:  # synthetic tokens: the position is a count of batches drawn
-        if type(state.get("step", 0)) is not int or state.get("step", 0) < 0:
-            raise TrainingError(f"--resume={resume.path}: meta.json's loader step is {state.get('step')!r}, not a "
-                                f"count of batches (edited?)")
+        if type(state.get("step", 0)) is not int or not 0 <= state.get("step", 0) <= MAX_COUNT:
+            raise TrainingError(f"--resume={resume.path}: meta.json's loader step is {brief(state.get('step'))}, not "
+                                f"a count of batches (edited?)")
         return
     try:  # a resume that would read the position with another meaning, before anything is written
         loader.check_packing(state)
@@ -4520,7 +4600,7 @@ def check_resume_shards(resume: Resume, loader, args: Hyperparameters):
         raise TrainingError(f"--resume={resume.path}: {e}") from None
     position = state.get("file_index")
     if type(position) is not int or not 0 <= position < len(scans):
-        raise TrainingError(f"--resume={resume.path}: the checkpoint stopped in training shard {position!r}, but "
+        raise TrainingError(f"--resume={resume.path}: the checkpoint stopped in training shard {brief(position)}, but "
                             f"--train_files={args.train_files} gives this run {len(scans)} shard(s)")
     # the next piece (documents) or token (stream) of that shard: at most its end, where the next shard starts.
     # (-1 or 1.9 once resumed elsewhere in the data without a word, a position past the end in an IndexError.)
@@ -4528,17 +4608,17 @@ def check_resume_shards(resume: Resume, loader, args: Hyperparameters):
     end = len(scan.starts) if scan.packing == "documents" else scan.num_tokens
     if type(piece) is not int or not 0 <= piece <= end:
         unit = "pieces (documents)" if scan.packing == "documents" else "tokens"
-        raise TrainingError(f"--resume={resume.path}: meta.json puts the loader at {piece!r} in training shard "
+        raise TrainingError(f"--resume={resume.path}: meta.json puts the loader at {brief(piece)} in training shard "
                             f"{position + 1}, {scan.path}, which has {end:,} {unit}: not a position in it (edited, or "
                             f"another shard?)")
     if args.force_resume:
         return
     for i, (saved, scan, fingerprint) in enumerate(zip(recorded, scans, loader.fingerprints)):
-        size = SHARD_HEADER_INTS * 4 + 2 * scan.num_tokens
-        if saved["bytes"] != size or saved["fingerprint"] != fingerprint:
-            other = ", another fingerprint" if saved["bytes"] == size else ""
+        size = SHARD_HEADER_BYTES + 2 * scan.num_tokens
+        if saved.bytes != size or saved.fingerprint != fingerprint:
+            other = ", another fingerprint" if saved.bytes == size else ""
             raise TrainingError(f"--resume={resume.path}: training shard {i + 1}, {scan.path} ({size:,} bytes), is "
-                                f"not the one the checkpoint's run read ({saved['file']}, {saved['bytes']:,} bytes"
+                                f"not the one the checkpoint's run read ({saved.file}, {saved.bytes:,} bytes"
                                 f"{other}); use --force_resume=true to go on with these shards anyway")
 
 
@@ -4547,14 +4627,14 @@ def load_checkpoint(resume: Resume, model: GPT, optimizers, loader, env: DistEnv
         model.load_state_dict(resume.model_state)
         for opt, state in zip(optimizers, resume.rank_state["optimizers"], strict=True):
             opt.load_state_dict(state)
-        loader.load_state_dict(resume.meta["loader"])
+        loader.load_state_dict(resume.meta.loader)
         torch.set_rng_state(resume.rank_state["cpu_rng"].cpu())
         if env.device.type == "cuda" and resume.rank_state["cuda_rng"].numel():
             torch.cuda.set_rng_state(resume.rank_state["cuda_rng"].cpu())
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise TrainingError(f"--resume={resume.path}: the checkpoint does not fit this run "
                             f"({first_line(e)})") from None
-    return resume.meta["step"], float(resume.meta["train_time_ms"])
+    return resume.meta.step, resume.meta.train_time_ms
 
 
 # -----------------------------------------------------------------------------

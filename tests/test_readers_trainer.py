@@ -399,3 +399,124 @@ def test_property_a_name_is_cut_by_bytes_at_a_character_boundary(name, limit):
         except UnicodeDecodeError:
             continue
         cut.decode()  # a name that is UTF-8 is cut between characters
+
+
+# -----------------------------------------------------------------------------
+# Row 15: meta.json's every field checked for type and range by one reader, before the log exists
+def set_in(*keys, value):
+    def change(meta):
+        target = meta
+        for key in keys[:-1]:
+            target = target[key]
+        target[keys[-1]] = value
+    return change
+
+
+META_CASES = [
+    # (what, change to meta.json, fragment of the error line)
+    ("train_time_ms 1e308 (the issue's)", set_in("train_time_ms", value=1e308),
+     "meta.json's train_time_ms is 1e+308, not a time (a finite number of ms, 0 or more, at most 31,536,000,000"),
+    ("train_time_ms a year and 1 ms", set_in("train_time_ms", value=T.MAX_TRAIN_TIME_MS + 1),
+     "meta.json's train_time_ms is 31536000001, not a time"),
+    ("train_time_ms an int of 400 digits", set_in("train_time_ms", value=10 ** 400),
+     f"meta.json's train_time_ms is {str(10 ** 400)[:30]}... (401 characters), not a time"),
+    ("train_time_ms true", set_in("train_time_ms", value=True), "meta.json has no valid 'train_time_ms'"),
+    ("step 10**30", set_in("step", value=10 ** 30), "meta.json's step is 1000000000000000000000000000000, not one"),
+    ("world_size 0", set_in("world_size", value=0), "meta.json's world_size is 0, not one a run saves"),
+    ("world_size 2**63", set_in("world_size", value=2 ** 63), "meta.json's world_size is 9223372036854775808"),
+    ("code_sha256 not hex", set_in("code_sha256", value="x" * 64), "meta.json has no valid 'code_sha256'"),
+    ("a shard named by 5,000 characters", set_in("shards", 0, "file", value="x" * 5000),
+     "meta.json has no valid 'shards'"),
+    ("a shard's fingerprint a number", set_in("shards", 0, "fingerprint", value=7), "meta.json has no valid 'shards'"),
+    ("a file of -1 bytes", set_in("files", "model.pt", "bytes", value=-1), "meta.json has no valid 'files'"),
+    ("a file's sha256 short", set_in("files", "rank_0.pt", "sha256", value="ab"), "meta.json has no valid 'files'"),
+    ("a setting named by an escape", set_in("config", "\x1b[2J", value=1), "meta.json has no valid 'config'"),
+    ("a setting's value a list", set_in("config", "seed", value=[1]), "meta.json has no valid 'config'"),
+    ("the loader's packing a number (a TypeError traceback)", set_in("loader", "packing", value=5),
+     "meta.json has no valid 'loader' (its packing is not a list of documents or stream)"),
+]
+
+
+@pytest.mark.parametrize("what, change, fragment", META_CASES, ids=[c[0] for c in META_CASES])
+def test_meta_json_fields_out_of_type_or_range_are_refused(at_end, tmp_path, what, change, fragment):
+    folder = copy_with(at_end, tmp_path / "step_000002", change)
+    with pytest.raises(T.TrainingError) as refused:
+        T.check_checkpoint(folder, T.parse_args(TINY, False), CPU, TRAIN.read_text())
+    assert str(refused.value).startswith(f"--resume={folder}: ") and fragment in str(refused.value)
+    assert len(str(refused.value)) < 400
+
+
+def test_a_train_time_of_1e308_ms_is_refused_before_the_log(at_end, tmp_path):
+    folder = copy_with(at_end, tmp_path / "step_000002", set_in("train_time_ms", value=1e308))
+    one_error_line(resume(folder, tmp_path), 1, f"error [rank 0]: --resume={folder}: meta.json's train_time_ms is "
+                                                f"1e+308, not a time")
+    assert not (tmp_path / "logs").exists()
+
+
+def test_a_meta_json_of_5000_digits_or_64_mib_is_unreadable_in_one_line(at_end, tmp_path):
+    folder = copy_with(at_end, tmp_path / "a/step_000002")
+    text = (folder / "meta.json").read_text()
+    (folder / "meta.json").unlink()
+    (folder / "meta.json").write_text(text.replace('"step": 2', '"step": ' + "9" * 5000, 1))
+    with pytest.raises(T.TrainingError, match=r"unreadable meta.json \(Exceeds the limit"):
+        T.read_checkpoint_meta(folder)
+    with open(folder / "meta.json", "r+b") as f:
+        f.truncate(T.MAX_META_BYTES + 1)  # sparse: no 64 MiB written
+    with pytest.raises(T.TrainingError, match=r"unreadable meta.json \(67,108,865 bytes, more than a train_gpt"):
+        T.read_checkpoint_meta(folder)
+
+
+# A meta.json save_checkpoint could have written, for the properties (no checkpoint files are read)
+VALID_META = {"step": 2, "train_time_ms": 1234.5, "world_size": 1,
+              "loader": {"file_index": 0, "piece": 9, "packing": ["documents"]},
+              "config": T.config_for_checkpoint(T.parse_args(TINY, False)), "code_sha256": "a" * 64,
+              "shards": [{"file": "data/x_train_000001.bin", "bytes": 2048, "fingerprint": "b" * 64}],
+              "files": {"model.pt": {"bytes": 10, "sha256": "c" * 64}, "rank_0.pt": {"bytes": 0, "sha256": "d" * 64}}}
+PLACES = [("step",), ("train_time_ms",), ("world_size",), ("loader",), ("loader", "packing"), ("config",),
+          ("config", "seed"), ("config", "model_dim"), ("code_sha256",), ("shards",), ("shards", 0),
+          ("shards", 0, "file"), ("shards", 0, "bytes"), ("shards", 0, "fingerprint"), ("files",),
+          ("files", "model.pt"), ("files", "model.pt", "bytes"), ("files", "rank_0.pt", "sha256")]
+NUMBERS = (st.integers() | st.integers(-2 ** 70, 2 ** 70) | st.floats() | st.integers(10 ** 30, 10 ** 60)
+           | st.sampled_from([0, -0.0, T.MAX_TRAIN_TIME_MS, T.MAX_COUNT, T.MAX_COUNT + 1, 1e308, -1e-300]))
+TEXT = st.text() | st.text(alphabet="\x1b\n\r\u202e\x00[2J0123456789abcdef", max_size=80)
+JSON = st.recursive(st.none() | st.booleans() | NUMBERS | TEXT,
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
+                    max_leaves=6)
+
+
+@PROPERTY
+@given(place=st.sampled_from(PLACES), value=JSON, drop=st.booleans())
+def test_property_meta_json_reader_gives_a_valid_meta_or_one_short_line(place, value, drop):
+    meta = json.loads(json.dumps(VALID_META))
+    target = meta
+    for key in place[:-1]:
+        target = target[key]
+    if drop:
+        del target[place[-1]]
+    else:
+        target[place[-1]] = value
+    try:
+        read = T.parse_checkpoint_meta(json.loads(json.dumps(meta)))  # as json.loads reads it from a file
+    except T.MetaError as e:
+        assert "\n" not in str(e) and len(str(e)) < 200, str(e)
+        return
+    assert type(read.step) is int and 0 <= read.step <= T.MAX_COUNT
+    assert type(read.world_size) is int and 1 <= read.world_size <= T.MAX_COUNT
+    assert type(read.train_time_ms) is float and math.isfinite(read.train_time_ms)
+    assert 0 <= read.train_time_ms <= T.MAX_TRAIN_TIME_MS
+    assert all(p in T.SHARD_PACKINGS for p in read.loader.get("packing", []))
+    assert all(k.isidentifier() and not isinstance(v, (list, dict)) for k, v in read.config.items())
+    assert T.SHA256_PATTERN.fullmatch(read.code_sha256)
+    for shard in read.shards:
+        assert 0 < len(shard.file) <= T.MAX_PATH_CHARS and 0 <= shard.bytes <= T.MAX_COUNT
+        assert type(shard.bytes) is int and T.SHA256_PATTERN.fullmatch(shard.fingerprint)
+    for listed in read.files.values():
+        assert type(listed.bytes) is int and 0 <= listed.bytes <= T.MAX_COUNT and T.SHA256_PATTERN.fullmatch(
+            listed.sha256)
+
+
+def test_the_valid_meta_json_reads_as_it_was_written():
+    read = T.parse_checkpoint_meta(json.loads(json.dumps(VALID_META)))
+    assert (read.step, read.train_time_ms, read.world_size, read.code_sha256) == (2, 1234.5, 1, "a" * 64)
+    assert read.shards == (T.ShardRecord("data/x_train_000001.bin", 2048, "b" * 64),)
+    assert read.files["model.pt"] == T.FileRecord(10, "c" * 64) and read.loader == VALID_META["loader"]
