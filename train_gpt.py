@@ -4640,6 +4640,17 @@ def load_checkpoint(resume: Resume, model: GPT, optimizers, loader, env: DistEnv
 # -----------------------------------------------------------------------------
 # Logging: the log file starts with this file's source, then versions, hardware and config
 
+def visible(text: str) -> str:
+    """text with each character that is not printable (escape sequences, line breaks, bidi marks) written as a
+    Python string literal writes it (`\\x1b`, `\\n`). Every line the trainer logs or prints passes through it
+    (Logger, console_line, report_error), because lines quote what others wrote: file and folder names, meta.json's
+    fields (a shard name in a shared checkpoint once cleared the screen and printed a green "OK"), flags. Printable
+    text, any script's, is left as it is; so is a line already shown through it."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class Logger:
     """Rank 0 writes logs/<run_id>.txt and the console. Each line reaches the file as it is logged, so
     a killed run keeps every step it finished. A write that fails (a full disk) is taken back to the
@@ -4658,10 +4669,12 @@ class Logger:
                         folder.rmdir()
                 raise
 
-    def __call__(self, line: str = "", console: bool = True):
+    def __call__(self, line: str = "", console: bool = True, verbatim: bool = False):
+        """One line, through visible(): outside text in it cannot start a line of its own, in the log or on the
+        terminal. verbatim: a block of our own lines, kept as it is (the source, nvidia-smi's table)."""
         if self.fd is None:
             return
-        data = (line + "\n").encode("utf-8", "backslashreplace")
+        data = ((line if verbatim else visible(line)) + "\n").encode("utf-8", "backslashreplace")
         try:
             write_all(self.fd, data)
         except OSError as e:
@@ -4704,7 +4717,7 @@ def nvidia_smi() -> str:
 
 def log_header(run: Run, model: GPT):
     args, env, log = run.args, run.env, run.log
-    log(run.source, console=False)
+    log(run.source, console=False, verbatim=True)
     log("=" * 100, console=False)
     log(f"Running Python {sys.version}")
     log(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda or 'none'}")
@@ -4726,7 +4739,7 @@ def log_header(run: Run, model: GPT):
         f"steps in {len(run.schedule.stages) - 1} stages and an extension", console=False)
     smi = nvidia_smi()
     if smi:
-        log(smi, console=False)
+        log(smi, console=False, verbatim=True)
     if args.preset != "speedrun":
         log(f"note: {args.preset} preset (small model, not the record configuration) - NOT a record run")
     log("hyperparameters:", console=False)
@@ -5219,11 +5232,11 @@ def failure_line(error: BaseException) -> str:
 
 
 def console_line(line: str, stream=None):
-    """Prints one line to stdout (or `stream`) in a single write. print() writes the text and its newline
-    separately, and unbuffered (PYTHONUNBUFFERED) they are two writes: under torchrun the ranks share one
-    stderr, and two ranks' lines came out run together with the newlines after them."""
+    """Prints one line, through visible(), to stdout (or `stream`) in a single write. print() writes the text and
+    its newline separately, and unbuffered (PYTHONUNBUFFERED) they are two writes: under torchrun the ranks share
+    one stderr, and two ranks' lines came out run together with the newlines after them."""
     stream = sys.stdout if stream is None else stream
-    stream.write(line + "\n")
+    stream.write(visible(line) + "\n")
     stream.flush()
 
 
@@ -5231,6 +5244,7 @@ def report_error(line: str, exit_code: int, print_it: bool = True) -> int:
     """Prints a failed run's one line and returns its exit code. Under torchrun the line also goes to the
     rank's error file (TORCHELASTIC_ERROR_FILE, which torchrun sets), so that torchrun's own summary of
     the failure shows it instead of a pointer to its documentation."""
+    line = visible(line)  # torchrun prints the error file's message too
     if print_it:
         console_line(line, sys.stderr)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")

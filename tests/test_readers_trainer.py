@@ -520,3 +520,39 @@ def test_the_valid_meta_json_reads_as_it_was_written():
     assert (read.step, read.train_time_ms, read.world_size, read.code_sha256) == (2, 1234.5, 1, "a" * 64)
     assert read.shards == (T.ShardRecord("data/x_train_000001.bin", 2048, "b" * 64),)
     assert read.files["model.pt"] == T.FileRecord(10, "c" * 64) and read.loader == VALID_META["loader"]
+
+
+# -----------------------------------------------------------------------------
+# Row 6: outside text (meta.json's shard names, file names, flags) is printed and logged escaped
+ESCAPE_CASES = [
+    # (what, a shard name recorded in meta.json)
+    ("clears the screen, prints a green OK (the issue's)", "\x1b[2J\x1b[32mOK\x1b[0m"),
+    ("starts a line of its own", "x.bin\nerror: nothing is wrong"),
+    ("a carriage return and a bell", "x.bin\r\x07"),
+    ("a bidi override", "\u202enib.exe"),
+]
+
+
+@pytest.mark.parametrize("what, name", ESCAPE_CASES, ids=[c[0] for c in ESCAPE_CASES])
+def test_a_shard_name_in_meta_json_is_printed_escaped(at_end, tmp_path, what, name):
+    def change(meta):
+        meta["shards"][0].update(file=name, fingerprint="0" * 64)
+    folder = copy_with(at_end, tmp_path / "step_000002", change)
+    line = one_error_line(resume(folder, tmp_path), 1, "is not the one the checkpoint's run read (")
+    assert f"({T.visible(name)}, 2,846,636 bytes, another fingerprint)" in line
+
+
+@pytest.mark.parametrize("text, shown", [
+    ("\x1b[2J", "\\x1b[2J"), ("a\nb", "a\\nb"), ("\u202eab", "\\u202eab"), ("tab\there", "tab\\there"),
+    ("\udcff.bin", "\\udcff.bin"), ("été 東京 𝄞", "été 東京 𝄞"), ("a\\x1b", "a\\x1b"),
+], ids=["escape", "newline", "bidi", "tab", "not UTF-8", "printable, any script", "a backslash as it is"])
+def test_one_escape_for_every_line_logged_or_printed(tmp_path, capsys, text, shown):
+    log = T.Logger(tmp_path / "log.txt")
+    log(f"data: {text}")
+    log("source\n  code", console=False, verbatim=True)  # the source and nvidia-smi's table, ours, as they are
+    log.close()
+    T.report_error(f"error: {text}", 2)
+    assert (tmp_path / "log.txt").read_text() == f"data: {shown}\nsource\n  code\n"
+    out, err = capsys.readouterr()
+    assert (out, err) == (f"data: {shown}\n", f"error: {shown}\n")
+    assert T.visible(T.visible(text)) == T.visible(text)
