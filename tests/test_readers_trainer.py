@@ -556,3 +556,60 @@ def test_one_escape_for_every_line_logged_or_printed(tmp_path, capsys, text, sho
     out, err = capsys.readouterr()
     assert (out, err) == (f"data: {shown}\n", f"error: {shown}\n")
     assert T.visible(T.visible(text)) == T.visible(text)
+
+
+# -----------------------------------------------------------------------------
+# Row 16: a lock file this user may not open is named, not blamed on the folder
+
+@pytest.fixture
+def denied_lock(tmp_path, monkeypatch):
+    """A folder whose .writing.lock this user may not open: as root, permissions deny nothing, so os.open answers
+    for the lock file what the kernel answers a user to whom it is not readable (EACCES)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    lock = out / safe_write.LOCK_NAME
+    lock.write_text("123 tokenize_text.py\n")
+    lock.chmod(0)
+    real_open = os.open
+
+    def open_(path, flags, *args, **kwargs):
+        if os.fspath(path) == str(lock) and os.geteuid() == 0:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, flags, *args, **kwargs)
+    monkeypatch.setattr(safe_write.os, "open", open_)
+    return out
+
+
+def test_an_unreadable_lock_file_is_named(denied_lock):
+    with pytest.raises(safe_write.LockError) as refused:
+        with safe_write.FolderLock(denied_lock, f"--out {denied_lock}"):
+            pass
+    assert str(refused.value) == (
+        f"--out {denied_lock}: its lock file {denied_lock}/.writing.lock cannot be opened (Permission denied): "
+        f"another user's, or its permissions were changed; remove it if no run is writing there, and run again")
+    assert (denied_lock / safe_write.LOCK_NAME).exists()  # left as it is
+
+
+def test_the_downloader_names_an_unreadable_lock_file(denied_lock, capsys, monkeypatch):
+    import cached_fineweb10B
+    import huggingface_hub
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: pytest.fail("downloaded anyway"))
+    for name in ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT"):  # cached_fineweb10B.main sets these
+        monkeypatch.setenv(name, "10")
+    assert cached_fineweb10B.main(["0", "--out", str(denied_lock)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot write there" not in err
+    assert err.startswith(f"error: --out {denied_lock}: its lock file {denied_lock}/.writing.lock cannot be opened")
+
+
+def test_a_folder_that_cannot_be_written_is_still_said_so(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def open_(path, flags, *args, **kwargs):  # no lock file, and the folder refuses one (a read-only folder)
+        if os.fspath(path).endswith(safe_write.LOCK_NAME):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, flags, *args, **kwargs)
+    monkeypatch.setattr(safe_write.os, "open", open_)
+    with pytest.raises(PermissionError):
+        with safe_write.FolderLock(tmp_path, "--out x"):
+            pass
