@@ -153,7 +153,8 @@ REPLACED_CASES = [
     # (what replaces the shard after the start-up scan, fragment of the DataError)
     ("ids past the vocabulary (the issue's)", with_tokens(set_token(5000, 60000)),
      "token id 60000 at position 5000 is outside the vocabulary (--vocab_size=50257)"),
-    ("valid ids, other text (the issue's)", with_tokens(lambda t: np.roll(t, 1000)), "changed since the run scanned it"),
+    ("valid ids, other text (the issue's)", with_tokens(lambda t: np.roll(t, 1000)),
+     "changed since the run scanned it"),
     ("one token more", with_tokens(lambda t: np.append(t, 1)), "(1,422,807 tokens now, 1,422,806 then"),
     ("a document split in two", with_tokens(set_token(70, T.BOS_ID)), "changed since the run scanned it"),
     ("a header that says more tokens", lambda p: p.write_bytes(BUNDLED_TRAIN.read_bytes()[:-2]), "(truncated?)"),
