@@ -26,6 +26,7 @@ import dataclasses
 import datetime
 import errno
 import fcntl
+import fnmatch
 import gc
 import glob
 import hashlib
@@ -38,6 +39,7 @@ import re
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -2732,52 +2734,107 @@ def gather_from_ranks(obj) -> list:
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
 SHARD_HEADER_INTS = 256
+SHARD_HEADER_BYTES = SHARD_HEADER_INTS * 4
 SHARD_PACKING_INDEX, SHARD_PACKINGS = 3, {"documents": 0, "stream": 1}  # header[3]; data/shards.py writes it
 FETCH_HINT = "fetch FineWeb with `python data/cached_fineweb10B.py`"
 REPO_DIR = Path(__file__).resolve().parent  # where the bundled corpus and the data tools are
 BUNDLED_CORPUS = REPO_DIR / "data" / "shakespeare"
 
 
-def read_shard_header(path) -> int:
-    """Checks a shard's header against its size; returns its token count."""
+# One reader for token shards, used at every open: the start-up scan, the loader's (and its prefetch's) open of
+# each shard, and the validation tokens. A shard replaced during a run was once read unchecked by the loader: ids past
+# the vocabulary ended in a 40-line IndexError, valid ids in training on data no scan had seen. The checks cost a
+# header, an fstat and a vectorised max over the tokens read, on the host before they reach the device (the
+# loader's next shard is read in its prefetch thread): nothing is added to a training step.
+
+class ShardHeader(NamedTuple):
+    num_tokens: int  # the token count, which the file's size matches
+    packing: int  # header[SHARD_PACKING_INDEX], as stored (shard_packing names it)
+
+
+def file_kind(mode: int) -> str:
+    """What a path that is not a regular file is, in words."""
+    kinds = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device",
+             stat.S_IFBLK: "a device"}
+    return kinds.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def open_shard(path) -> tuple[io.BufferedReader, ShardHeader]:
+    """A shard opened for reading and its checked header. Only a regular file is opened: a FIFO matched by a glob
+    once blocked the run forever before its log (stat, then an open that does not wait, then fstat, so that a file
+    swapped between the two is caught too). The header must be ours and agree with the file's size."""
     path = Path(path)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(SHARD_HEADER_INTS * 4)
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise DataError(f"{path}: {file_kind(mode)}, not a token shard (a shard is a regular file)")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         raise DataError(f"{path}: cannot read shard ({e.strerror})") from None
-    if len(raw) < SHARD_HEADER_INTS * 4:
-        raise DataError(f"{path}: {'empty' if size == 0 else 'truncated'} shard ({size} bytes, "
-                        f"the header alone is {SHARD_HEADER_INTS * 4})")
-    header = np.frombuffer(raw, dtype="<i4")
-    if header[0] != SHARD_MAGIC:
-        raise DataError(f"{path}: not a token shard (magic {header[0]}, expected {SHARD_MAGIC})")
-    if header[1] != SHARD_VERSION:
-        raise DataError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION})")
-    num_tokens = int(header[2])
-    expected = SHARD_HEADER_INTS * 4 + 2 * num_tokens
-    if num_tokens < 0 or size != expected:
-        raise DataError(f"{path}: header says {num_tokens} tokens ({expected} bytes) but the file has {size} bytes"
-                        f"{' (truncated?)' if size < expected else ''}")
-    return num_tokens
+    f = os.fdopen(fd, "rb")
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DataError(f"{path}: {file_kind(st.st_mode)}, not a token shard (a shard is a regular file)")
+        os.set_blocking(fd, True)
+        raw = f.read(SHARD_HEADER_BYTES)
+        if len(raw) < SHARD_HEADER_BYTES:
+            raise DataError(f"{path}: {'empty' if st.st_size == 0 else 'truncated'} shard ({st.st_size} bytes, "
+                            f"the header alone is {SHARD_HEADER_BYTES})")
+        header = np.frombuffer(raw, dtype="<i4")
+        if header[0] != SHARD_MAGIC:
+            raise DataError(f"{path}: not a token shard (magic {header[0]}, expected {SHARD_MAGIC})")
+        if header[1] != SHARD_VERSION:
+            raise DataError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION})")
+        num_tokens = int(header[2])
+        expected = SHARD_HEADER_BYTES + 2 * num_tokens
+        if num_tokens < 0 or st.st_size != expected:
+            raise DataError(f"{path}: header says {num_tokens} tokens ({expected} bytes) but the file has "
+                            f"{st.st_size} bytes{' (truncated?)' if st.st_size < expected else ''}")
+    except OSError as e:
+        f.close()
+        raise DataError(f"{path}: cannot read shard ({e.strerror})") from None
+    except BaseException:
+        f.close()
+        raise
+    return f, ShardHeader(num_tokens, int(header[SHARD_PACKING_INDEX]))
+
+
+def read_shard_header(path) -> int:
+    """Checks a shard's header against its size; returns its token count."""
+    f, header = open_shard(path)
+    f.close()
+    return header.num_tokens
 
 
 def shard_packing(path) -> str:
     """The packing a shard's header asks for (data/shards.py's PACKINGS: FineWeb's shards say documents)."""
-    with open(path, "rb") as f:
-        value = int(np.frombuffer(f.read(SHARD_HEADER_INTS * 4), dtype="<i4")[SHARD_PACKING_INDEX])
+    f, header = open_shard(path)
+    f.close()
     names = {v: k for k, v in SHARD_PACKINGS.items()}
-    if value not in names:
-        raise DataError(f"{path}: unknown packing {value} in its header (known: "
+    if header.packing not in names:
+        raise DataError(f"{path}: unknown packing {header.packing} in its header (known: "
                         f"{', '.join(f'{v} {k}' for k, v in SHARD_PACKINGS.items())}); pass --packing")
-    return names[value]
+    return names[header.packing]
 
 
-def read_shard(path) -> np.ndarray:
-    """All tokens of a shard as uint16, after the header checks."""
-    num_tokens = read_shard_header(path)
-    return np.fromfile(path, dtype="<u2", count=num_tokens, offset=SHARD_HEADER_INTS * 4).astype(np.uint16, copy=False)
+def read_shard(path, vocab_size: int | None = None) -> np.ndarray:
+    """All tokens of a shard as uint16, read from the one open whose header was checked (open_shard); with
+    vocab_size, every id must be below it (check_token_ids)."""
+    f, header = open_shard(path)
+    with f:
+        stored = np.empty(header.num_tokens, dtype="<u2")
+        try:
+            got = f.readinto(memoryview(stored).cast("B"))
+        except OSError as e:
+            raise DataError(f"{path}: cannot read shard ({e.strerror})") from None
+    if got != stored.nbytes:  # shortened since its size was read
+        raise DataError(f"{path}: truncated while it was read ({SHARD_HEADER_BYTES + got} of "
+                        f"{SHARD_HEADER_BYTES + stored.nbytes} bytes)")
+    tokens = stored.astype(np.uint16, copy=False)
+    if vocab_size is not None:
+        check_token_ids(tokens, path, vocab_size)
+    return tokens
 
 
 def match_shards(pattern: str) -> tuple[list[Path], bool]:
@@ -2954,6 +3011,7 @@ class ShardScan:
     num_tokens: int
     starts: np.ndarray  # BOS positions: the loader reuses them when it opens the shard
     packing: str = "documents"  # SHARD_PACKINGS: --packing, or the shard's header under auto
+    fingerprint: str = ""  # shard_fingerprint's: what a checkpoint records, and what every later open must find
     first_step: int = 0  # the step of the schedule the run reaches this shard at
     steps: int = 0  # steps the loader takes from it (DocumentPieces.count_steps)
 
@@ -2962,39 +3020,46 @@ SCAN_THREADS = 4  # shards scanned at once; numpy releases the GIL while it read
 FINGERPRINT_BLOCKS, FINGERPRINT_BLOCK_TOKENS = 16, 4096
 
 
-def shard_fingerprint(scan: ShardScan) -> str:
-    """sha256 of what tells a scanned shard from another cheaply: its token count, 16 evenly spaced blocks
-    of 4,096 tokens (the first and the last included; 128 KiB read) and every document's start (found by
-    the scan). Another shard, or this text tokenized or shuffled differently, changes it; one token edited
-    between the blocks, inside a document, would not."""
-    h = hashlib.sha256(np.int64(scan.num_tokens).tobytes())
-    last = max(scan.num_tokens - FINGERPRINT_BLOCK_TOKENS, 0)
-    try:
-        with open(scan.path, "rb") as f:
-            for offset in np.linspace(0, last, FINGERPRINT_BLOCKS).astype(np.int64):
-                f.seek(SHARD_HEADER_INTS * 4 + 2 * int(offset))
-                h.update(f.read(2 * FINGERPRINT_BLOCK_TOKENS))
-    except OSError as e:
-        raise DataError(f"{scan.path}: cannot read shard ({e.strerror})") from None
-    h.update(scan.starts.astype("<i8").tobytes())
+def shard_fingerprint(tokens: np.ndarray, starts: np.ndarray) -> str:
+    """sha256 of what tells a shard's tokens from another's cheaply: their count, 16 evenly spaced blocks
+    of 4,096 tokens (the first and the last included; 128 KiB) and every document's start. Another shard,
+    or this text tokenized or shuffled differently, changes it; one token edited between the blocks, inside
+    a document, would not."""
+    h = hashlib.sha256(np.int64(len(tokens)).tobytes())
+    last = max(len(tokens) - FINGERPRINT_BLOCK_TOKENS, 0)
+    for offset in np.linspace(0, last, FINGERPRINT_BLOCKS).astype(np.int64):
+        h.update(tokens[offset:offset + FINGERPRINT_BLOCK_TOKENS].astype("<u2", copy=False).tobytes())
+    h.update(starts.astype("<i8").tobytes())
     return h.hexdigest()
+
+
+def read_scanned_shard(scan: ShardScan, vocab_size: int) -> np.ndarray:
+    """A scanned shard's tokens, read again (read_shard's checks) and refused unless they are still the ones the
+    scan counted: a shard replaced during a run would otherwise be trained on unseen, its documents cut at the
+    old shard's starts."""
+    tokens = read_shard(scan.path, vocab_size)
+    if shard_fingerprint(tokens, np.flatnonzero(tokens == BOS_ID)) != scan.fingerprint:
+        raise DataError(f"{scan.path}: changed since the run scanned it at start-up ({len(tokens):,} tokens now, "
+                        f"{scan.num_tokens:,} then, or other tokens): a run's shards must not be replaced while it "
+                        f"trains; start it again (or resume it) on the new shards")
+    return tokens
 
 
 def scan_shard(path: Path, args: Hyperparameters) -> ShardScan:
     """One pass over a training shard: its token ids and its BOS positions."""
-    tokens = read_shard(path)
-    check_token_ids(tokens, path, args.vocab_size)
+    tokens = read_shard(path, args.vocab_size)
     starts = np.flatnonzero(tokens == BOS_ID)
     if not len(starts):
         raise DataError(f"{path}: no document starts in it (no <|endoftext|>, id {BOS_ID}, the token every "
                         f"training piece starts with); tokenize text with `python data/tokenize_text.py`")
     packing = shard_packing(path) if args.packing == "auto" else args.packing
-    return ShardScan(path, len(tokens), starts, packing)
+    return ShardScan(path, len(tokens), starts, packing, shard_fingerprint(tokens, starts))
 
 
 def count_shard_steps(scan: ShardScan, first_step: int, args: Hyperparameters, schedule: Schedule) -> ShardScan:
     scan.first_step = first_step
-    scan.steps = packed(scan.packing, read_shard(scan.path), scan.starts).count_steps(first_step, schedule)
+    tokens = read_scanned_shard(scan, args.vocab_size)
+    scan.steps = packed(scan.packing, tokens, scan.starts).count_steps(first_step, schedule)
     if not scan.steps and scan.packing == "stream":
         raise DataError(f"{scan.path}: its {scan.num_tokens:,} tokens cannot fill one step of "
                         f"{step_tokens(first_step, schedule):,} (step {first_step}); add text")
@@ -3064,7 +3129,7 @@ class TrainLoader:
                 raise DataError(f"{f}: both a training shard (--train_files={args.train_files}) and a validation "
                                 f"shard (--val_files={args.val_files}); the val loss must come from text the run "
                                 f"does not train on")
-        self.fingerprints = [shard_fingerprint(scan) for scan in self.scans]  # what a checkpoint records
+        self.fingerprints = [scan.fingerprint for scan in self.scans]  # what a checkpoint records
         found = [f"--{name}={pattern}" for name, pattern, under_repo in (
             ("train_files", args.train_files, match_shards(args.train_files)[1]),
             ("val_files", args.val_files, val_under_repo)) if under_repo]
@@ -3084,6 +3149,7 @@ class TrainLoader:
                             f"from the first shard; for your own text, --packing=stream trains on every token (what "
                             f"data/tokenize_text.py's shards ask for)")
         self.env, self.bigram_buckets, self.packing_flag = env, args.bigram_vocab_size, args.packing
+        self.vocab_size = args.vocab_size
         self.file_index, self.piece = 0, 0
         self.pieces: DocumentPieces | TokenStream | None = None
         self.started_over = False  # whether the last batch was the first of another pass over the shards
@@ -3120,7 +3186,7 @@ class TrainLoader:
 
     def shard_record(self) -> list[dict]:
         """The shards the run reads, in order, as a checkpoint records them (see check_resume_shards)."""
-        return [{"file": str(scan.path), "bytes": SHARD_HEADER_INTS * 4 + 2 * scan.num_tokens,
+        return [{"file": str(scan.path), "bytes": SHARD_HEADER_BYTES + 2 * scan.num_tokens,
                  "fingerprint": fingerprint} for scan, fingerprint in zip(self.scans, self.fingerprints)]
 
     def state_dict(self) -> dict:
@@ -3143,7 +3209,7 @@ class TrainLoader:
 
     def _index(self, file_index: int) -> DocumentPieces | TokenStream:
         scan = self.scans[file_index]
-        return packed(scan.packing, read_shard(scan.path), scan.starts)
+        return packed(scan.packing, read_scanned_shard(scan, self.vocab_size), scan.starts)
 
     def _open(self, file_index: int) -> DocumentPieces | TokenStream:
         if self._next is not None and self._next[0] == file_index:
@@ -3220,8 +3286,7 @@ def load_val_tokens(args: Hyperparameters) -> Tensor:
     for f in files:
         if total >= needed:
             break
-        parts.append(read_shard(f)[:needed - total])
-        check_token_ids(parts[-1], f, args.vocab_size)
+        parts.append(read_shard(f, args.vocab_size)[:needed - total])
         total += len(parts[-1])
     if total < needed:
         raise DataError(f"validation shards {args.val_files!r} hold {total} tokens, fewer than "
@@ -3823,13 +3888,31 @@ class _RecordingWriter:
         pass
 
 
+# A file name may have 255 bytes, and a temporary adds to its name: NAME is kept whole in a temporary's name only up
+# to this many bytes (cut, the whole name's hash follows). Cut by characters, a legal 251-byte name of 4-byte characters
+# once got a 265-byte temporary ("File name too long"); bytes are what the file system counts.
+TEMPORARY_NAME_BYTES = 100
+
+
+def cut_to_bytes(name: str, limit: int) -> str:
+    """name's longest start that takes at most limit bytes as the file system stores it (UTF-8; bytes that are not
+    UTF-8 stay as they are, os.fsencode's way), never ending in part of a character."""
+    raw = os.fsencode(name)
+    if len(raw) <= limit:
+        return name
+    cut = limit
+    while cut > max(limit - 3, 0) and raw[cut] & 0xC0 == 0x80:  # a UTF-8 continuation byte: inside a character
+        cut -= 1
+    return os.fsdecode(raw[:cut])
+
+
 def temporary_path(path: Path, suffix: str) -> Path:
     """A hidden name beside path for its temporary (a file, or a folder written whole): `.NAME` + suffix, with NAME
-    cut to 100 characters and, when cut, a hash of the whole name so that two long names stay apart. A file name may
-    have 255 bytes: a legal 253-character one once failed with "File name too long", naming the temporary."""
+    cut to TEMPORARY_NAME_BYTES and, when cut, a hash of the whole name so that two long names stay apart."""
     name = path.name
-    if len(name) > 100:
-        name = f"{name[:100]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+    if len(os.fsencode(name)) > TEMPORARY_NAME_BYTES:
+        whole = hashlib.sha256(os.fsencode(name)).hexdigest()[:8]
+        name = f"{cut_to_bytes(name, TEMPORARY_NAME_BYTES)}-{whole}"
     return path.with_name(f".{name}{suffix}")
 
 
@@ -3981,21 +4064,27 @@ UNFINISHED_SAVES = (".step_*.partial", ".final.partial", ".latest.tmp", ".write_
 
 def sweep_unfinished_saves(run_dir: Path) -> list[str]:
     """Removes what a run that is gone left unfinished in its checkpoint folder (UNFINISHED_SAVES); a folder a live
-    run holds is left alone. Returns a `note:` line per removal."""
+    run holds is left alone. Returns a `note:` line per removal. Nothing outside run_dir is touched: run_dir itself
+    is opened without following a link (a symlinked <checkpoint_dir>/<run_id> once had the sweep delete a
+    `.step_*.partial/` and `.write_test` of the folder it pointed to), and what is inside is listed and removed
+    through that descriptor, links as links."""
     try:
-        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
+        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:  # missing, not a folder, or a link: nothing of a run's to sweep
         return []
     notes = []
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        for path in sorted(p for pattern in UNFINISHED_SAVES for p in run_dir.glob(pattern)):
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-            if not os.path.lexists(path):
-                notes.append(f"note: removed {path}, which a run that is gone (killed while saving) left unfinished")
+        with os.scandir(fd) as entries:
+            names = sorted(e.name for e in entries if any(fnmatch.fnmatchcase(e.name, p) for p in UNFINISHED_SAVES))
+        for name in names:
+            with contextlib.suppress(OSError):  # what cannot be removed stays, and is not said to be removed
+                if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    shutil.rmtree(name, dir_fd=fd)
+                else:
+                    os.unlink(name, dir_fd=fd)
+                notes.append(f"note: removed {run_dir / name}, which a run that is gone (killed while saving) left "
+                             f"unfinished")
     except OSError:  # BlockingIOError: a live run's folder, its saves are its own (or a file system without flock)
         pass
     finally:
@@ -4282,34 +4371,142 @@ def resolve_checkpoint(resume: str, args: Hyperparameters) -> Path:
     return pointer.parent / name
 
 
-# What meta.json must hold, and of which JSON types (a bool is never a number here).
-CHECKPOINT_META = {"step": int, "train_time_ms": (int, float), "world_size": int, "loader": dict, "config": dict,
-                   "code_sha256": str, "shards": list, "files": dict}
+# meta.json is read once, by read_checkpoint_meta, into a CheckpointMeta whose every field has its type and range
+# checked: no hash covers meta.json, so its numbers and names are anyone's (a train time of 1e308 ms resumed and was
+# logged as a 309-digit time). The loader's positions are checked against this run's shards (check_resume_shards).
+MAX_META_BYTES = 64 * 2 ** 20  # far above a meta.json of thousands of shards and ranks: more is not one we wrote
+MAX_COUNT = 2 ** 63 - 1  # steps, sizes, world sizes: what an int64 holds
+MAX_TRAIN_TIME_MS = 365 * 24 * 3600 * 1000  # a year of timed training: more is an edit, not a run
+MAX_PATH_CHARS = 4096  # PATH_MAX: a shard's recorded name, which a refusal quotes
+SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
+OLDER = "(edited, or written by an older train_gpt.py?)"
+
+
+class FileRecord(NamedTuple):
+    bytes: int
+    sha256: str
+
+
+class ShardRecord(NamedTuple):
+    file: str  # as the saving run named it: shown, never opened
+    bytes: int
+    fingerprint: str  # shard_fingerprint's
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    step: int
+    train_time_ms: float
+    world_size: int
+    loader: dict  # the loader's state_dict (packing checked here; positions in check_resume_shards)
+    config: dict  # setting name -> a JSON scalar, as config_for_checkpoint wrote it
+    code_sha256: str
+    shards: tuple[ShardRecord, ...]
+    files: dict[str, FileRecord]
+
+
+class MetaError(ValueError):
+    """A field of meta.json that save_checkpoint would not have written; the message names it."""
+
+
+def brief(value) -> str:
+    """repr(value), cut where it is long: a refusal quotes a bad value, not 4,000 digits of it."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:30]}... ({len(text):,} characters)"
+
+
+def meta_field(meta: dict, key: str, kind):
+    """meta[key] of a JSON type in kind (a bool is never a number here)."""
+    value = meta.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise MetaError(f"meta.json has no valid {key!r} {OLDER}")
+    return value
+
+
+def meta_count(meta: dict, key: str, least: int) -> int:
+    value = meta_field(meta, key, int)
+    if not least <= value <= MAX_COUNT:
+        raise MetaError(f"meta.json's {key} is {brief(value)}, not one a run saves (edited?)")
+    return value
+
+
+def parse_checkpoint_meta(meta) -> CheckpointMeta:
+    """meta.json's parsed JSON as a CheckpointMeta, or a MetaError naming the first field that is wrong."""
+    if not isinstance(meta, dict):
+        raise MetaError(f"meta.json is not a checkpoint's (a JSON {type(meta).__name__}, not an object)")
+    step, world_size = meta_count(meta, "step", 0), meta_count(meta, "world_size", 1)
+    train_time_ms = meta_field(meta, "train_time_ms", (int, float))
+    if not 0 <= train_time_ms <= MAX_TRAIN_TIME_MS:  # NaN fails too; an int of any size compares exactly
+        raise MetaError(f"meta.json's train_time_ms is {brief(train_time_ms)}, not a time (a finite number of ms, 0 "
+                        f"or more, at most {MAX_TRAIN_TIME_MS:,}: a year; edited?)")
+    loader = meta_field(meta, "loader", dict)
+    packing = loader.get("packing", [])
+    if not (isinstance(packing, list) and all(isinstance(p, str) and p in SHARD_PACKINGS for p in packing)):
+        raise MetaError(f"meta.json has no valid 'loader' (its packing is not a list of "
+                        f"{' or '.join(SHARD_PACKINGS)}) {OLDER}")
+    config = meta_field(meta, "config", dict)
+    if not all(k.isidentifier() and len(k) <= 100 and isinstance(v, (str, int, float, type(None)))
+               for k, v in config.items()):
+        raise MetaError(f"meta.json has no valid 'config' (settings map names to values) {OLDER}")
+    code = meta_field(meta, "code_sha256", str)
+    if not SHA256_PATTERN.fullmatch(code):
+        raise MetaError(f"meta.json has no valid 'code_sha256' (a sha256 in hex) {OLDER}")
+    shards = []
+    for shard in meta_field(meta, "shards", list):
+        if not (isinstance(shard, dict) and isinstance(shard.get("file"), str)
+                and 0 < len(shard["file"]) <= MAX_PATH_CHARS and type(shard.get("bytes")) is int
+                and 0 <= shard["bytes"] <= MAX_COUNT and isinstance(shard.get("fingerprint"), str)
+                and SHA256_PATTERN.fullmatch(shard["fingerprint"])):
+            raise MetaError(f"meta.json has no valid 'shards' {OLDER}")
+        shards.append(ShardRecord(shard["file"], shard["bytes"], shard["fingerprint"]))
+    files = {}
+    for name, listed in meta_field(meta, "files", dict).items():
+        if not (isinstance(listed, dict) and type(listed.get("bytes")) is int and 0 <= listed["bytes"] <= MAX_COUNT
+                and isinstance(listed.get("sha256"), str) and SHA256_PATTERN.fullmatch(listed["sha256"])):
+            raise MetaError(f"meta.json has no valid 'files' (each with its size and sha256) {OLDER}")
+        files[name] = FileRecord(listed["bytes"], listed["sha256"])
+    return CheckpointMeta(step, float(train_time_ms), world_size, loader, config, code, tuple(shards), files)
+
+
+def read_checkpoint_meta(path: Path) -> CheckpointMeta:
+    """The checkpoint folder path's meta.json (parse_checkpoint_meta); a TrainingError names what is wrong."""
+    meta_path = path / "meta.json"
+    if not meta_path.is_file():
+        raise TrainingError(f"--resume={path}: not a complete checkpoint (no meta.json)")
+    try:
+        size = meta_path.stat().st_size
+        if size > MAX_META_BYTES:
+            raise ValueError(f"{size:,} bytes, more than a train_gpt.py checkpoint's")
+        return parse_checkpoint_meta(read_json(meta_path))
+    except MetaError as e:
+        raise TrainingError(f"--resume={path}: {e}") from None
+    except (OSError, ValueError) as e:
+        raise TrainingError(f"--resume={path}: unreadable meta.json ({e})") from None
 
 
 @dataclass
 class Resume:
     """A checked checkpoint: its meta.json, and this rank's files, loaded to the CPU."""
     path: Path
-    meta: dict
+    meta: CheckpointMeta
     model_state: dict
     rank_state: dict
 
 
-def read_checkpoint_file(path: Path, name: str, meta: dict):
+def read_checkpoint_file(path: Path, name: str, meta: CheckpointMeta):
     """One of a checkpoint's files, checked against the size and sha256 meta.json recorded for it, then
     loaded with weights_only (a checkpoint can hold tensors and plain containers, never code)."""
-    listed = meta["files"].get(name)
-    if not (isinstance(listed, dict) and type(listed.get("bytes")) is int and isinstance(listed.get("sha256"), str)):
+    listed = meta.files.get(name)
+    if listed is None:
         raise TrainingError(f"--resume={path}: meta.json does not list {name} with its size and sha256")
     try:
         data = (path / name).read_bytes()
     except OSError as e:
         raise TrainingError(f"--resume={path}: cannot read {name} ({e.strerror})") from None
-    if len(data) != listed["bytes"]:
-        raise TrainingError(f"--resume={path}: {name} has {len(data)} bytes, meta.json recorded {listed['bytes']} "
+    if len(data) != listed.bytes:
+        raise TrainingError(f"--resume={path}: {name} has {len(data)} bytes, meta.json recorded {listed.bytes} "
                             f"(truncated, or not this checkpoint's file)")
-    if hashlib.sha256(data).hexdigest() != listed["sha256"]:
+    if hashlib.sha256(data).hexdigest() != listed.sha256:
         raise TrainingError(f"--resume={path}: {name} is not the file saved with this meta.json (its sha256 differs)")
     try:
         return load_weights(io.BytesIO(data), name)
@@ -4321,9 +4518,10 @@ def comparable_config(saved: dict, args: Hyperparameters) -> dict:
     """A checkpoint's config (or this run's) as the two are compared: every setting as a run settles it, so that
     two spellings of one setting are equal. --micro_batches in its canonical spelling (older checkpoints may hold
     "4,4,4" for "4"); --device and --attention as resolved on this run's device (setup_distributed settles them;
-    older checkpoints hold "auto", which resolves here as it would have in this run); --packing left to
-    check_resume_shards, which compares what it resolved to for each shard (auto on a shard of documents is
-    documents)."""
+    older checkpoints hold "auto", which resolves here as it would have in this run); --lm_head_precision and
+    --mlp_precision as resolve_precision settles auto on this run's device (fp32 on a CPU: a resume that spelled
+    that out was refused); --packing left to check_resume_shards, which compares what it resolved to for each
+    shard (auto on a shard of documents is documents)."""
     saved = {k: v for k, v in saved.items() if k != "packing"}
     if isinstance(saved.get("micro_batches"), (str, int)):
         with contextlib.suppress(ConfigError):
@@ -4334,6 +4532,9 @@ def comparable_config(saved: dict, args: Hyperparameters) -> dict:
         saved["device"] = here
     if saved.get("attention") == "auto":
         saved["attention"] = "flex" if saved.get("device", here) == "cuda" else "sdpa"
+    for flag in ("lm_head_precision", "mlp_precision"):
+        if saved.get(flag) == "auto":  # by this run's widths: where the checkpoint's differ, they differ too
+            saved[flag] = resolve_precision(dataclasses.replace(args, **{flag: "auto"}), torch.device(here), flag)
     return saved
 
 
@@ -4342,52 +4543,24 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
     meta.json's shape; that the checkpoint belongs to this run (world size, config, code); and that
     meta.json describes the files beside it (their sizes and sha256, and the step this rank's
     optimizer file was saved at)."""
-    meta_path = path / "meta.json"
-    if not meta_path.is_file():
-        raise TrainingError(f"--resume={path}: not a complete checkpoint (no meta.json)")
-    try:
-        meta = read_json(meta_path)
-    except (OSError, ValueError) as e:
-        raise TrainingError(f"--resume={path}: unreadable meta.json ({e})") from None
-    if not isinstance(meta, dict):
-        raise TrainingError(f"--resume={path}: meta.json is not a checkpoint's (a JSON {type(meta).__name__}, "
-                            f"not an object)")
-    for key, kind in CHECKPOINT_META.items():
-        if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
-            raise TrainingError(f"--resume={path}: meta.json has no valid {key!r} (edited, or written by an older "
-                                f"train_gpt.py?)")
-    for shard in meta["shards"]:
-        if not (isinstance(shard, dict) and isinstance(shard.get("file"), str) and type(shard.get("bytes")) is int
-                and isinstance(shard.get("fingerprint"), str)):
-            raise TrainingError(f"--resume={path}: meta.json has no valid 'shards' (edited, or written by an older "
-                                f"train_gpt.py?)")
-    # No hash covers meta.json: its numbers are checked with the rest, before the log exists. A step or time out of
-    # range once resumed and logged a train time of NaN or -1e12 ms, and an MFU of 86 billion %; the loader's
-    # position is checked against the shards in check_resume_shards.
-    if meta["step"] < 0 or meta["world_size"] < 1:
-        key = "step" if meta["step"] < 0 else "world_size"
-        raise TrainingError(f"--resume={path}: meta.json's {key} is {meta[key]}, not one a run saves (edited?)")
-    if not 0 <= meta["train_time_ms"] < math.inf:
-        raise TrainingError(f"--resume={path}: meta.json's train_time_ms is {meta['train_time_ms']!r}, not a time "
-                            f"(a finite number of ms, 0 or more; edited?)")
-    if meta["world_size"] != env.world_size:
-        raise TrainingError(f"--resume={path}: written at world size {meta['world_size']}, this run has "
+    meta = read_checkpoint_meta(path)  # before the log exists: every field in range
+    if meta.world_size != env.world_size:
+        raise TrainingError(f"--resume={path}: written at world size {meta.world_size}, this run has "
                             f"{env.world_size}; DistAdam and NorMuon state are sharded per rank, so resume with "
-                            f"{meta['world_size']} ranks")
+                            f"{meta.world_size} ranks")
     if not args.force_resume:
-        ours, theirs = comparable_config(config_for_checkpoint(args), args), comparable_config(meta["config"], args)
+        ours, theirs = comparable_config(config_for_checkpoint(args), args), comparable_config(meta.config, args)
         differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
         if differ:
             raise TrainingError(f"--resume={path}: config differs in {', '.join(differ)} "
                                 f"(use --force_resume=true to resume anyway)")
-        if meta["code_sha256"] != code_hash(source):
+        if meta.code_sha256 != code_hash(source):
             raise TrainingError(f"--resume={path}: written by a different train_gpt.py "
                                 f"(use --force_resume=true to resume anyway)")
     expected = model_state_shapes(args)
     try:
-        listed = meta["files"].get("model.pt")
-        size = listed.get("bytes") if isinstance(listed, dict) else None  # (read_checkpoint_file checks the listing)
-        check_fits_host(expected, size if type(size) is int else 0)
+        listed = meta.files.get("model.pt")  # (read_checkpoint_file refuses a missing listing)
+        check_fits_host(expected, listed.bytes if listed else 0)
         model_state = check_weights(read_checkpoint_file(path, "model.pt", meta), expected)
     except WeightsError as e:
         forced = "; --force_resume cannot change the architecture" if args.force_resume else ""
@@ -4395,12 +4568,12 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
             from None
     rank_state = read_checkpoint_file(path, f"rank_{env.rank}.pt", meta)
     saved_at = rank_state.get("step") if isinstance(rank_state, dict) else None
-    if saved_at != meta["step"]:
-        raise TrainingError(f"--resume={path}: meta.json says step {meta['step']}, but rank_{env.rank}.pt was "
-                            f"saved at step {saved_at}")
-    if meta["step"] > args.num_iterations or (args.force_resume and meta["step"] == args.num_iterations):
+    if saved_at != meta.step:
+        raise TrainingError(f"--resume={path}: meta.json says step {meta.step}, but rank_{env.rank}.pt was "
+                            f"saved at step {brief(saved_at)}")
+    if meta.step > args.num_iterations or (args.force_resume and meta.step == args.num_iterations):
         # (unforced, num_iterations matched: the same run's last checkpoint runs only its final validation)
-        raise TrainingError(f"--resume={path}: the checkpoint is at step {meta['step']}, at or past "
+        raise TrainingError(f"--resume={path}: the checkpoint is at step {meta.step}, at or past "
                             f"--num_iterations={args.num_iterations}: nothing is left to train (a longer run needs a "
                             f"larger --num_iterations)")
     return Resume(path, meta, model_state, rank_state)
@@ -4410,17 +4583,17 @@ def check_resume_shards(resume: Resume, loader, args: Hyperparameters):
     """The training shards this run reads must be the ones the checkpoint's run read, where both read them
     (in order, by size and fingerprint; a folder moved elsewhere is the same data): other data would not
     continue that run. --force_resume=true goes on anyway, from the same shard index and position."""
-    recorded = resume.meta["shards"]
+    recorded = resume.meta.shards
     scans = getattr(loader, "scans", [])
     if bool(recorded) != bool(scans):
         raise TrainingError(f"--resume={resume.path}: the checkpoint was trained on "
                             f"{'shards' if recorded else 'synthetic tokens'}, this run reads "
                             f"{'shards' if scans else 'synthetic tokens'}")
-    state = resume.meta["loader"]
+    state = resume.meta.loader
     if not scans:  # synthetic tokens: the position is a count of batches drawn
-        if type(state.get("step", 0)) is not int or state.get("step", 0) < 0:
-            raise TrainingError(f"--resume={resume.path}: meta.json's loader step is {state.get('step')!r}, not a "
-                                f"count of batches (edited?)")
+        if type(state.get("step", 0)) is not int or not 0 <= state.get("step", 0) <= MAX_COUNT:
+            raise TrainingError(f"--resume={resume.path}: meta.json's loader step is {brief(state.get('step'))}, not "
+                                f"a count of batches (edited?)")
         return
     try:  # a resume that would read the position with another meaning, before anything is written
         loader.check_packing(state)
@@ -4428,7 +4601,7 @@ def check_resume_shards(resume: Resume, loader, args: Hyperparameters):
         raise TrainingError(f"--resume={resume.path}: {e}") from None
     position = state.get("file_index")
     if type(position) is not int or not 0 <= position < len(scans):
-        raise TrainingError(f"--resume={resume.path}: the checkpoint stopped in training shard {position!r}, but "
+        raise TrainingError(f"--resume={resume.path}: the checkpoint stopped in training shard {brief(position)}, but "
                             f"--train_files={args.train_files} gives this run {len(scans)} shard(s)")
     # the next piece (documents) or token (stream) of that shard: at most its end, where the next shard starts.
     # (-1 or 1.9 once resumed elsewhere in the data without a word, a position past the end in an IndexError.)
@@ -4436,17 +4609,17 @@ def check_resume_shards(resume: Resume, loader, args: Hyperparameters):
     end = len(scan.starts) if scan.packing == "documents" else scan.num_tokens
     if type(piece) is not int or not 0 <= piece <= end:
         unit = "pieces (documents)" if scan.packing == "documents" else "tokens"
-        raise TrainingError(f"--resume={resume.path}: meta.json puts the loader at {piece!r} in training shard "
+        raise TrainingError(f"--resume={resume.path}: meta.json puts the loader at {brief(piece)} in training shard "
                             f"{position + 1}, {scan.path}, which has {end:,} {unit}: not a position in it (edited, or "
                             f"another shard?)")
     if args.force_resume:
         return
     for i, (saved, scan, fingerprint) in enumerate(zip(recorded, scans, loader.fingerprints)):
-        size = SHARD_HEADER_INTS * 4 + 2 * scan.num_tokens
-        if saved["bytes"] != size or saved["fingerprint"] != fingerprint:
-            other = ", another fingerprint" if saved["bytes"] == size else ""
+        size = SHARD_HEADER_BYTES + 2 * scan.num_tokens
+        if saved.bytes != size or saved.fingerprint != fingerprint:
+            other = ", another fingerprint" if saved.bytes == size else ""
             raise TrainingError(f"--resume={resume.path}: training shard {i + 1}, {scan.path} ({size:,} bytes), is "
-                                f"not the one the checkpoint's run read ({saved['file']}, {saved['bytes']:,} bytes"
+                                f"not the one the checkpoint's run read ({saved.file}, {saved.bytes:,} bytes"
                                 f"{other}); use --force_resume=true to go on with these shards anyway")
 
 
@@ -4455,18 +4628,29 @@ def load_checkpoint(resume: Resume, model: GPT, optimizers, loader, env: DistEnv
         model.load_state_dict(resume.model_state)
         for opt, state in zip(optimizers, resume.rank_state["optimizers"], strict=True):
             opt.load_state_dict(state)
-        loader.load_state_dict(resume.meta["loader"])
+        loader.load_state_dict(resume.meta.loader)
         torch.set_rng_state(resume.rank_state["cpu_rng"].cpu())
         if env.device.type == "cuda" and resume.rank_state["cuda_rng"].numel():
             torch.cuda.set_rng_state(resume.rank_state["cuda_rng"].cpu())
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise TrainingError(f"--resume={resume.path}: the checkpoint does not fit this run "
                             f"({first_line(e)})") from None
-    return resume.meta["step"], float(resume.meta["train_time_ms"])
+    return resume.meta.step, resume.meta.train_time_ms
 
 
 # -----------------------------------------------------------------------------
 # Logging: the log file starts with this file's source, then versions, hardware and config
+
+def visible(text: str) -> str:
+    """text with each character that is not printable (escape sequences, line breaks, bidi marks) written as a
+    Python string literal writes it (`\\x1b`, `\\n`). Every line the trainer logs or prints passes through it
+    (Logger, console_line, report_error), because lines quote what others wrote: file and folder names, meta.json's
+    fields (a shard name in a shared checkpoint once cleared the screen and printed a green "OK"), flags. Printable
+    text, any script's, is left as it is; so is a line already shown through it."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
 
 class Logger:
     """Rank 0 writes logs/<run_id>.txt and the console. Each line reaches the file as it is logged, so
@@ -4486,10 +4670,12 @@ class Logger:
                         folder.rmdir()
                 raise
 
-    def __call__(self, line: str = "", console: bool = True):
+    def __call__(self, line: str = "", console: bool = True, verbatim: bool = False):
+        """One line, through visible(): outside text in it cannot start a line of its own, in the log or on the
+        terminal. verbatim: a block of our own lines, kept as it is (the source, nvidia-smi's table)."""
         if self.fd is None:
             return
-        data = (line + "\n").encode("utf-8", "backslashreplace")
+        data = ((line if verbatim else visible(line)) + "\n").encode("utf-8", "backslashreplace")
         try:
             write_all(self.fd, data)
         except OSError as e:
@@ -4532,7 +4718,7 @@ def nvidia_smi() -> str:
 
 def log_header(run: Run, model: GPT):
     args, env, log = run.args, run.env, run.log
-    log(run.source, console=False)
+    log(run.source, console=False, verbatim=True)
     log("=" * 100, console=False)
     log(f"Running Python {sys.version}")
     log(f"Running PyTorch {torch.__version__} compiled for CUDA {torch.version.cuda or 'none'}")
@@ -4554,7 +4740,7 @@ def log_header(run: Run, model: GPT):
         f"steps in {len(run.schedule.stages) - 1} stages and an extension", console=False)
     smi = nvidia_smi()
     if smi:
-        log(smi, console=False)
+        log(smi, console=False, verbatim=True)
     if args.preset != "speedrun":
         log(f"note: {args.preset} preset (small model, not the record configuration) - NOT a record run")
     log("hyperparameters:", console=False)
@@ -5047,11 +5233,11 @@ def failure_line(error: BaseException) -> str:
 
 
 def console_line(line: str, stream=None):
-    """Prints one line to stdout (or `stream`) in a single write. print() writes the text and its newline
-    separately, and unbuffered (PYTHONUNBUFFERED) they are two writes: under torchrun the ranks share one
-    stderr, and two ranks' lines came out run together with the newlines after them."""
+    """Prints one line, through visible(), to stdout (or `stream`) in a single write. print() writes the text and
+    its newline separately, and unbuffered (PYTHONUNBUFFERED) they are two writes: under torchrun the ranks share
+    one stderr, and two ranks' lines came out run together with the newlines after them."""
     stream = sys.stdout if stream is None else stream
-    stream.write(line + "\n")
+    stream.write(visible(line) + "\n")
     stream.flush()
 
 
@@ -5059,6 +5245,7 @@ def report_error(line: str, exit_code: int, print_it: bool = True) -> int:
     """Prints a failed run's one line and returns its exit code. Under torchrun the line also goes to the
     rank's error file (TORCHELASTIC_ERROR_FILE, which torchrun sets), so that torchrun's own summary of
     the failure shows it instead of a pointer to its documentation."""
+    line = visible(line)  # torchrun prints the error file's message too
     if print_it:
         console_line(line, sys.stderr)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")

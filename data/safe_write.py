@@ -14,6 +14,7 @@ complete. Kept apart from train_gpt.py, like the rest of data/.
       The lock is opened with O_NOFOLLOW and must be a regular file with one name: a symbolic link, a hard link
       to another file, a folder, a FIFO or a device there is refused in one line naming it (NotALockFile),
       never followed, truncated or written (a planted link once made the tokenizer overwrite the file it named).
+      A lock file this user may not open is refused naming it too (LockFileDenied), not as an unwritable folder.
       What a lock file holds is written by whoever made it: it reaches the terminal only through visible().
 
 SIGTERM's default action ends Python without running finally blocks or except clauses. While either helper is
@@ -49,11 +50,31 @@ class NotALockFile(LockError):
     """FOLDER/.writing.lock is something no run of data/ made (a link, a folder, a FIFO): it is not touched."""
 
 
+class LockFileDenied(LockError):
+    """FOLDER/.writing.lock exists but this user may not open it (another user's, or its permissions changed)."""
+
+
+TEMPORARY_NAME_BYTES = 100  # of NAME kept in a temporary's name; train_gpt.py's temporary_path keeps as many
+
+
+def cut_to_bytes(name: str, limit: int) -> str:
+    """name's longest start that takes at most limit bytes as the file system stores it (UTF-8; bytes that are not
+    UTF-8 stay as they are, os.fsencode's way), never ending in part of a character."""
+    raw = os.fsencode(name)
+    if len(raw) <= limit:
+        return name
+    cut = limit
+    while cut > max(limit - 3, 0) and raw[cut] & 0xC0 == 0x80:  # a UTF-8 continuation byte: inside a character
+        cut -= 1
+    return os.fsdecode(raw[:cut])
+
+
 def temporary_prefix(name: str) -> str:
-    """`.NAME.`, how a hidden temporary beside the file NAME starts, with NAME cut to 100 characters: a file name
-    may have 255 bytes, and a legal 253-character one once failed with "File name too long", naming the
-    temporary. Every temporary data/ makes is named through this (mkstemp and mkdtemp add their random part)."""
-    return f".{name[:100]}."
+    """`.NAME.`, how a hidden temporary beside the file NAME starts, with NAME cut to TEMPORARY_NAME_BYTES bytes: a
+    file name may have 255 bytes, and NAME cut to 100 characters could still take 400 (a legal name of 4-byte
+    characters then failed with "File name too long", naming the temporary). Every temporary data/ makes is named
+    through this (mkstemp and mkdtemp add their random part)."""
+    return f".{cut_to_bytes(name, TEMPORARY_NAME_BYTES)}."
 
 
 def visible(text: str) -> str:
@@ -259,6 +280,11 @@ class FolderLock:
         except OSError as e:
             if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EOPNOTSUPP):
                 raise self._not_a_lock(os.lstat(self.path)) from None
+            if e.errno in (errno.EACCES, errno.EPERM) and os.path.lexists(self.path):
+                # the lock file refused us, not the folder: "cannot write" the folder was untrue, and named no file
+                raise LockFileDenied(f"{self.name}: its lock file {visible(str(self.path))} cannot be opened "
+                                     f"({e.strerror}): another user's, or its permissions were changed; remove it "
+                                     f"if no run is writing there, and run again") from None
             raise
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:

@@ -454,10 +454,10 @@ def test_a_resume_across_a_packing_change_gets_advice_that_works(tmp_path):
 def test_an_untouched_checkpoint_passes_every_check(checkpoint):
     args = T.parse_args(TINY, False)
     resume = T.check_checkpoint(checkpoint, args, T.DistEnv(0, 0, 1, torch.device("cpu")), TRAIN.read_text())
-    assert resume.meta["step"] == resume.rank_state["step"] == 2
-    assert sorted(resume.meta["files"]) == ["model.pt", "rank_0.pt"]
-    for name, listed in resume.meta["files"].items():
-        assert listed["bytes"] == (checkpoint / name).stat().st_size
+    assert resume.meta.step == resume.rank_state["step"] == 2
+    assert sorted(resume.meta.files) == ["model.pt", "rank_0.pt"]
+    for name, listed in resume.meta.files.items():
+        assert listed.bytes == (checkpoint / name).stat().st_size
 
 
 # -----------------------------------------------------------------------------

@@ -140,7 +140,7 @@ def test_the_fingerprint_tells_a_changed_shard_from_the_same_one_moved(tmp_path)
     args = args_for(tmp_path)
 
     def fingerprint_of(path):
-        return T.shard_fingerprint(T.scan_shard(path, args))
+        return T.scan_shard(path, args).fingerprint
 
     fingerprint = fingerprint_of(write_shard(tmp_path / "t_train_000001.bin", tokens))
     moved = tmp_path / "moved"
