@@ -1860,11 +1860,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("verify", "exit 0 only if the logs back a record",
              "Checks: each log is complete (step lines 1..N, val lines every val_loss_every steps, "
              "final val loss at step N, end-of-run line, no error line, last line not cut) and consistent with "
-             "itself (its embedded source hashes to its code_sha256 line, its summary repeats its step lines, "
-             "every loss is >= 0 as a cross-entropy is; nothing signs a log, so numbers edited consistently pass); "
-             "no run is given twice (same file, run id, step lines, or seed and config); "
+             "itself (its embedded source, all the text before its header, hashes to its code_sha256 line, its "
+             "summary repeats its step lines, every loss is >= 0 as a cross-entropy is and every train time finite "
+             "and >= 0; nothing signs a log, so numbers edited consistently pass); "
+             "no run is given twice (same file, run id, step lines, losses and step times, or seed and config); "
              "all ran the same code, preset and experiment (steps, data, validation and batch settings: every "
-             "logged hyperparameter but the seed and where files go); the target is met. "
+             "logged hyperparameter but the seed and where files go, each as the run resolved it); the target is met. "
              "Prints 'FAIL <file>: <reason>' per failure. Logs without embedded source only warn.")
     sp.add_argument("logs", nargs="+", metavar="LOG")
     target(sp)
@@ -1873,8 +1874,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fail logs whose embedded source was stripped instead of warning")
     sp.set_defaults(func=cmd_verify)
 
-    sp = add("extract", "write the train_gpt.py embedded in a log (the text before the '='*100 line whose prefix "
-             "hashes to the header's code_sha256)",
+    sp = add("extract", "write the train_gpt.py embedded in a log (the text before its header, which lies between "
+             "its last two '='*100 lines)",
              "Refuses logs without source or whose source does not match their code_sha256, and an -o that names "
              "the log.")
     sp.add_argument("log", metavar="LOG")
