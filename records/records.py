@@ -54,13 +54,13 @@ RECORDS_DIR = Path(__file__).resolve().parent
 # Read (never imported) for the names of its Hyperparameters when a log's own source is stripped.
 TRAINER = RECORDS_DIR.parent / "train_gpt.py"
 # A trainer writes header and step lines of at most a few hundred characters (the longest are nvidia-smi's
-# rows and hyperparameters holding file globs). A longer line after the first RULE is refused, with its file
-# and line number, rather than truncated: a log that holds one was not written by a trainer, and no part of
-# it is then parsed. The embedded source before the RULE is only hashed and read with ast, so its lines
+# rows and hyperparameters holding file globs). A longer line after the RULE that starts the header is refused,
+# with its file and line number, rather than truncated: a log that holds one was not written by a trainer, and no
+# part of it is then parsed. The embedded source before that RULE is only hashed and read with ast, so its lines
 # are not bounded.
 MAX_LINE_CHARS = 10_000
-# A log is a regular file of at most MAX_LOG_BYTES (the speedrun's are about 0.3 MB, a CPU smoke run's 0.1 MB): a
-# FIFO would block the read and /dev/zero never end it.
+# A log is a regular file of at most MAX_LOG_BYTES (a speedrun's is a few hundred KB with its source, a CPU smoke
+# run's 70 KB): a FIFO would block the read and /dev/zero never end it.
 MAX_LOG_BYTES = 256 << 20
 # A count a log states (a step, a total, a world size, num_iterations) has at most MAX_COUNT_DIGITS digits: far past
 # any run, and no int of thousands of digits (Python refuses 4,300 and more with a ValueError traceback).
@@ -388,7 +388,10 @@ def header_rule(text: str) -> re.Match | None:
 
 
 def read_log(path: str | Path) -> Log:
-    """Parse one log file; raise ToolError when it is not a speedrun log at all."""
+    """The one reader of a log file, for every subcommand: its source, header, step lines and summary, each number
+    read once (read_count, read_time_ms, parse_step_line), so that the Log holds only values in range (counts of at
+    most MAX_COUNT_DIGITS digits, times finite and >= 0); what a log states beyond that is one of its problems.
+    Raises ToolError, one line, when the file is not a speedrun log at all."""
     path = Path(path)
     try:
         with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:   # a FIFO opens without a writer
@@ -1439,6 +1442,7 @@ def cmd_extract(args) -> int:
 # =============================================================================
 
 def cmd_plot(args) -> int:
+    out = output_file(args.output, "the plot (FILE.png)")
     try:
         import matplotlib
         matplotlib.use("Agg")   # files only, never a window
@@ -1447,7 +1451,6 @@ def cmd_plot(args) -> int:
     except ImportError:
         print("error: plotting needs matplotlib: pip install matplotlib", file=sys.stderr)
         return 1
-    out = output_file(args.output, "the plot (FILE.png)")
     refuse_an_input(args.output, args.logs)
     logs = load_logs(args.logs)
     for lg in logs:
