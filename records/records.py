@@ -65,6 +65,11 @@ MAX_LOG_BYTES = 256 << 20
 # A count a log states (a step, a total, a world size, num_iterations) has at most MAX_COUNT_DIGITS digits: far past
 # any run, and no int of thousands of digits (Python refuses 4,300 and more with a ValueError traceback).
 MAX_COUNT_DIGITS = 18
+# Above these no run's numbers lie, and the statistics' sums of a few such values overflow (three final val losses
+# of 1.7e308 once stopped verify and summarize with an OverflowError traceback): a train time of 10**12 ms is 31
+# years; a final val loss of 1e6 is far above a uniform guess's (ln 50257 = 10.8).
+MAX_TIME_MS = 1e12
+MAX_FINAL_LOSS = 1e6
 RECORD_DIR_RE = re.compile(r"^(\d{4}-\d{2}-\d{2})_(.+)$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 BEGIN_MARK = "<!-- records:begin -->"
@@ -188,8 +193,8 @@ class Log:
     total_steps: int | None         # N of `step:i/N`
     last_step: int                  # highest step seen
     vals: list[tuple[int, float, float | None]]   # (step, val_loss, train_time_ms)
-    final_val_loss: float | None    # val loss at step N
-    train_time_ms: float | None     # of the whole run (or up to the last line if cut short); finite, >= 0
+    final_val_loss: float | None    # val loss at step N: 0 to MAX_FINAL_LOSS
+    train_time_ms: float | None     # of the whole run (or up to the last line if cut short): 0 to MAX_TIME_MS
     problems: list[str] = field(default_factory=list)   # empty for a complete, self-consistent log
     file_id: tuple[int, int] | None = None   # (device, inode): one file under two names is still one run
     steps_digest: str | None = None          # sha256 of the step lines: a renamed copy keeps them
@@ -232,10 +237,10 @@ def read_count(value: str | None) -> int | None:
 
 
 def read_time_ms(value: str) -> float | None:
-    """A train time as logged (`5400ms`): finite and >= 0, else None. (A negative or infinite time once filed a
-    record of -100.00 s; a NaN one passed verify, then stopped summarize with a traceback.)"""
+    """A train time as logged (`5400ms`): from 0 to MAX_TIME_MS, else None. (A negative or infinite time once filed
+    a record of -100.00 s; a NaN one passed verify, then stopped summarize with a traceback.)"""
     t = parse_number(value)
-    return t if t is not None and math.isfinite(t) and t >= 0 else None
+    return t if t is not None and 0 <= t <= MAX_TIME_MS else None
 
 
 def is_time(value: str) -> bool:
@@ -485,6 +490,8 @@ def read_log(path: str | Path) -> Log:
               losses=tuple((line.step, loss_key(line.val_loss), loss_key(line.train_loss)) for line in timed),
               step_times=tuple(line.train_time_ms for line in timed))
     log.problems = early + find_problems(log, body, cut, extended, totals)
+    if log.final_val_loss is not None and not 0 <= log.final_val_loss <= MAX_FINAL_LOSS:
+        log.final_val_loss = None   # a problem says why: no statistic reads it
     log.file_id = (st.st_dev, st.st_ino)
     # Only timed steps identify a run: two runs that stopped after step 0 can print the same line.
     if log.last_step > 0:
@@ -623,7 +630,7 @@ def is_cross_entropy(value: float | None) -> bool:
     return value is not None and not value < 0
 
 
-NO_TIME = "cannot be a time (one is finite and >= 0 ms)"
+NO_TIME = f"cannot be a train time (one is from 0 to {MAX_TIME_MS:.0e} ms)"
 
 
 def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[int]) -> list[str]:
@@ -692,6 +699,9 @@ def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[i
             problems.append(f"no final val_loss at step {total}")
         elif not math.isfinite(log.final_val_loss):
             problems.append(f"final val_loss at step {total} is {log.final_val_loss}")
+        elif log.final_val_loss > MAX_FINAL_LOSS:
+            problems.append(f"final val_loss at step {total} is {log.final_val_loss:g}, which no run ends at (at "
+                            f"most {MAX_FINAL_LOSS:g})")
         if log.train_time_ms is None and not untimed and "train_time" not in summary:
             problems.append("no train_time for the run")
         if extended and body["summary"] is None:

@@ -4,6 +4,8 @@ read_log), and whatever the text, the reader returns values valid by constructio
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import os
 import re
@@ -50,7 +52,7 @@ def test_a_count_is_a_bounded_int_or_nothing(text):
 @given(number_text | odd_text, st.booleans())
 def test_a_time_is_finite_and_not_negative_or_nothing(text, ms):
     time = rec.read_time_ms(text + "ms" * ms)
-    assert time is None or (math.isfinite(time) and time >= 0)
+    assert time is None or 0 <= time <= rec.MAX_TIME_MS
     assert rec.is_time(text + "ms" * ms) == (time is not None)
 
 
@@ -64,7 +66,7 @@ def test_a_step_line_is_read_or_named_malformed(step, total, loss, time, extra):
         return
     for count in (parsed.step, parsed.total):
         assert type(count) is int and 0 <= count < 10 ** rec.MAX_COUNT_DIGITS
-    assert parsed.train_time_ms is None or (math.isfinite(parsed.train_time_ms) and parsed.train_time_ms >= 0)
+    assert parsed.train_time_ms is None or 0 <= parsed.train_time_ms <= rec.MAX_TIME_MS
     assert parsed.val_loss is None or isinstance(parsed.val_loss, float)
 
 
@@ -76,9 +78,10 @@ def write(folder, name: str, text: str):
 
 def assert_valid(lg) -> None:
     """The Log read_log returns: each number in range, each problem one line."""
-    assert lg.train_time_ms is None or (math.isfinite(lg.train_time_ms) and lg.train_time_ms >= 0)
-    assert all(t is None or (math.isfinite(t) and t >= 0) for _, _, t in lg.vals)
-    assert all(t is None or (math.isfinite(t) and t >= 0) for t in lg.step_times)
+    assert lg.train_time_ms is None or 0 <= lg.train_time_ms <= rec.MAX_TIME_MS
+    assert all(t is None or 0 <= t <= rec.MAX_TIME_MS for _, _, t in lg.vals)
+    assert all(t is None or 0 <= t <= rec.MAX_TIME_MS for t in lg.step_times)
+    assert lg.final_val_loss is None or 0 <= lg.final_val_loss <= rec.MAX_FINAL_LOSS
     for count in (lg.total_steps, lg.last_step, lg.world_size):
         assert count is None or 0 <= count < 10 ** rec.MAX_COUNT_DIGITS
     assert lg.final_val_loss is None or isinstance(lg.final_val_loss, float)
@@ -119,6 +122,29 @@ def test_any_number_anywhere_gives_a_valid_log_or_one_line(tmp_path_factory, fie
     assert_valid(lg)
     if field in ("step time", "final time", "summary time") and not rec.is_time(value):
         assert not lg.complete   # "cannot be a time", or a malformed line where it is no number at all
+
+
+@settings(max_examples=25)
+@given(st.lists(number_text, min_size=3, max_size=3), st.lists(number_text, min_size=3, max_size=3))
+def test_statistics_of_any_final_losses_and_times_end_in_a_verdict(tmp_path_factory, losses, times):
+    """Rows 2 and 3 at the command level: three runs whose final val losses and train times are any numbers
+    (1.7e308 three times overflowed a sum; nan stopped stdev) get a verdict or FAIL lines from verify and
+    summarize, exit 0 or 1, and never a traceback."""
+    folder = tmp_path_factory.getbasetemp()
+    paths = []
+    for i, (source, loss, time) in enumerate(zip(SAME_CODE, losses, times)):
+        text = source.read_text()
+        text = re.sub(r"^(step:6/6 val_loss:)\S+", lambda m: m[1] + loss, text, flags=re.M)
+        text = re.sub(r"^(summary: final_val_loss:)\S+", lambda m: m[1] + loss, text, flags=re.M)
+        text = re.sub(r"^((?:step:6/6 val|summary:).*train_time:)\d+ms", lambda m: m[1] + time + "ms", text,
+                      flags=re.M)
+        paths.append(str(write(folder, f"final{i}.txt", text)))
+    for command in ("verify", "summarize"):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = rec.main([command, *paths, "--target", "7.5"])
+        assert code in (0, 1), (command, out.getvalue(), err.getvalue())
+        assert "Traceback" not in out.getvalue() + err.getvalue()
 
 
 @FAST
