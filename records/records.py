@@ -748,7 +748,7 @@ def duplicate_reason(first: Log, later: Log) -> str | None:
     elif same_seed_and_config(first, later):
         why.append(f"same seed {first.hyperparameters['seed'].strip()} and config: one sample")
     elif (shift := time_shift(first, later)) is not None:
-        why.append("identical losses and step times" + (f" (shifted by {shift:+g} ms)" if shift else ""))
+        why.append("identical losses and step times" + (f", shifted by {shift:+g} ms" if shift else ""))
     return " and ".join(why) or None
 
 
