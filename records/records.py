@@ -395,7 +395,8 @@ def header_rule(text: str) -> re.Match | None:
 def read_log(path: str | Path) -> Log:
     """The one reader of a log file, for every subcommand: its source, header, step lines and summary, each number
     read once (read_count, read_time_ms, parse_step_line), so that the Log holds only values in range (counts of at
-    most MAX_COUNT_DIGITS digits, times finite and >= 0); what a log states beyond that is one of its problems.
+    most MAX_COUNT_DIGITS digits, times from 0 to MAX_TIME_MS, a final val loss from 0 to MAX_FINAL_LOSS); what a
+    log states beyond that is one of its problems.
     Raises ToolError, one line, when the file is not a speedrun log at all."""
     path = Path(path)
     try:
@@ -479,7 +480,7 @@ def read_log(path: str | Path) -> Log:
         train_time = read_time_ms(summary["train_time"])
     elif train_time is None and times:
         train_time = times[-1]
-    timed = [line for line in steps if line.step > 0]   # step 0 is the same in every run of one model
+    timed = [line for line in steps if line.step > 0]   # step 0's val loss is the same whatever the seed
 
     log = Log(path=path, run_id=h.get("run_id") or path.stem, source=source,
               code_hash=sha256_text(source) if source else declared, declared_hash=declared,
