@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import bisect
 import contextlib
 import datetime as dt
 import errno
@@ -33,6 +32,7 @@ import os
 import re
 import shlex
 import shutil
+import stat
 import statistics
 import sys
 import tempfile
@@ -54,11 +54,22 @@ RECORDS_DIR = Path(__file__).resolve().parent
 # Read (never imported) for the names of its Hyperparameters when a log's own source is stripped.
 TRAINER = RECORDS_DIR.parent / "train_gpt.py"
 # A trainer writes header and step lines of at most a few hundred characters (the longest are nvidia-smi's
-# rows and hyperparameters holding file globs). A longer line after the first RULE is refused, with its file
-# and line number, rather than truncated: a log that holds one was not written by a trainer, and no part of
-# it is then parsed. The embedded source before the RULE is only hashed and read with ast, so its lines
+# rows and hyperparameters holding file globs). A longer line after the RULE that starts the header is refused,
+# with its file and line number, rather than truncated: a log that holds one was not written by a trainer, and no
+# part of it is then parsed. The embedded source before that RULE is only hashed and read with ast, so its lines
 # are not bounded.
 MAX_LINE_CHARS = 10_000
+# A log is a regular file of at most MAX_LOG_BYTES (a speedrun's is a few hundred KB with its source, a CPU smoke
+# run's 70 KB): a FIFO would block the read and /dev/zero never end it.
+MAX_LOG_BYTES = 256 << 20
+# A count a log states (a step, a total, a world size, num_iterations) has at most MAX_COUNT_DIGITS digits: far past
+# any run, and no int of thousands of digits (Python refuses 4,300 and more with a ValueError traceback).
+MAX_COUNT_DIGITS = 18
+# Above these no run's numbers lie, and the statistics' sums of a few such values overflow (three final val losses
+# of 1.7e308 once stopped verify and summarize with an OverflowError traceback): a train time of 10**12 ms is 31
+# years; a final val loss of 1e6 is far above a uniform guess's (ln 50257 = 10.8).
+MAX_TIME_MS = 1e12
+MAX_FINAL_LOSS = 1e6
 RECORD_DIR_RE = re.compile(r"^(\d{4}-\d{2}-\d{2})_(.+)$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 BEGIN_MARK = "<!-- records:begin -->"
@@ -155,7 +166,12 @@ SMI_DATE_RE = re.compile(r"^(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) ([A-Z][a-z]{2}) +(\d
 # blanks before a `name:`, so a value may hold single blanks.
 DEVICE_SPLIT_RE = re.compile(r"(?<![ \t])[ \t]{2,}(?=\w+:)")
 DEVICE_KEYS = ("device", "world_size", "backend", "date")
-DECLARED_HASH_RE = re.compile(r"^code_sha256:[ \t]*([0-9a-f]{64})[ \t\r]*$", re.MULTILINE)
+# `attention: sdpa  lm_head: fp32  mlp up-projection: bf16 (...)  compile: off`: what the trainer resolved its
+# `auto` settings to on the run's device, under the names of the hyperparameters they settle.
+RESOLVED_KEYS = {"attention": "attention", "lm_head": "lm_head_precision", "mlp up-projection": "mlp_precision"}
+BLANKS_RE = re.compile(r"[ \t]{2,}")
+# Lines only a header holds: after the last RULE, they show a log whose second RULE is missing.
+HEADER_ONLY_RE = re.compile(r"^(?:Running PyTorch |hyperparameters:|code_sha256:|run_id:)", re.MULTILINE)
 
 
 @dataclass
@@ -177,11 +193,14 @@ class Log:
     total_steps: int | None         # N of `step:i/N`
     last_step: int                  # highest step seen
     vals: list[tuple[int, float, float | None]]   # (step, val_loss, train_time_ms)
-    final_val_loss: float | None    # val loss at step N
-    train_time_ms: float | None     # of the whole run (or up to the last line if cut short)
+    final_val_loss: float | None    # val loss at step N: 0 to MAX_FINAL_LOSS
+    train_time_ms: float | None     # of the whole run (or up to the last line if cut short): 0 to MAX_TIME_MS
     problems: list[str] = field(default_factory=list)   # empty for a complete, self-consistent log
     file_id: tuple[int, int] | None = None   # (device, inode): one file under two names is still one run
     steps_digest: str | None = None          # sha256 of the step lines: a renamed copy keeps them
+    resolved: dict[str, str] = field(default_factory=dict)   # hyperparameter -> what the run resolved it to
+    losses: tuple = ()              # (step, val_loss, train_loss) of each timed step line: what no header edit changes
+    step_times: tuple = ()          # the train_time_ms of each of those lines, in order
 
     @property
     def name(self) -> str:
@@ -196,12 +215,36 @@ def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+# Every number is read from log text by one of these, once, in read_log: the Log holds only values they accept.
+
 def parse_number(value: str) -> float | None:
-    """`137554ms` -> 137554.0, `3.2754` -> 3.2754; anything else -> None."""
+    """`137554ms` -> 137554.0, `3.2754` -> 3.2754, `nan` -> nan; anything else -> None."""
     try:
         return float(value[:-2] if value.endswith("ms") else value)
     except ValueError:
         return None
+
+
+def read_count(value: str | None) -> int | None:
+    """A count the log states: ASCII digits, at most MAX_COUNT_DIGITS of them; anything else (a sign, `4_000`,
+    5,000 digits) -> None."""
+    if value is None:
+        return None
+    value = value.strip()
+    if not (value.isascii() and value.isdecimal()) or len(value) > MAX_COUNT_DIGITS:
+        return None
+    return int(value)
+
+
+def read_time_ms(value: str) -> float | None:
+    """A train time as logged (`5400ms`): from 0 to MAX_TIME_MS, else None. (A negative or infinite time once filed
+    a record of -100.00 s; a NaN one passed verify, then stopped summarize with a traceback.)"""
+    t = parse_number(value)
+    return t if t is not None and 0 <= t <= MAX_TIME_MS else None
+
+
+def is_time(value: str) -> bool:
+    return read_time_ms(value) is not None
 
 
 def parse_fields(text: str) -> dict[str, str]:
@@ -209,16 +252,34 @@ def parse_fields(text: str) -> dict[str, str]:
     return dict(FIELD_RE.findall(text))
 
 
-def parse_step_line(line: str) -> tuple[int, int, dict[str, str]] | None:
-    """(step, total, fields) of a `step:i/N key:value ...` line; None if it is malformed."""
+@dataclass(frozen=True)
+class StepLine:
+    """One `step:i/N key:value ...` line, its numbers read: losses are numbers (nan and inf included, which a
+    diverging run logs; find_problems refuses negative ones), train_time_ms is None unless it is a time."""
+    step: int
+    total: int
+    fields: dict[str, str]
+    val_loss: float | None
+    train_loss: float | None
+    train_time_ms: float | None
+
+
+def parse_step_line(line: str) -> StepLine | str:
+    """The StepLine of a `step:i/N key:value ...` line, or why it is malformed (a short phrase)."""
     m = STEP_RE.match(line)
     if not m:
-        return None
+        return "not step:i/N key:value ..."
+    numbers = [read_count(m.group(i)) for i in (1, 2)]
+    if None in numbers:
+        digits = max(len(m.group(1)), len(m.group(2)))
+        return f"a step number of {digits:,} digits (at most {MAX_COUNT_DIGITS})"
     fields = parse_fields(m.group(3))
-    for key in ("val_loss", "train_time"):
+    for key in ("val_loss", "train_loss", "train_time"):
         if key in fields and parse_number(fields[key]) is None:
-            return None
-    return int(m.group(1)), int(m.group(2)), fields
+            return f"{key} {shorten(fields[key], 20)} is not a number"
+    losses = [parse_number(fields[key]) if key in fields else None for key in ("val_loss", "train_loss")]
+    time = read_time_ms(fields["train_time"]) if "train_time" in fields else None
+    return StepLine(*numbers, fields, *losses, time)
 
 
 def parse_device_fields(line: str) -> dict[str, str]:
@@ -229,6 +290,17 @@ def parse_device_fields(line: str) -> dict[str, str]:
         if key in DEVICE_KEYS:
             fields[key] = value.strip(" \t")
     return fields
+
+
+def parse_resolved(line: str) -> dict[str, str]:
+    """`attention: sdpa  lm_head: fp32  mlp up-projection: bf16 (...)  compile: off` -> {"attention": "sdpa",
+    "lm_head_precision": "fp32", "mlp_precision": "bf16"}: each value's first word, under its hyperparameter's name."""
+    resolved = {}
+    for part in BLANKS_RE.split(line.strip()):
+        key, _, value = part.partition(":")
+        if key in RESOLVED_KEYS and value.split():
+            resolved[RESOLVED_KEYS[key]] = value.split()[0]
+    return resolved
 
 
 def parse_gpu_row(line: str) -> str | None:
@@ -264,6 +336,8 @@ def parse_header(lines: list[str]) -> dict:
             h[m.group(1)] = m.group(2).rstrip()
         elif line.startswith("device:"):
             h.update(parse_device_fields(line))
+        elif line.startswith("attention:"):
+            h["resolved"] = parse_resolved(line)
         elif gpu := parse_gpu_row(line):
             h["gpus"].append(gpu)
         elif m := SMI_DATE_RE.match(line):
@@ -281,9 +355,9 @@ def parse_body(lines: list[str], steps: int | None = None) -> dict:
         if line.startswith("step:"):
             b["step_lines"].append(line.rstrip())
             parsed = parse_step_line(line)
-            if parsed is None:
-                b["malformed"].append(line)
-            elif parsed[0] > parsed[1] or (steps is not None and parsed[1] != steps):
+            if isinstance(parsed, str):
+                b["malformed"].append((line, parsed))
+            elif parsed.step > parsed.total or (steps is not None and parsed.total != steps):
                 b["beyond"].append(line)
             else:
                 b["steps"].append(parsed)
@@ -294,59 +368,54 @@ def parse_body(lines: list[str], steps: int | None = None) -> dict:
         elif line.startswith("error:") and b["error"] is None:
             b["error"] = line
         elif m := re.match(r"resumed from .* at step (\d+)", line):
-            b["resumed"] = int(m.group(1))
+            b["resumed"] = read_count(m.group(1))
+            if b["resumed"] is None:
+                b["malformed"].append((line, f"a step number of {len(m.group(1)):,} digits (at most "
+                                             f"{MAX_COUNT_DIGITS})"))
     return b
 
 
-def source_rule(text: str) -> re.Match | None:
-    """The RULE line that ends a log's embedded source, or None when the log has none.
+def header_rule(text: str) -> re.Match | None:
+    """The RULE line that starts a log's header and ends its embedded source, or None when the log has none.
 
-    The source may hold such lines itself (a docstring's underline), so the first one proves nothing: taken as
-    the end, it once made a 4-byte "source" whose hash every edited copy shared. The source is the text before
-    the first RULE whose prefix hashes (with or without the newline the trainer's writer adds) to a code_sha256
-    the header after that RULE declares: what a log can prove. Where no prefix does (the source is stripped or
-    edited, or an older log declares no hash), the RULE that starts the header is found from the end, where a
-    source cannot reach: the header lies between the last two RULE lines (or, in logs without the second one,
-    after the last RULE, when step lines do not follow it at once). An edited source is then the whole text
-    before the header, and its hash disagrees with the declared one (find_problems says so)."""
+    Found from the log's structure, from its end, where a source cannot reach: the header lies between the last two
+    RULE lines, or after the last when header lines follow it (a log whose second RULE is missing). Never from a
+    hash the log declares: its author writes that too. (Three lines prepended to a log, a docstring, a RULE and
+    `code_sha256:` with the docstring's hash, once made those 7 bytes the "source" of logs with edited code.) A
+    source may hold RULE lines of its own, a docstring's underline: they stay in the source, whose hash then
+    decides whether the log is as its trainer wrote it (find_problems)."""
     rules = list(RULE_RE.finditer(text))
     if not rules:
         return None
-    declared = [(m.start(), m.group(1)) for m in DECLARED_HASH_RE.finditer(text)]
-    if declared:
-        at = [start for start, _ in declared]
-        digest, done = hashlib.sha256(), 0   # the prefix's hash, extended from one RULE to the next
-        for i, rule in enumerate(rules):
-            end = rule.start()
-            digest.update(text[done:max(end - 1, 0)].encode("utf-8"))
-            without_newline = digest.hexdigest()   # a RULE starts a line: the text before it ends in "\n"
-            digest.update(text[max(end - 1, 0):end].encode("utf-8"))
-            done = end
-            header_end = rules[i + 1].start() if i + 1 < len(rules) else len(text)
-            wanted = {h for _, h in declared[bisect.bisect_left(at, rule.end()):bisect.bisect_left(at, header_end)]}
-            if end and wanted & {digest.hexdigest(), without_newline}:
-                return rule
-    last = rules[-1]
-    after = text[last.end():].lstrip("\r\n")
-    return last if len(rules) == 1 or not after.startswith("step:") else rules[-2]
+    if len(rules) == 1 or HEADER_ONLY_RE.search(text, rules[-1].end()):
+        return rules[-1]
+    return rules[-2]
 
 
 def read_log(path: str | Path) -> Log:
-    """Parse one log file; raise ToolError when it is not a speedrun log at all."""
+    """The one reader of a log file, for every subcommand: its source, header, step lines and summary, each number
+    read once (read_count, read_time_ms, parse_step_line), so that the Log holds only values in range (counts of at
+    most MAX_COUNT_DIGITS digits, times from 0 to MAX_TIME_MS, a final val loss from 0 to MAX_FINAL_LOSS); what a
+    log states beyond that is one of its problems.
+    Raises ToolError, one line, when the file is not a speedrun log at all."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:   # a FIFO opens without a writer
             st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise ToolError(f"{path}: not a speedrun log (a {file_kind(st.st_mode)}, not a file)")
+            data = f.read(MAX_LOG_BYTES + 1)
     except OSError as e:
         raise ToolError(f"{path}: cannot read ({e.strerror or e})") from None
+    if len(data) > MAX_LOG_BYTES:
+        raise ToolError(f"{path}: not a speedrun log (over {MAX_LOG_BYTES >> 20} MiB; a log is at most that)")
     if not data.strip():
         raise ToolError(f"{path}: not a speedrun log (empty file)")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise ToolError(f"{path}: not a speedrun log (not UTF-8 text)") from None
-    rule = source_rule(text)
+    rule = header_rule(text)
     if rule is None:
         raise ToolError(f"{path}: not a speedrun log (no line of 100 '=')")
 
@@ -365,7 +434,7 @@ def read_log(path: str | Path) -> Log:
     else:
         header, body_lines = lines[:second], lines[second + 1:]
     h = parse_header(header)
-    body = parse_body(body_lines, _int(h["hyperparameters"].get("num_iterations")))
+    body = parse_body(body_lines, read_count(h["hyperparameters"].get("num_iterations")))
     if not (body["steps"] or body["malformed"] or body["beyond"]) and "torch" not in h and "code_sha256" not in h:
         raise ToolError(f"{path}: not a speedrun log (no 'step:N/M' lines and no 'Running PyTorch' header)")
 
@@ -375,7 +444,8 @@ def read_log(path: str | Path) -> Log:
     if declared is not None and not SHA256_RE.fullmatch(declared):
         early.append(f"code_sha256 line holds {shorten(declared)}, not a sha256 (64 hex digits)")
         declared = None
-    # A writer that print()s a source ending in a newline adds one more: accept it when the hash says so.
+    # A writer that print()s a source ending in a newline adds one more: the hash says only whether that newline
+    # ends the source, never where the source ends (header_rule).
     if source and declared and sha256_text(source) != declared and source.endswith("\n") \
             and sha256_text(source[:-1]) == declared:
         source = source[:-1]
@@ -387,7 +457,7 @@ def read_log(path: str | Path) -> Log:
     # Hardware: explicit fields (`device: cuda (NVIDIA H100 80GB HBM3)`) win over what nvidia-smi shows.
     m = re.match(r"([a-z]+)(?::\d+)?\s*(?:\((.*)\))?", h.get("device") or summary.get("device") or "")
     device = m.group(1) if m else ("cuda" if h["gpus"] else "unknown")
-    world_size = _int(summary.get("world_size")) or _int(h.get("world_size")) or (len(h["gpus"]) or None)
+    world_size = read_count(summary.get("world_size")) or read_count(h.get("world_size")) or (len(h["gpus"]) or None)
     gpus = sorted(set(h["gpus"]))
     gpu = None
     if device == "cuda":
@@ -400,30 +470,45 @@ def read_log(path: str | Path) -> Log:
             pass
 
     steps = body["steps"]
-    totals = sorted({total for _, total, _ in steps})
+    totals = sorted({line.total for line in steps})
     total = totals[-1] if totals else None
-    vals = [(s, parse_number(f["val_loss"]), parse_number(f["train_time"]) if "train_time" in f else None)
-            for s, _, f in steps if "val_loss" in f]
+    vals = [(line.step, line.val_loss, line.train_time_ms) for line in steps if line.val_loss is not None]
     final = next((v for s, v, _ in vals if s == total), None)
-    times = [parse_number(f["train_time"]) for _, _, f in steps if "train_time" in f]
+    times = [line.train_time_ms for line in steps if line.train_time_ms is not None]
     train_time = next((t for s, _, t in vals if s == total), None)
-    if "train_time" in summary and parse_number(summary["train_time"]) is not None:
-        train_time = parse_number(summary["train_time"])
+    if "train_time" in summary:   # find_problems refuses one that is no time
+        train_time = read_time_ms(summary["train_time"])
     elif train_time is None and times:
         train_time = times[-1]
+    timed = [line for line in steps if line.step > 0]   # step 0's val loss is the same whatever the seed
 
     log = Log(path=path, run_id=h.get("run_id") or path.stem, source=source,
               code_hash=sha256_text(source) if source else declared, declared_hash=declared,
               python=h.get("python"), torch=h.get("torch"), device=device, gpu=gpu,
               world_size=world_size, date=date, preset=hparams.get("preset"), note=h.get("note"),
-              hyperparameters=hparams, total_steps=total, last_step=max((s for s, _, _ in steps), default=0),
-              vals=vals, final_val_loss=final, train_time_ms=train_time)
+              hyperparameters=hparams, total_steps=total, last_step=max((line.step for line in steps), default=0),
+              vals=vals, final_val_loss=final, train_time_ms=train_time, resolved=h.get("resolved", {}),
+              losses=tuple((line.step, loss_key(line.val_loss), loss_key(line.train_loss)) for line in timed),
+              step_times=tuple(line.train_time_ms for line in timed))
     log.problems = early + find_problems(log, body, cut, extended, totals)
+    if log.final_val_loss is not None and not 0 <= log.final_val_loss <= MAX_FINAL_LOSS:
+        log.final_val_loss = None   # a problem says why: no statistic reads it
     log.file_id = (st.st_dev, st.st_ino)
     # Only timed steps identify a run: two runs that stopped after step 0 can print the same line.
     if log.last_step > 0:
         log.steps_digest = sha256_text("\n".join(body["step_lines"]))
     return log
+
+
+def file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"),
+             (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"))
+    return next((name for test, name in kinds if test(mode)), "special file")
+
+
+def loss_key(value: float | None):
+    """A loss as duplicates are compared: nan equal to nan (a float nan is equal to nothing)."""
+    return "nan" if value is not None and math.isnan(value) else value
 
 
 def shorten(text: str, limit: int = 60) -> str:
@@ -500,13 +585,6 @@ def hyperparameter_name_problems(hparams: dict[str, str], source: str | None) ->
     return problems
 
 
-def _int(value) -> int | None:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
 # =============================================================================
 # Completeness and integrity
 # =============================================================================
@@ -553,13 +631,17 @@ def is_cross_entropy(value: float | None) -> bool:
     return value is not None and not value < 0
 
 
+NO_TIME = f"cannot be a train time (one is from 0 to {MAX_TIME_MS:.0e} ms)"
+
+
 def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[int]) -> list[str]:
     """One short reason per way the log is incomplete or edited; [] when it is sound."""
     problems = []
     if cut.strip():
         problems.append(f"last line is cut off (no newline at the end): {cut[:40]!r}")
     if body["malformed"]:
-        problems.append(f"malformed step line: {body['malformed'][0][:60]!r}"
+        line, why = body["malformed"][0]
+        problems.append(f"malformed step line {shorten(line, 60)}: {why}"
                         + (f" (+{len(body['malformed']) - 1} more)" if len(body["malformed"]) > 1 else ""))
     if body["beyond"]:
         bound = f"the header's num_iterations, {log.hyperparameters['num_iterations']}" \
@@ -575,14 +657,22 @@ def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[i
     # A cross-entropy is >= 0 (nothing bounds it above: a diverging run's grows). A log with a negative loss was
     # edited (three logs at -5.1, -5.2 and -5.3 once passed at p = 2.3e-5), or written by something that computes
     # no cross-entropy: it fails, and no number in it is used.
-    impossible = [(s, key, f[key]) for s, _, f in body["steps"] for key in ("val_loss", "train_loss")
-                  if key in f and not is_cross_entropy(parse_number(f[key]))]
+    impossible = [(line.step, key, line.fields[key]) for line in body["steps"] for key in ("val_loss", "train_loss")
+                  if key in line.fields and not is_cross_entropy(parse_number(line.fields[key]))]
     if impossible:
         step, key, value = impossible[0]
         problems.append(f"{key} {shorten(value, 20)} at step {step} cannot be a cross-entropy (one is >= 0)"
                         + (f" (+{len(impossible) - 1} more)" if len(impossible) > 1 else ""))
+    # Nor can a time be negative, infinite or NaN: the same rule, for the numbers the speed claims rest on.
+    untimed = [(line.step, line.fields["train_time"]) for line in body["steps"]
+               if "train_time" in line.fields and not is_time(line.fields["train_time"])]
+    if untimed:
+        step, value = untimed[0]
+        problems.append(f"train_time {shorten(value, 20)} at step {step} {NO_TIME}"
+                        + (f" (+{len(untimed) - 1} more)" if len(untimed) > 1 else ""))
+    summary = body["summary"] or {}
     total, last = log.total_steps, log.last_step
-    numbers = [s for s, _, _ in body["steps"]]
+    numbers = [line.step for line in body["steps"]]
     if any(b < a for a, b in zip(numbers, numbers[1:])):
         problems.append("step lines out of order (two runs appended to one file?)")
     # A failed or cut-short run lacks its final val loss and end line: one reason says it all.
@@ -601,7 +691,7 @@ def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[i
         problems.append(f"missing step lines: {_some(count, shown)}")
     val_steps = [s for s, _, _ in log.vals]
     val_from = 0 if body["resumed"] is None else first   # step 0 is validated too; the last step is checked below
-    count, shown = missing_from(val_steps, val_from, last, val_every(total, _int(log.hyperparameters.get(
+    count, shown = missing_from(val_steps, val_from, last, val_every(total, read_count(log.hyperparameters.get(
         "val_loss_every")), val_steps))
     if count:
         problems.append(f"missing val_loss at steps {_some(count, shown)}")
@@ -610,7 +700,10 @@ def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[i
             problems.append(f"no final val_loss at step {total}")
         elif not math.isfinite(log.final_val_loss):
             problems.append(f"final val_loss at step {total} is {log.final_val_loss}")
-        if log.train_time_ms is None:
+        elif log.final_val_loss > MAX_FINAL_LOSS:
+            problems.append(f"final val_loss at step {total} is {log.final_val_loss:g}, which no run ends at (at "
+                            f"most {MAX_FINAL_LOSS:g})")
+        if log.train_time_ms is None and not untimed and "train_time" not in summary:
             problems.append("no train_time for the run")
         if extended and body["summary"] is None:
             problems.append("no end-of-run 'summary:' line")
@@ -618,12 +711,19 @@ def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[i
             problems.append("no end-of-run 'peak memory' line")
 
     # The summary repeats numbers from the step lines: a disagreement means the log was edited.
-    summary = body["summary"] or {}
-    s_loss, s_steps = parse_number(summary.get("final_val_loss", "")), _int(summary.get("steps"))
-    if s_loss is not None and log.final_val_loss is not None and abs(s_loss - log.final_val_loss) > 1e-4:
+    s_loss, s_steps = parse_number(summary.get("final_val_loss", "")), read_count(summary.get("steps"))
+    if s_loss is not None and log.final_val_loss is not None and not abs(s_loss - log.final_val_loss) <= 1e-4:
         problems.append(f"summary final_val_loss {s_loss} disagrees with step {total} val_loss {log.final_val_loss}")
-    if s_steps is not None and s_steps != total:
+    if "steps" in summary and s_steps is None:
+        problems.append(f"summary steps {shorten(summary['steps'], 20)} is not a step count")
+    elif s_steps is not None and s_steps != total:
         problems.append(f"summary steps {s_steps} disagrees with the step lines ({total})")
+    if "train_time" in summary and not is_time(summary["train_time"]):
+        problems.append(f"summary train_time {shorten(summary['train_time'], 20)} {NO_TIME}")
+    for name in ("num_iterations", "val_loss_every"):
+        if name in log.hyperparameters and read_count(log.hyperparameters[name]) is None:
+            problems.append(f"header's {name} {shorten(log.hyperparameters[name], 20)} is not a count (at most "
+                            f"{MAX_COUNT_DIGITS} digits)")
     if log.hyperparameters.get("synthetic", "False").lower() in ("true", "1", "yes", "on"):
         problems.append("trained on synthetic tokens (a benchmark run): its val loss is not a FineWeb result")
     if log.source and log.declared_hash and sha256_text(log.source) != log.declared_hash:
@@ -648,7 +748,22 @@ def duplicate_reason(first: Log, later: Log) -> str | None:
         why.append("identical step lines")
     elif same_seed_and_config(first, later):
         why.append(f"same seed {first.hyperparameters['seed'].strip()} and config: one sample")
+    elif (shift := time_shift(first, later)) is not None:
+        why.append("identical losses and step times" + (f", shifted by {shift:+g} ms" if shift else ""))
     return " and ".join(why) or None
+
+
+def time_shift(first: Log, later: Log) -> float | None:
+    """How many ms later's step times lie after first's, where the two logs hold the same losses at the same timed
+    steps and step times that differ by that one constant; else None. No header edit changes losses and step
+    times (a copy of one run under another seed and run id, its times +2 ms, was once a third sample), and two
+    runs hold the same together only as copies: a change that keeps the math runs at other step times."""
+    if not first.losses or first.losses != later.losses or len(first.step_times) != len(later.step_times):
+        return None
+    shifts = [b - a for a, b in zip(first.step_times, later.step_times) if a is not None and b is not None]
+    if not shifts or any(abs(d - shifts[0]) > 1e-6 * max(1.0, abs(d)) for d in shifts):
+        return None
+    return shifts[0]
 
 
 def same_seed_and_config(first: Log, later: Log) -> bool:
@@ -704,17 +819,28 @@ def canonical_micro_batches(value: str) -> str:
     return str(counts[0]) if len(set(counts)) == 1 else ",".join(map(str, counts))
 
 
-def experiment_value(name: str, value: str | None, device: str = "unknown") -> str | None:
-    """A hyperparameter's value as experiments are compared: settings that train identically are equal, each as the
-    trainer settles it (train_gpt.setup_distributed, and now logs): --micro_batches in one spelling; --device and
-    --attention "auto" as they resolve on the device the log ran on (older logs wrote "auto"): on a CPU,
-    --attention=sdpa and auto are one setting."""
+def experiment_value(name: str, log: Log) -> str | None:
+    """A hyperparameter's value in a log as experiments are compared: settings that train identically are equal,
+    each as the trainer settled it. --attention, --lm_head_precision and --mlp_precision are what the header's
+    `attention:` line says the run used (train_gpt.resolve_attention and resolve_precision; records.py reads the
+    log rather than importing the trainer, which needs torch); where a log has no such line, an "auto" is resolved
+    on the device the log ran on where that device alone decides it: --device, --attention (flex on a GPU, sdpa on
+    a CPU) and the precisions on a CPU (fp32; on a GPU, auto is fp8 or bf16 by the card). --micro_batches is
+    compared in one spelling. So on a CPU, --mlp_precision=fp32 and auto are one setting."""
+    value = log.hyperparameters.get(name)
     if value is None:
         return None
+    if name in log.resolved:
+        return log.resolved[name]
     if name == "micro_batches":
         return canonical_micro_batches(value)
-    if value.strip() == "auto" and device in ("cpu", "cuda") and name in ("device", "attention"):
-        return device if name == "device" else "flex" if device == "cuda" else "sdpa"
+    if value.strip() == "auto" and log.device in ("cpu", "cuda"):
+        if name == "device":
+            return log.device
+        if name == "attention":
+            return "flex" if log.device == "cuda" else "sdpa"
+        if name in ("lm_head_precision", "mlp_precision") and log.device == "cpu":
+            return "fp32"
     return value
 
 
@@ -729,7 +855,7 @@ def experiment_fields(logs: list[Log]) -> dict[str, list[str | None]]:
         fields["world_size"] = [None if lg.world_size is None else str(lg.world_size) for lg in logs]
     names = set().union(*(lg.hyperparameters for lg in logs)) - FREE_FIELDS - fields.keys()
     for name in sorted(names, key=lambda n: (KEY_FIELDS.index(n) if n in KEY_FIELDS else len(KEY_FIELDS), n)):
-        fields[name] = [experiment_value(name, lg.hyperparameters.get(name), lg.device) for lg in logs]
+        fields[name] = [experiment_value(name, lg) for lg in logs]
     return fields
 
 
@@ -1287,6 +1413,16 @@ def cmd_verify(args) -> int:
 # extract
 # =============================================================================
 
+def output_file(output: str, what: str) -> Path:
+    """-o as the file a command writes: an empty name (an unset variable in `-o $OUT`) names none, and a folder is
+    no file (bench.py words its --out alike)."""
+    if not output.strip():
+        raise ToolError(f"-o {output!r}: names no file or folder; give the file for {what}")
+    if os.path.isdir(output):
+        raise ToolError(f"-o {output}: is a folder; give the file for {what} (a name in that folder)")
+    return Path(output)
+
+
 def refuse_an_input(output: str, inputs: list[str]) -> None:
     """`-o` names the file a command writes, and never one it reads: `extract run.txt -o run.txt` once replaced
     the log with its source. The same file by any name (./x, a link) counts."""
@@ -1300,13 +1436,13 @@ def refuse_an_input(output: str, inputs: list[str]) -> None:
 
 
 def cmd_extract(args) -> int:
+    out = output_file(args.output, "the source")
     refuse_an_input(args.output, [args.log])
     log = read_log(args.log)
     if log.source is None:
         raise ToolError(f"{log.name}: no embedded source (the log starts at the '=' line: it was stripped)")
     if log.declared_hash and sha256_text(log.source) != log.declared_hash:
         raise ToolError(f"{log.name}: embedded source does not match its code_sha256 line (the log was edited)")
-    out = Path(args.output)
     write_atomic(out, log.source.encode("utf-8"))
     print(f"wrote {out} ({len(log.source.encode('utf-8'))} bytes, sha256 {log.code_hash})")
     return 0
@@ -1317,6 +1453,7 @@ def cmd_extract(args) -> int:
 # =============================================================================
 
 def cmd_plot(args) -> int:
+    out = output_file(args.output, "the plot (FILE.png)")
     try:
         import matplotlib
         matplotlib.use("Agg")   # files only, never a window
@@ -1356,7 +1493,6 @@ def cmd_plot(args) -> int:
     ax_time.legend()
     fig.suptitle(plot_text("val loss, " + "; ".join(sorted({hardware_label(lg) for lg in logs}))))
     fig.tight_layout()
-    out = Path(args.output)
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
@@ -1408,7 +1544,7 @@ def record_readme(name: str, date: str, track: str, target: float, logs: list[Lo
                   f"  torchrun --standalone --nproc_per_node={first.world_size or 1} {script}"
                   + "".join(f" \\\n    {sh_quote(f'--{k}={v}')}" for k, v in run_flags(first)), "```", ""]
         differ = sorted(k for k in first.hyperparameters
-                        if len({experiment_value(k, lg.hyperparameters.get(k), lg.device) for lg in logs}) > 1)
+                        if len({experiment_value(k, lg) for lg in logs}) > 1)
         if first.hyperparameters:
             lines += ["The flags are the hyperparameters in the first run's log header, less those that only "
                       "name where a run writes its files."
@@ -1738,11 +1874,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("verify", "exit 0 only if the logs back a record",
              "Checks: each log is complete (step lines 1..N, val lines every val_loss_every steps, "
              "final val loss at step N, end-of-run line, no error line, last line not cut) and consistent with "
-             "itself (its embedded source hashes to its code_sha256 line, its summary repeats its step lines, "
-             "every loss is >= 0 as a cross-entropy is; nothing signs a log, so numbers edited consistently pass); "
-             "no run is given twice (same file, run id, step lines, or seed and config); "
+             "itself (its embedded source, all the text before its header, hashes to its code_sha256 line, its "
+             "summary repeats its step lines, every loss is >= 0 as a cross-entropy is and every train time finite "
+             "and >= 0; nothing signs a log, so numbers edited consistently pass); "
+             "no run is given twice (same file, run id, step lines, losses and step times, or seed and config); "
              "all ran the same code, preset and experiment (steps, data, validation and batch settings: every "
-             "logged hyperparameter but the seed and where files go); the target is met. "
+             "logged hyperparameter but the seed and where files go, each as the run resolved it); the target is met. "
              "Prints 'FAIL <file>: <reason>' per failure. Logs without embedded source only warn.")
     sp.add_argument("logs", nargs="+", metavar="LOG")
     target(sp)
@@ -1751,8 +1888,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fail logs whose embedded source was stripped instead of warning")
     sp.set_defaults(func=cmd_verify)
 
-    sp = add("extract", "write the train_gpt.py embedded in a log (the text before the '='*100 line whose prefix "
-             "hashes to the header's code_sha256)",
+    sp = add("extract", "write the train_gpt.py embedded in a log (the text before its header, which lies between "
+             "its last two '='*100 lines)",
              "Refuses logs without source or whose source does not match their code_sha256, and an -o that names "
              "the log.")
     sp.add_argument("log", metavar="LOG")
@@ -1787,9 +1924,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
         with contextlib.redirect_stdout(TerminalText(sys.stdout)), contextlib.redirect_stderr(TerminalText(sys.stderr)):
+            args = build_parser().parse_args(argv)   # its errors quote the command line: shown escaped too
             return args.func(args)
     except ToolError as e:
         print(visible(f"error: {e}"), file=sys.stderr)

@@ -15,12 +15,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "train_gpt.py"
 sys.path.insert(0, str(REPO))
 import train_gpt  # noqa: E402
 from process_tree import descendants  # noqa: E402
+
+# The property tests' examples are generated afresh each run: no example database is written into the repository,
+# and no deadline fails an example that a loaded 2-core machine made slow (each test bounds its max_examples).
+settings.register_profile("repo", database=None, deadline=None)
+settings.load_profile("repo")
 
 train_gpt.keep_freed_cpu_memory()  # the in-process tests allocate like the trainer does
 # One intra-op thread, as the processes the tests start have (OMP_NUM_THREADS=1 in cpu_env): the tests' tensors

@@ -174,11 +174,13 @@ def test_handmade_log_fields():
 
 
 def test_step_lines_are_parsed_tolerantly():
-    assert rec.parse_step_line("step:5/10 train_loss:3.1 foo:bar train_time:50ms step_avg:10.00ms") == \
-        (5, 10, {"train_loss": "3.1", "foo": "bar", "train_time": "50ms", "step_avg": "10.00ms"})
-    assert rec.parse_step_line("step:5/10 val_loss:oops train_time:50ms") is None
-    assert rec.parse_step_line("step:5/1") == (5, 1, {})
-    assert rec.parse_step_line("step:5/10 train_ti") is None
+    assert rec.parse_step_line("step:5/10 train_loss:3.1 foo:bar train_time:50ms step_avg:10.00ms") == rec.StepLine(
+        5, 10, {"train_loss": "3.1", "foo": "bar", "train_time": "50ms", "step_avg": "10.00ms"}, None, 3.1, 50.0)
+    assert rec.parse_step_line("step:5/10 val_loss:oops train_time:50ms") == "val_loss 'oops' is not a number"
+    assert rec.parse_step_line("step:5/1") == rec.StepLine(5, 1, {}, None, None, None)
+    assert rec.parse_step_line("step:5/10 train_ti") == "not step:i/N key:value ..."
+    assert rec.parse_step_line("step:5/10 train_time:-1ms") == rec.StepLine(5, 10, {"train_time": "-1ms"}, None,
+                                                                            None, None)   # find_problems says why
 
 
 def test_print_added_newline_after_the_source_is_tolerated(tmp_path):
@@ -392,12 +394,15 @@ def test_extract_refuses_stripped_and_edited_logs(capsys, tmp_path):
 # compare
 
 def faster_copies(tmp_path, delta_ms: int) -> list[Path]:
-    """The public logs with every train_time shifted by delta_ms (stand-in for a candidate)."""
+    """The public logs with each step's train_time shifted by delta_ms * step / steps: a stand-in for a candidate
+    that computes the same losses at other step times. (Every time shifted by one constant is a copy of the run,
+    which compare refuses.)"""
     paths = []
     for src in PUBLIC:
-        shift = lambda m: f"train_time:{int(m.group(1)) + delta_ms if int(m.group(1)) else 0}ms"
+        def shift(m):
+            return f"{m[1]}{int(m[4]) + round(delta_ms * int(m[2]) / int(m[3]))}ms"
         path = tmp_path / f"cand-{src.name}"
-        path.write_text(re.sub(r"train_time:(\d+)ms", shift, src.read_text()))
+        path.write_text(re.sub(r"^(step:(\d+)/(\d+) .*train_time:)(\d+)ms", shift, src.read_text(), flags=re.M))
         paths.append(path)
     return paths
 
@@ -1364,7 +1369,8 @@ def test_no_t_test_without_a_spread(capsys, tmp_path, repo):
         return lambda t, i: re.sub(r"^(summary: .*train_time:)\d+ms", rf"\g<1>{ms}ms",
                                    rerun(t, 10 * i + ms, seed=seeds[i - 1]), flags=re.M)
     base = copies(tmp_path, SAME_CODE[:2], timed(5400, [1, 2]), names=["b1.txt", "b2.txt"])
-    faster = copies(tmp_path, SAME_CODE[:2], timed(5300, [3, 4]), names=["f1.txt", "f2.txt"])
+    faster = copies(tmp_path, [SAME_CODE[2], HANDMADE / "b-cpu-other-code.txt"], timed(5300, [3, 4]),
+                    names=["f1.txt", "f2.txt"])
     code, out, _ = run(capsys, "compare", "--baseline", *base, "--candidate", *faster)
     assert code == 0 and "candidate faster at p < 0.01 (one-sided Welch): cannot tell" in out, out
 
@@ -1526,3 +1532,213 @@ def test_a_long_legal_output_name_is_written(capsys, tmp_path):
     code, _, err = run(capsys, "extract", SAME_CODE[0], "-o", out)
     assert code == 0, err
     assert [p.name for p in tmp_path.iterdir()] == [out.name]
+
+
+# ---------------------------------------------------------------------------------------
+# Issue 46: one reader of a log, whose numbers are valid by construction; what a log cannot prove
+
+def prepend_a_fake_source(text: str, docstring: str = '"""x"""', newline: bool = False) -> str:
+    """The log with three lines before it: a docstring, a RULE, and a code_sha256 line with that docstring's hash
+    (`newline`: of the docstring and the newline the trainer's writer adds)."""
+    digest = hashlib.sha256((docstring + "\n" * newline).encode()).hexdigest()
+    return f"{docstring}\n{RULE}\ncode_sha256: {digest}\n" + text
+
+
+FAKE_SOURCES = [   # (id, how each log is edited)
+    ("the issue's: a docstring, a rule, its hash", lambda t: prepend_a_fake_source(t)),
+    ("its hash with the writer's newline", lambda t: prepend_a_fake_source(t, newline=True)),
+    ("step lines after the fake rule", lambda t: prepend_a_fake_source(t).replace(
+        "code_sha256:", "step:1/3 val_loss:1.0 train_time:1ms\ncode_sha256:", 1)),
+    ("two fake blocks", lambda t: prepend_a_fake_source(prepend_a_fake_source(t), docstring='"""y"""')),
+]
+
+
+@pytest.mark.parametrize("edit", [e for _, e in FAKE_SOURCES], ids=[i for i, _ in FAKE_SOURCES])
+def test_the_source_ends_where_the_header_begins_not_where_a_declared_hash_says(capsys, tmp_path, edit):
+    """Row 1: three lines prepended to each log made a 7-byte "source" that hashed to a code_sha256 the log itself
+    declared: verify said OK at p = 0.0010 for logs with edited code and other val_tokens, and extract wrote the 7
+    bytes. The header is found from the log's structure (the last two rules): the prepended lines are source."""
+    def hostile(t, i):
+        t = edit(t)
+        return t if i == 1 else with_hparams(t.replace("def main(", "def main_edited(", 1), val_tokens=4096)
+    logs = copies(tmp_path, REAL_SAME + [REAL_OLDER], hostile)
+    code, out, _ = run(capsys, "verify", *logs, "--target", "8")
+    assert code == 1 and "OK" not in out, out
+    for path in logs:
+        assert f"FAIL {path}: edited: embedded source hashes to " in out, out
+    code, _, err = run(capsys, "extract", logs[0], "-o", tmp_path / "x.py")
+    assert code == 1 and "does not match its code_sha256 line (the log was edited)" in err, err
+    assert not (tmp_path / "x.py").exists()
+    # the source is all the text before the header: the prepended lines and the trainer's source
+    text = logs[0].read_text()
+    assert rec.read_log(logs[0]).source == text[:text.index(RULE + "\nRunning Python")]
+
+
+def with_times(text: str, value: str, where: str) -> str:
+    """The log with its last step's train_time (`where`: "steps", "summary" or "both") written as `value` (ms)."""
+    last = re.findall(r"^step:(\d+)/\1 ", text, flags=re.M)[-1]
+    if where in ("steps", "both"):
+        text = re.sub(rf"^(step:{last}/{last} .*train_time:)\S+ms", rf"\g<1>{value}ms", text, flags=re.M)
+    if where in ("summary", "both"):
+        text = re.sub(r"^(summary: .*train_time:)\S+ms", rf"\g<1>{value}ms", text, flags=re.M)
+    return text
+
+
+IMPOSSIBLE_TIMES = [("-100000", "both"), ("inf", "both"), ("nan", "both"), ("-0.5", "steps"), ("1e400", "summary"),
+                    ("-inf", "summary"), ("NaN", "steps"), ("1.7e308", "both"), ("1000000000001", "summary")]
+
+
+@pytest.mark.parametrize("value,where", IMPOSSIBLE_TIMES, ids=[f"{v} in {w}" for v, w in IMPOSSIBLE_TIMES])
+def test_train_times_must_be_finite_and_not_negative(capsys, tmp_path, repo, value, where):
+    """Rows 2 and 3: a train time of -100,000 ms or inf passed verify, and `new` filed a record whose time read
+    -100.00 s; `train_time:nanms` passed verify, then summarize and new failed with an AttributeError traceback."""
+    logs = copies(tmp_path, SAME_CODE, lambda t, i: with_times(t, value, where) if i == 2 else t)
+    code, out, _ = run(capsys, "verify", *logs, "--target", "7.5")
+    assert code == 1 and "OK" not in out
+    assert re.search(rf"^FAIL {re.escape(str(logs[1]))}: (summary )?train_time '{re.escape(value)}ms' (at step 6 )?"
+                     r"cannot be a train time \(one is from 0 to 1e\+12 ms\)", out, flags=re.M), out
+    code, out, err = run(capsys, "summarize", *logs, "--target", "7.5")
+    assert code == 0 and "runs: 3 (2 complete)" in out and f"warning: {logs[1]}: left out of the statistics" in err
+    assert "-100.00" not in out
+    code, out, err = run(capsys, "new", "t", *logs, "--target", "7.5", "--records-dir", repo)
+    assert code == 1 and err.endswith("error: no record filed: the logs fail verify (reasons above)\n")
+    assert not repo.exists()
+    lg = rec.read_log(logs[1])
+    assert lg.train_time_ms is None or math.isfinite(lg.train_time_ms) and lg.train_time_ms >= 0
+    assert all(t is None or math.isfinite(t) and t >= 0 for _, _, t in lg.vals)
+
+
+HUGE_NUMBERS = [   # (id, the edit of each log's step 6 line)
+    ("the issue's: a step of 5,000 digits",
+     lambda t: t.replace("step:6/6 val_loss", "step:" + "6" * 5000 + "/6 val_loss")),
+    ("a total of 5,000 digits", lambda t: t.replace("step:6/6 val_loss", "step:6/" + "9" * 5000 + " val_loss")),
+    ("19 digits", lambda t: t.replace("step:6/6 val_loss", "step:" + "1" * 19 + "/6 val_loss")),
+    ("num_iterations of 5,000 digits", lambda t: with_hparams(t, num_iterations="7" * 5000)),
+    ("summary steps of 5,000 digits", lambda t: t.replace("steps:6", "steps:" + "6" * 5000)),
+]
+
+
+@pytest.mark.parametrize("edit", [e for _, e in HUGE_NUMBERS], ids=[i for i, _ in HUGE_NUMBERS])
+def test_numbers_of_thousands_of_digits_are_refused_in_one_line(capsys, tmp_path, repo, edit):
+    """Row 4: a step number of 5,000 digits hit Python's 4,300-digit int limit (a ValueError traceback); one such
+    log in any record folder stopped `table` for every record."""
+    logs = copies(tmp_path, SAME_CODE, lambda t, i: edit(t) if i == 3 else t)
+    code, out, _ = run(capsys, "verify", *logs, "--target", "7.5")
+    assert code == 1 and f"FAIL {logs[2]}: " in out and "OK" not in out, out
+    assert all(len(line) < 400 for line in out.splitlines()), out
+    code, out, err = run(capsys, "summarize", *logs, "--target", "7.5")
+    assert code == 0 and "runs: 3 (2 complete)" in out, (out, err)
+    assert run(capsys, "new", "good", *SAME_CODE, "--records-dir", repo, "--target", "7.5")[0] == 0
+    bad = repo / "2026-11-23_bad"
+    bad.mkdir()
+    for path in logs:
+        shutil.copy(path, bad / path.name)
+    code, _, err = run(capsys, "table", "--records-dir", repo)
+    assert code == 0 and f"{bad}: left out of the table ({bad / logs[2].name}: " in err, err
+    assert "[good](2026-11-22_good/README.md)" in (repo / "RECORDS.md").read_text()
+
+
+ATTENTION_LINE = "attention: sdpa  lm_head: fp32  mlp up-projection: fp32  compile: off"
+
+
+def with_line_after_device(text: str, line: str) -> str:
+    return re.sub(r"^(device: .*\n)", rf"\g<1>{line}\n", text, count=1, flags=re.M)
+
+
+PRECISIONS = [   # (id, the three logs' lm_head_precision and mlp_precision, the header line the trainer wrote)
+    ("the issue's: fp32 spelled on a CPU", ["auto", "fp32", "fp32"], None),
+    ("auto spelled with a blank", ["auto", " auto", "fp32"], None),
+    ("as the header says the run used", ["auto", "fp32", "auto"], ATTENTION_LINE),
+]
+
+
+@pytest.mark.parametrize("values,line", [c[1:] for c in PRECISIONS], ids=[c[0] for c in PRECISIONS])
+def test_precisions_are_compared_as_resolved(capsys, tmp_path, values, line):
+    """Row 5 (records.py): on a CPU, --lm_head_precision=fp32 --mlp_precision=fp32 is what auto resolves to, yet
+    verify called the runs different experiments; a same-seed rerun that spelled it out counted as a second sample
+    (p 0.057 -> 0.008)."""
+    def spelled(t, i):
+        t = with_hparams(t, lm_head_precision=values[i - 1], mlp_precision=values[i - 1])
+        return with_line_after_device(t, line) if line else t
+    logs = copies(tmp_path, SAME_CODE, spelled)
+    code, out, _ = run(capsys, "verify", *logs, "--target", "7.5")
+    assert code == 0, out
+    # a rerun of seed 1 that only spells the precision differently is the same sample
+    rerun1 = copies(tmp_path, SAME_CODE[:1], lambda t, i: rerun(spelled(t, 2), 7), names=["rerun1.txt"])
+    code, out, _ = run(capsys, "verify", *logs, *rerun1, "--target", "7.5")
+    assert code == 1 and f"{rerun1[0]} duplicates {logs[0]} (same seed 1 and config: one sample)" in out, out
+
+
+def test_precisions_that_may_differ_on_a_gpu_are_other_experiments(capsys, tmp_path):
+    """On a GPU, auto is fp8 or bf16 by the card: without the header's line saying which, auto is not bf16; with it,
+    the run's own resolved value is compared."""
+    def on_a_gpu(t, i, line=None):
+        t = with_hparams(t.replace("device: cpu ", "device: cuda (NVIDIA H100) "), lm_head_precision=["auto", "bf16",
+                                                                                                      "bf16"][i - 1])
+        return with_line_after_device(t, line) if line else t
+    logs = copies(tmp_path, SAME_CODE, on_a_gpu)
+    code, out, _ = run(capsys, "verify", *logs, "--target", "7.5")
+    assert code == 1 and "FAIL not the same experiment: lm_head_precision is auto in " in out, out
+    said = copies(tmp_path, SAME_CODE, lambda t, i: on_a_gpu(t, i, "attention: flex  lm_head: bf16 (this GPU has no "
+                                                                "FP8 tensor cores)  mlp up-projection: bf16"),
+                  names=["s1.txt", "s2.txt", "s3.txt"])
+    code, out, _ = run(capsys, "verify", *said, "--target", "7.5")
+    assert code == 0, out
+    fp8 = copies(tmp_path, SAME_CODE, lambda t, i: on_a_gpu(t, i, f"attention: flex  lm_head: {('fp8', 'bf16')[i > 1]}"
+                                                                   "  mlp up-projection: bf16"),
+                 names=["f1.txt", "f2.txt", "f3.txt"])
+    code, out, _ = run(capsys, "verify", *fp8, "--target", "7.5")
+    assert code == 1 and "FAIL not the same experiment: lm_head_precision is fp8 in " in out, out
+
+
+COPIES = [   # (id, the edit that makes seed 1's log another "run")
+    ("the issue's: seed 77, another run id, times +2 ms", lambda t: rerun(t, 2, seed=77)),
+    ("times +2 ms from step 1 on", lambda t: re.sub(r"^(step:[1-9]\d*/.*train_time:)(\d+)ms",
+                                                    lambda m: f"{m[1]}{int(m[2]) + 2}ms",
+                                                    with_hparams(t, seed=5), flags=re.M).replace(
+        "run_id: handmade-cpu-run1", "run_id: x")),
+    ("no seed in the header, losses written 7.1 for 7.1000", lambda t: re.sub(r"^  seed = .*\n", "", rerun(
+        t, 3).replace("val_loss:7.1000", "val_loss:7.1"), flags=re.M)),
+]
+
+
+@pytest.mark.parametrize("edit", [e for _, e in COPIES], ids=[i for i, _ in COPIES])
+def test_a_copy_with_other_seed_run_id_and_times_is_a_duplicate(capsys, tmp_path, repo, edit):
+    """Row 14: a copy of seed 1's log with `seed = 77` in the header, another run id and times +2 ms was a third
+    sample: its losses equal seed 1's, and p fell from 0.0024 to 1.3e-5. Losses and step times together identify
+    a run: no header edit changes them."""
+    copy = copies(tmp_path, SAME_CODE[:1], lambda t, i: edit(t), names=["copy.txt"])[0]
+    logs = [SAME_CODE[0], SAME_CODE[1], copy]
+    code, out, _ = run(capsys, "verify", *logs, "--target", "7.5")
+    assert code == 1 and re.search(rf"^FAIL duplicate runs: {re.escape(str(copy))} duplicates "
+                                   rf"{re.escape(str(SAME_CODE[0]))} \(identical losses and step times\b", out,
+                                   flags=re.M), out
+    code, _, err = run(capsys, "summarize", *logs, "--target", "7.5")
+    assert code == 1 and "identical losses and step times" in err
+    code, _, err = run(capsys, "compare", "--baseline", *SAME_CODE[:2], "--candidate", copy, SAME_CODE[2])
+    assert code == 1 and f"candidate {copy} duplicates baseline {SAME_CODE[0]}" in err, err
+    assert run(capsys, "new", "dup", *logs, "--target", "7.5", "--records-dir", repo)[0] == 1 and not repo.exists()
+
+
+def test_runs_with_the_same_losses_at_other_step_times_are_distinct(capsys, tmp_path):
+    """Two runs of a math-identical change (the same losses) at other speeds are two samples of time: compare
+    takes them."""
+    def faster(t, i):
+        t = with_source(t, t[:t.index(RULE)].replace("trainer A", "trainer B"))
+        t = re.sub(r"train_time:(\d+)ms", lambda m: f"train_time:{int(m[1]) * 9 // 10}ms", t)
+        return t.replace("run_id: ", "run_id: faster-")
+    faster = copies(tmp_path, SAME_CODE, faster)
+    code, out, err = run(capsys, "compare", "--baseline", *SAME_CODE, "--candidate", *faster)
+    assert code == 0 and "candidate faster at p < 0.01 (one-sided Welch): yes" in out, (out, err)
+
+
+@pytest.mark.parametrize("output", ["", " "])
+@pytest.mark.parametrize("command", ["extract", "plot"])
+def test_an_empty_output_names_no_file(capsys, tmp_path, monkeypatch, command, output):
+    """Row 17: `-o ''` said "Device or resource busy"; bench.py words the same mistake as "names no folder"."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["extract", SAME_CODE[0]] if command == "extract" else ["plot", *SAME_CODE]
+    code, out, err = run(capsys, *argv, "-o", output)
+    assert code == 1 and err.startswith(f"error: -o {output!r}: names no file or folder; give the file ") \
+        and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
