@@ -692,6 +692,7 @@ def test_round_to_bf16_is_the_cast_down_and_back_up_bit_for_bit():
     assert torch.equal(T.round_to_bf16(x).view(torch.int32), expected.view(torch.int32))
 
 
+@pytest.mark.slow  # inductor's C++ compile on this CPU: about 15 s
 def test_inductor_keeps_the_bf16_rounding_without_a_config_flag():
     """The squashed logits are rounded to bf16 in the compiled loss head, as the record's kernel rounds them, with
     no torch._inductor.config setting: inductor's generated code has the rounding's integer constants and computes
