@@ -8,22 +8,23 @@ Every figure it gives is MODELED, never measured. The counts (tools/op_counts.py
 every piece of device work a step launches, with its bytes and FLOPs, and what the host does to launch it. The
 model prices them:
 
-    device work    each launch costs max(LAUNCH_FLOOR_US, its own time):
+    device work    each launch costs max(LAUNCH_FLOOR_US, its own time) + KERNEL_GAP_US before the next one:
                    a Triton kernel or an eager element-wise op  bytes / (copy bandwidth x ELEMENTWISE_EFFICIENCY)
                    an eager op with an operand out of order     bytes / (copy bandwidth x STRIDED_EFFICIENCY)
                    a bf16 matmul                                FLOPs / (bf16 peak x MATMUL_EFFICIENCY)
                    an FP8 matmul                                the same at FP8_SPEEDUP x the bf16 rate
-                   a FlexAttention template                     FLOPs / (bf16 peak x ATTENTION_EFFICIENCY)
+                   a FlexAttention template                     dense FLOPs / (bf16 peak x ATTENTION_EFFICIENCY)
                    the bench's loopback collectives             2 x (rank 0's share of each buffer) / bandwidth
-    host           eager ops x HOST_US_PER_EAGER_OP + kernels a compiled graph launches x HOST_US_PER_LAUNCH
-                   + compiled-graph calls x HOST_US_PER_GRAPH_CALL, divided by the machine's host speed
-    a step         max(device, host): no step syncs, so the host runs ahead and the slower of the two sets the pace;
-                   the device idles 1 - device / step of it
+    host           (eager ops + kernels a compiled graph launches x LAUNCH_SHARE + graph calls x GRAPH_CALL_SHARE)
+                   x HOST_US_PER_EAGER_OP, divided by the machine's host speed
+    a step         (device^p + host^p)^(1/p), p = OVERLAP_POWER: no step syncs, so the host runs ahead and the
+                   slower of the two sets the pace, less so the closer they are; no kernel runs in
+                   1 - (device - gaps) / step of it, the idle share a profile would show
 
 The constants are fitted once (fit()) to the one H100 run there is, 40c201b's stage 3
 (notes/bench/2026-11-26-h100-40c201b-stage3-profile.json), from 40c201b's counts
-(notes/bench/2026-11-28-cpu-counts-40c201b.json): each kind of kernel's share of the profile, and the block
-masks' time, which is host work (177 eager ops of a few hundred bytes). With the same constants, the H200's
+(notes/bench/2026-11-28-cpu-counts-40c201b.json): each kind of kernel's share of the profile, the block masks'
+time, which is host work (177 eager ops of a few hundred bytes), and the rank steps' time. With the same constants, the H200's
 copy bandwidth and the H200 machine's host speed, validate() predicts the H200 runs of the same code, which the
 fit never saw. Without --kernels the counts hold the compiled graphs' aten ops one by one, so the model prices
 them unfused: an upper bound.
@@ -50,7 +51,6 @@ RECORD_TOTAL_S = 75.5
 # NVLink bus bandwidth for the 8xH100 estimate's collectives: nccl-tests' large-message all-gather on 8xH100 SXM
 # (assumed, not measured here), all of it counted as not overlapped, as tools/bench.py's estimate does.
 BUS_GBPS = 360.0
-WORLD_SIZE = 8
 
 # Which sources of the counts a bench forward+backward runs (the masks prebuilt, no optimizer, no hooks).
 FORWARD_BACKWARD = ("forward graphs", "backward graphs", "loss head", "model, between its graphs",
@@ -186,7 +186,8 @@ def model_step(step: dict, card: Card, constants: Constants, world_size: int) ->
     fb_device = sum(device_part(step, card, constants, world_size, FORWARD_BACKWARD).values()) / 1e3
     fb_host = host_us(step, card, constants, FORWARD_BACKWARD) / 1e3
     step_ms = combined(device, host, constants)
-    return {"device_ms": device, "host_ms": host, "step_ms": step_ms, "idle_share": 1 - device / step_ms,
+    busy = device - kinds.get(GAPS, 0.0) / 1e3  # what a profile counts busy: kernels running
+    return {"device_ms": device, "host_ms": host, "step_ms": step_ms, "idle_share": 1 - busy / step_ms,
             "device_ms_by_kind": {k: v / 1e3 for k, v in sorted(kinds.items())},
             "device_ms_by_source": device_by_source(step, card, constants),
             "forward_backward_ms": combined(fb_device, fb_host, constants), "forward_backward_device_ms": fb_device,
@@ -233,7 +234,8 @@ def model_stages(counts: dict, card_name: str, constants: Constants) -> dict:
             for kind, ms in s["device_ms_by_kind"].items():
                 kinds[kind] = kinds.get(kind, 0.0) + ms / len(steps)
         out[name] = {"device_ms": mean("device_ms"), "host_ms": mean("host_ms"), "step_ms": mean("step_ms"),
-                     "idle_share": 1 - mean("device_ms") / mean("step_ms"), "device_ms_by_kind": kinds,
+                     "idle_share": 1 - (mean("device_ms") - kinds.get(GAPS, 0.0)) / mean("step_ms"),
+                     "device_ms_by_kind": kinds,
                      "forward_backward_ms": mean("forward_backward_ms"), "steps": steps}
     return out
 
