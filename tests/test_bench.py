@@ -381,3 +381,14 @@ def test_the_counts_come_with_the_modeled_step_per_stage(small_counts):
     assert stage["step_ms"] == pytest.approx(sum(s["step_ms"] for s in stage["steps"].values()) / 2)
     assert stage["record_ms"] is None and model["validation"]
     assert "## Modeled step on one NVIDIA H100 80GB HBM3" in markdown and "| stage 1 |" in markdown
+
+
+@pytest.mark.parametrize("content", ["not json", '{"counts": {"stages": {"stage 1": {"steps": {}}}, "world_size": 8}}',
+                                     '{"parts": {}}', "[1, 2]"])
+def test_cost_model_refuses_what_is_not_a_bench_json_with_counts_in_one_line(tmp_path, content):
+    path = tmp_path / "bench.json"
+    path.write_text(content)
+    proc = python(REPO / "tools" / "cost_model.py", str(path), timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.startswith(f"error: '{path}': not a bench.json with CPU counts") and \
+        proc.stderr.count("\n") == 1, proc.stderr

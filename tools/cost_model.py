@@ -409,6 +409,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--card", choices=sorted(CARDS), default="h100")
     parser.add_argument("--fit", action="store_true", help="refit the constants to the stored H100 run and print them")
     parser.add_argument("--validate", action="store_true", help="the model against every stored device run")
+
+    def one_line_error(message: str):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    parser.error = one_line_error  # argparse's own adds the usage: bad input gets one line
     options = parser.parse_args(argv)
     if options.fit:
         print(json.dumps(dataclasses.asdict(fit()), indent=2))
@@ -420,10 +426,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give a bench.json, --fit or --validate")
     try:
         counts = load(Path(options.bench_json))["counts"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        print(f"error: {options.bench_json}: not a bench.json with CPU counts ({type(e).__name__})", file=sys.stderr)
+        table = markdown(model_counts(counts, options.card))
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as e:
+        print(f"error: {ascii(options.bench_json)}: not a bench.json with CPU counts ({type(e).__name__})",
+              file=sys.stderr)
         return 2
-    print("\n".join(markdown(model_counts(counts, options.card))))
+    print("\n".join(table))
     return 0
 
 
