@@ -377,7 +377,9 @@ def test_the_counts_come_with_the_modeled_step_per_stage(small_counts):
     assert model["modeled"] and model["card_profile"] == "h100" and model["total_s"] is None  # not the speedrun
     stage = model["stages"]["stage 1"]
     for step in stage["steps"].values():
-        assert step["step_ms"] == max(step["device_ms"], step["host_ms"]) and step["device_ms"] > 0
+        d, h = step["device_ms"], step["host_ms"]
+        assert d > 0 and h > 0 and max(d, h) < step["step_ms"] < d + h
+        assert step["step_ms"] == pytest.approx(cost_model.combined(d, h, cost_model.Constants()))
     assert stage["step_ms"] == pytest.approx(sum(s["step_ms"] for s in stage["steps"].values()) / 2)
     assert stage["record_ms"] is None and model["validation"]
     assert "## Modeled step on one NVIDIA H100 80GB HBM3" in markdown and "| stage 1 |" in markdown
