@@ -2427,6 +2427,63 @@ MAX_TIMEOUT_S = 7 * 24 * 3600  # a collective that waits longer than a week is a
 MAX_MEMORY_GIB = 2 ** 20  # a pebibyte per rank: more is a typo (and 1e300 GiB would overflow a byte count)
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,200}")  # one file name: no separators, no way out of logs_dir
 
+# Upper bounds of the sizes, checked first (check_sizes): --num_layers=100000000 once built a hundred million layer
+# plans, tens of GB, before a later check refused it. Each bound lies past what any GPU can hold (the largest hold
+# 288 GB) or any run needs, so no real recipe is refused; the memory model refuses what fits below them and not the
+# device.
+MAX_LAYERS = 1024  # a module and a compiled block each; 8x the deepest trained transformers (Llama 3 405B: 126)
+MAX_WIDTH = 2 ** 22  # --model_dim, --head_dim: one d x d matrix is then 2**44 weights, 32 TiB in bf16
+MAX_MLP_RATIO = 64  # 16x the usual 4: the MLP's two matrices are then 128 d^2 weights a layer
+# --vocab_size and the bigram tables: a bf16 weight, its gradient and Adam's two fp32 moments are 12 bytes, so a table
+# of 2**25 rows at the speedrun's width 768 takes 288 GiB; and the loss's chunk of logits then takes 1 TiB in fp32.
+MAX_TABLE_ROWS = 2 ** 25
+# --val_seq_len, --stage_max_seq_len, --window_block, the windows (in blocks) and --dc_window: FlexAttention's block
+# mask of a sequence holds (positions / window_block)^2 int32 entries, 64 GiB for 2**24 positions in blocks of 128.
+MAX_POSITIONS = 2 ** 24
+# A step's tokens over all ranks: past the largest published pretraining batches (about 60M tokens, DeepSeek-V3);
+# also what --micro_batches=auto searches through (micro_batch_choices), counts up to batch / --window_block.
+MAX_BATCH_TOKENS = 2 ** 26
+MAX_VAL_TOKENS = 2 ** 34  # more than FineWeb10B holds (10B tokens); 32 GiB of uint16 read onto the host at start-up
+MAX_STAGES = 64  # each stage is a shape torch.compile specialises on (the record has 3)
+
+
+def size_bounds(args: Hyperparameters) -> list[tuple[str, tuple[int, ...], int]]:
+    """(flag, its values, the most each may be) for every size the config gives, lists parsed (ConfigError if
+    malformed) but nothing derived from them: check_sizes runs before anything is built."""
+    windows = [window_pair(args, "stage_windows", w) for w in args.stage_windows.split(",")]
+    return [
+        ("num_layers", (args.num_layers,), MAX_LAYERS),
+        ("model_dim", (args.model_dim,), MAX_WIDTH),
+        ("head_dim", (args.head_dim,), MAX_WIDTH),
+        ("mlp_ratio", (args.mlp_ratio,), MAX_MLP_RATIO),
+        ("vocab_size", (args.vocab_size,), MAX_TABLE_ROWS),
+        ("bigram_vocab_size", (args.bigram_vocab_size,), MAX_TABLE_ROWS),
+        ("bigram_sign_rows", (args.bigram_sign_rows,), MAX_TABLE_ROWS),
+        ("val_seq_len", (args.val_seq_len,), MAX_POSITIONS),
+        ("window_block", (args.window_block,), MAX_POSITIONS),
+        ("dc_window", (args.dc_window,), MAX_POSITIONS),
+        ("final_val_window", (args.final_val_window,), MAX_POSITIONS),
+        ("stage_windows", tuple(n for pair in windows for n in pair), MAX_POSITIONS),
+        ("extension_windows", window_pair(args, "extension_windows", args.extension_windows), MAX_POSITIONS),
+        ("stage_max_seq_len", int_list(args, "stage_max_seq_len"), MAX_POSITIONS),
+        ("stage_batch_tokens", int_list(args, "stage_batch_tokens"), MAX_BATCH_TOKENS),
+        ("val_tokens", (args.val_tokens,), MAX_VAL_TOKENS),
+    ]
+
+
+def check_sizes(args: Hyperparameters):
+    """Every size of the config from 1 to its bound (the MAX_ constants above), and at most MAX_STAGES stages; a
+    ConfigError names the flag."""
+    stages = len(int_list(args, "stage_batch_tokens"))
+    if stages > MAX_STAGES:
+        raise ConfigError(f"--stage_batch_tokens: {stages:,} stages, at most {MAX_STAGES}")
+    for name, values, most in size_bounds(args):
+        if min(values, default=1) <= 0:
+            raise ConfigError(f"--{name}={getattr(args, name)}: must be positive")
+        if max(values, default=1) > most:
+            raise ConfigError(f"--{name}={getattr(args, name)}: at most {most:,}, past what any GPU holds or any run "
+                              f"needs")
+
 
 def validate_config(args: Hyperparameters):
     positive = ["val_tokens", "val_seq_len", "vocab_size", "num_layers", "model_dim", "head_dim",
@@ -2435,6 +2492,7 @@ def validate_config(args: Hyperparameters):
     for name in positive:
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name}={getattr(args, name)}: must be positive")
+    check_sizes(args)
     for name in ["val_loss_every", "train_loss_every", "save_every", "warmup_steps", "extension_steps",
                  "muon_momentum_warmup", "muon_momentum_cooldown", "untie_stage"]:
         if getattr(args, name) < 0:

@@ -1,0 +1,107 @@
+"""Issue 46, rows 8, 11 and 12: the readers of three kinds of input, each checked by a table of the reported cases
+and by Hypothesis over generated neighbours of them.
+
+- the command line and config: every size bounded before anything is built (train_gpt.check_sizes), for the trainer
+  and tools/estimate_memory.py;
+- a weights file: finite, at most train_gpt.MAX_WEIGHT, and giving finite logits on a probe document
+  (train_gpt.check_weights, check_forward_finite);
+- a user's input folder for data/tokenize_text.py, links included (tokenize_text.collect_files).
+
+The property tests call the readers in this process, on small examples, so that together they take seconds."""
+
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import train_gpt as T
+from conftest import REPO, SHORT, in_process, one_line_error, run_main
+
+sys.path.insert(0, str(REPO / "tools"))
+import estimate_memory  # noqa: E402
+
+# Small enough that Hypothesis adds well under a second a test; no database written into the repository.
+PROPERTY = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# -----------------------------------------------------------------------------
+# Row 11: sizes bounded before anything is built
+
+# (flag, a value past its bound): each once built or searched through before a later check refused it
+HUGE_SIZES = [
+    ("--num_layers=100000000", "--num_layers=100000000: at most 1,024"),  # the report: tens of GB of layer plans
+    ("--model_dim=8388608", "--model_dim=8388608: at most 4,194,304"),
+    ("--mlp_ratio=1000000", "--mlp_ratio=1000000: at most 64"),
+    ("--vocab_size=1000000000000", "--vocab_size=1000000000000: at most 33,554,432"),
+    ("--bigram_vocab_size=1000000000000", "--bigram_vocab_size=1000000000000: at most"),
+    ("--bigram_sign_rows=1000000000000", "--bigram_sign_rows=1000000000000: at most"),
+    ("--val_seq_len=1099511627776", "--val_seq_len=1099511627776: at most 16,777,216"),
+    ("--final_val_window=10000000000000000000", "--final_val_window=10000000000000000000: at most"),
+    ("--stage_windows=1:2,2:4,3:100000000000000", "--stage_windows=1:2,2:4,3:100000000000000: at most"),
+    ("--stage_max_seq_len=256,512,100000000000", "--stage_max_seq_len=256,512,100000000000: at most"),
+    ("--stage_batch_tokens=1024,2048,1099511627776", "--stage_batch_tokens=1024,2048,1099511627776: at most"),
+    ("--val_tokens=100000000000000000", "--val_tokens=100000000000000000: at most"),
+    ("--stage_batch_tokens=-1024,2048,3072", "--stage_batch_tokens=-1024,2048,3072: must be positive"),
+]
+
+
+@pytest.mark.parametrize("flag, fragment", HUGE_SIZES, ids=[flag for flag, _ in HUGE_SIZES])
+def test_a_size_past_any_gpu_is_refused_before_anything_is_built(tmp_path, flag, fragment):
+    """Row 11: --num_layers=100000000 grew to gigabytes of layer plans before a later check refused it."""
+    proc = run_main("--preset=smoke", f"--logs_dir={tmp_path}/logs", f"--checkpoint_dir={tmp_path}/ck", flag)
+    one_line_error(proc, fragment)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--", "--num_layers=100000000"], "--num_layers=100000000: at most 1,024"),  # had not ended after 180 s
+    (["--", "--model_dim=8388608", "--head_dim=64"], "--model_dim=8388608: at most"),
+    (["--world_sizes", "1", str(10 ** 21)], f"--world_sizes: {10 ** 21} ranks, more than a step's tokens can be"),
+], ids=["num_layers", "model_dim", "world_sizes"])
+def test_estimate_memory_refuses_a_size_past_any_gpu_at_once(argv, fragment):
+    one_line_error(in_process(estimate_memory.main, *argv), fragment)
+
+
+def test_the_presets_and_the_tests_configs_stay_within_the_bounds():
+    for preset in T.PRESETS:
+        T.check_sizes(T.parse_args([f"--preset={preset}"], False))
+    T.parse_args(["--preset=smoke", *SHORT], False)
+    T.parse_args(["--preset=smoke", "--model_dim=4194304", "--head_dim=64"], False)  # test_bad_input.py's HUGE
+
+
+SCALAR_SIZES = {"num_layers": T.MAX_LAYERS, "model_dim": T.MAX_WIDTH, "head_dim": T.MAX_WIDTH,
+                "mlp_ratio": T.MAX_MLP_RATIO, "vocab_size": T.MAX_TABLE_ROWS, "bigram_vocab_size": T.MAX_TABLE_ROWS,
+                "bigram_sign_rows": T.MAX_TABLE_ROWS, "val_seq_len": T.MAX_POSITIONS, "window_block": T.MAX_POSITIONS,
+                "dc_window": T.MAX_POSITIONS, "final_val_window": T.MAX_POSITIONS, "val_tokens": T.MAX_VAL_TOKENS}
+# list flags: (the smoke preset's value with {} for the generated entry, the bound)
+LIST_SIZES = {"stage_batch_tokens": ("1024,2048,{}", T.MAX_BATCH_TOKENS),
+              "stage_max_seq_len": ("256,{},512", T.MAX_POSITIONS),
+              "stage_windows": ("1:2,2:{},3:6", T.MAX_POSITIONS), "extension_windows": ("3:{}", T.MAX_POSITIONS)}
+SIZE_FLAGS = [*SCALAR_SIZES, *LIST_SIZES]
+# every size and sign, with most of the weight near the bounds and 0
+INTEGERS = st.one_of(st.integers(), st.integers(-2 ** 70, 2 ** 70), st.integers(-3, 3),
+                     st.sampled_from([2 ** 10, 2 ** 22, 2 ** 24, 2 ** 25, 2 ** 26, 2 ** 34]).flatmap(
+                         lambda bound: st.integers(bound - 2, bound + 2)),
+                     st.integers(0, 60).map(lambda digits: int("9" * digits or "0")))
+
+
+@PROPERTY
+@given(name=st.sampled_from(SIZE_FLAGS), value=INTEGERS)
+def test_every_size_flag_is_bounded_by_the_parser_the_command_line_uses(name, value):
+    """Any integer in any size flag: parse_args (what main() and estimate_memory.py call) accepts it within the
+    flag's bound, or refuses it with a ConfigError; past the bound, one naming the flag and the bound. It never
+    builds anything first (a hundred million layers took minutes and tens of GB)."""
+    if name in SCALAR_SIZES:
+        flag, bound = f"--{name}={value}", SCALAR_SIZES[name]
+    else:
+        pattern, bound = LIST_SIZES[name]
+        flag = f"--{name}={pattern.format(value)}"
+    try:
+        args = T.parse_args(["--preset=smoke", flag], False)
+    except T.ConfigError as e:
+        message = str(e)
+        assert "\n" not in message
+        if value > bound:
+            assert message == f"{flag}: at most {bound:,}, past what any GPU holds or any run needs"
+        return
+    assert 1 <= value <= bound, (flag, args)
