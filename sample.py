@@ -33,6 +33,16 @@ class SampleError(Exception):
     """Bad input: printed as one `error: ...` line."""
 
 
+class OverflowingWeights(SampleError):
+    """Non-finite logits or losses from a model that passed load_final_weights' probe (check_forward_finite): its
+    weights overflow on this text. main() names the weights file."""
+
+
+def check_finite(values: torch.Tensor, what: str):
+    if not bool(torch.isfinite(values).all()):
+        raise OverflowingWeights(f"the model's {what} are not finite: its weights overflow on this text")
+
+
 def load_tokenizer():
     """GPT-2's BPE from data/gpt2.tiktoken: never downloaded."""
     try:
@@ -95,6 +105,7 @@ def generate(model: T.GPT, args: T.Hyperparameters, info: dict, prompt_tokens: l
     while True:
         if len(out) == max_new_tokens:
             return out, "max_new_tokens"
+        check_finite(logits, f"logits after {len(gen.tokens)} tokens")
         token = choose(logits[:vocab], temperature, top_k, rng)
         if token == T.BOS_ID:
             return out, "<|endoftext|>"
@@ -134,6 +145,7 @@ def token_losses_fn(model: T.GPT, args: T.Hyperparameters, info: dict):
         inputs, targets = packed[:-1], packed[1:]
         masks = T.build_masks(inputs, model.plans, windows, args.window_block, use_flex=False)
         losses = model.token_losses(inputs, targets, masks, separate_documents=True).float().cpu()
+        check_finite(losses, "losses on HellaSwag")
         out, start = [], 0
         for seq in sequences:  # drop the prediction of each sequence's first token from its BOS
             out.append(losses[start + 1:start + len(seq)])
@@ -196,6 +208,9 @@ def main(argv=None) -> int:
         print(options.prompt + encoding.decode(tokens))
         print(f"[{len(tokens)} tokens; stopped at {reason}]", file=sys.stderr)
         return 0
+    except OverflowingWeights as e:
+        print(f"error: {Path(options.folder) / 'model.pt'}: {e}", file=sys.stderr)
+        return 2
     except (SampleError, T.ConfigError, T.DataError, hellaswag.HellaSwagError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

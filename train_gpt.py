@@ -4101,11 +4101,17 @@ def release_folders(made: list[Path]):
 # (tools/record_weights.py to-ours). Each file is checked before any model is built from it, in this order: the
 # model of the config (built on the meta device, so without memory) and the file fit this host's memory; the file
 # loads with weights_only, to the CPU; it is a dict whose keys are strings, whose tensors are dense and strided, on
-# the CPU (a tensor saved from the meta device holds no values), of a floating dtype and finite, and whose names
-# and shapes are the model's. Before, only to-ours checked: --init_from cast int64 weights in silence and tracebacked
+# the CPU (a tensor saved from the meta device holds no values), of a floating dtype, finite and at most MAX_WEIGHT
+# in magnitude, and whose names and shapes are the model's; a final-weights folder's model must then give finite
+# logits on a probe document (check_forward_finite). Before, only to-ours checked: --init_from cast int64 weights in silence and tracebacked
 # on a non-string key, a non-tensor value or a meta tensor, and NaN weights reached sample.py's multinomial.
 
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # cast into our parameters exactly
+# The forward multiplies weights by weights (an embedding row by a lambda by a matrix): two above 2**64 overflow fp32
+# and bf16 (whose largest is 2**128) in one product. Trained weights are O(1); smaller weights can overflow too (the
+# smoke model's random N(0, 0.3^2) weights times 10 give NaN logits), which the probe forward finds.
+MAX_WEIGHT = 2.0 ** 64
+PROBE_TOKENS = 64  # the probe document's length (check_forward_finite): within every model's context, cheap
 
 
 class WeightsError(ValueError):
@@ -4130,7 +4136,13 @@ def tensor_problem(name: str, value) -> str | None:
 
 def nonfinite_problem(name: str, value: Tensor) -> str | None:
     bad = int(value.numel() - torch.isfinite(value).sum())
-    return f"{name!r} holds {bad:,} non-finite value(s) (NaN or inf)" if bad else None
+    if bad:
+        return f"{name!r} holds {bad:,} non-finite value(s) (NaN or inf)"
+    largest = float(value.abs().max()) if value.numel() else 0.0
+    if largest > MAX_WEIGHT:
+        return f"{name!r} holds a weight of magnitude {largest:.3g}, over {MAX_WEIGHT:.3g} (2**64): the forward would " \
+               f"overflow"
+    return None
 
 
 def extra_state_problem(name: str, value, like) -> str | None:
@@ -4166,7 +4178,8 @@ def check_weights(state, expected: dict) -> dict:
     mismatch = state_dict_mismatch(state, expected)  # names and shapes
     if mismatch:
         raise WeightsError(mismatch)
-    refuse_first([nonfinite_problem(k, v) for k, v in state.items() if isinstance(v, Tensor)])  # reads every value
+    refuse_first([nonfinite_problem(k, v) for k, v in state.items() if isinstance(v, Tensor)])  # reads every value:
+    # finite and within MAX_WEIGHT
     return state
 
 
@@ -4273,8 +4286,9 @@ def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters
         validate_config(args)
         windows = info.get("windows")
         if not (isinstance(windows, list) and len(windows) == 2
-                and all(type(w) is int and w > 0 for w in windows)):  # type(): a bool is no block count
-            raise ValueError(f'"windows" must be the final (short, long) windows in blocks, got {windows!r}')
+                and all(type(w) is int and 0 < w <= MAX_POSITIONS for w in windows)):  # type(): a bool is no count
+            raise ValueError(f'"windows" must be the final (short, long) windows in blocks (1 to {MAX_POSITIONS:,}), '
+                             f'got {windows!r}')
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise DataError(f"{path / 'config.json'}: not train_gpt.py's final-weights config ({e})") from None
     try:
@@ -4284,7 +4298,28 @@ def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters
                         f"({first_line(e)})") from None
     model = cast_parameters(GPT(args, Numerics.for_evaluation(device)).to(device))
     model.load_state_dict(saved)
-    return model.eval(), args, info
+    problem = check_forward_finite(model.eval(), args, tuple(windows))
+    if problem:
+        raise DataError(f"{path / 'model.pt'}: these weights are finite, but {problem}")
+    return model, args, info
+
+
+@torch.no_grad()
+def check_forward_finite(model: GPT, args: Hyperparameters, windows: tuple[int, int]) -> str | None:
+    """Why the model's logits on a probe document (BOS, then PROBE_TOKENS - 1 ids spread over the vocabulary) are not
+    all finite, naming the largest weight; None when they are. Weights within MAX_WEIGHT can still overflow: they
+    multiply, layer after layer. sample.py would then fail in multinomial, or print token 0 ("!") at temperature 0."""
+    length = min(PROBE_TOKENS, context_length(args))
+    ids = torch.arange(length, device=model.embed.weight.device) * 7919 % args.vocab_size  # 7919: a prime, ids apart
+    if BOS_ID < args.vocab_size:  # (a test's small vocabulary has no <|endoftext|>)
+        ids[0] = BOS_ID
+    masks = build_masks(ids, model.plans, windows, args.window_block, use_flex=False)
+    if bool(torch.isfinite(model.logits(model.hidden(ids, masks))).all()):
+        return None
+    name, value = max(((n, float(t.abs().max())) for n, t in model.state_dict().items()
+                       if isinstance(t, Tensor) and t.numel()), key=lambda pair: pair[1])
+    return f"a forward pass on a probe document gives non-finite logits: they overflow (the largest weight is " \
+           f"{value:.3g}, in {name!r})"
 
 
 def state_dict_mismatch(saved, expected: dict, shown: int = 3) -> str:

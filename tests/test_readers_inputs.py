@@ -9,13 +9,17 @@ and by Hypothesis over generated neighbours of them.
 
 The property tests call the readers in this process, on small examples, so that together they take seconds."""
 
+import functools
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import sample
 import train_gpt as T
-from conftest import REPO, SHORT, in_process, one_line_error, run_main
+from conftest import REPO, SHORT, in_process, one_line_error, random_final_weights, run_main
 
 sys.path.insert(0, str(REPO / "tools"))
 import estimate_memory  # noqa: E402
@@ -105,3 +109,113 @@ def test_every_size_flag_is_bounded_by_the_parser_the_command_line_uses(name, va
             assert message == f"{flag}: at most {bound:,}, past what any GPU holds or any run needs"
         return
     assert 1 <= value <= bound, (flag, args)
+
+
+# -----------------------------------------------------------------------------
+# Row 12: weights finite, bounded, and giving finite logits
+
+@pytest.fixture(scope="module")
+def final_folder(tmp_path_factory):
+    """random_final_weights of the SHORT run's config: untrained N(0, 0.3^2) weights, whose logits are finite."""
+    return random_final_weights(tmp_path_factory.mktemp("final"), *SHORT)
+
+
+def scaled_copy(folder: Path, into: Path, scale: float) -> Path:
+    """A copy of a final-weights folder whose every stored tensor is multiplied by scale."""
+    into.mkdir()
+    (into / "config.json").write_bytes((folder / "config.json").read_bytes())
+    state = torch.load(folder / "model.pt", weights_only=True)
+    torch.save({k: v * scale if isinstance(v, torch.Tensor) else v for k, v in state.items()}, into / "model.pt")
+    return into
+
+
+OVERFLOW = "(2**64): the forward would overflow"
+PROBE = "these weights are finite, but a forward pass on a probe document gives non-finite logits: they overflow"
+SCALED_WEIGHTS = [
+    # (scale, sample.py's flags, fragment): the report, finite weights x1e30 at both temperatures
+    (1e30, ["--temperature=0"], OVERFLOW),  # printed `!!!!!`: token 0 of NaN logits
+    (1e30, [], OVERFLOW),  # multinomial's RuntimeError traceback
+    (10.0, ["--temperature=0"], PROBE),  # within MAX_WEIGHT, yet NaN logits: found by the probe forward
+    (1e10, [], PROBE),
+]
+
+
+@pytest.mark.parametrize("scale, flags, fragment", SCALED_WEIGHTS,
+                         ids=[f"x{scale:g} {' '.join(flags)}" for scale, flags, _ in SCALED_WEIGHTS])
+def test_finite_weights_that_overflow_are_refused_naming_the_file(final_folder, tmp_path, scale, flags, fragment):
+    """Row 12: finite weights x1e30 passed the finiteness check; sample.py then failed in multinomial, or printed
+    `!!!` at temperature 0."""
+    folder = scaled_copy(final_folder, tmp_path / "final", scale)
+    proc = in_process(sample.main, folder, "--prompt=Hi", "--max_new_tokens=3", *flags)
+    one_line_error(proc, f"error: {folder / 'model.pt'}: ", fragment)
+
+
+def test_weights_whose_forward_is_finite_still_sample(final_folder, tmp_path):
+    folder = scaled_copy(final_folder, tmp_path / "final", 1e-30)
+    proc = in_process(sample.main, folder, "--prompt=Hi", "--max_new_tokens=3", "--temperature=0")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_init_from_refuses_weights_past_max_weight_before_the_run_starts(final_folder, tmp_path):
+    """--init_from reads weights through the same check_weights."""
+    folder = scaled_copy(final_folder, tmp_path / "final", 1e30)
+    proc = run_main("--preset=smoke", *SHORT, f"--init_from={folder}", f"--logs_dir={tmp_path}/logs")
+    one_line_error(proc, f"--init_from={folder}: its weights do not fit this config's model (", OVERFLOW)
+    assert not (tmp_path / "logs").exists()
+
+
+def test_logits_that_overflow_during_generation_are_one_line_not_a_traceback(final_folder):
+    """The probe is one document: sample.py checks every step's logits too (before, multinomial's traceback)."""
+    model, args, info = T.load_final_weights(final_folder, torch.device("cpu"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(10)
+    for temperature in (0.0, 1.0):
+        with pytest.raises(sample.OverflowingWeights, match="logits after 3 tokens are not finite"):
+            sample.generate(model, args, info, [40, 50], 3, temperature, 200, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def small_model():
+    """(args, model, its state dict, the expected state (model_state_shapes), final windows) of the SHORT config at a
+    vocabulary of 512 (fast to scale and check) with random N(0, 0.3^2) weights, made once for the property test."""
+    args = T.parse_args(["--preset=smoke", *SHORT, "--vocab_size=512", "--bigram_vocab_size=512"], False)
+    torch.manual_seed(0)
+    model = T.GPT(args, T.Numerics.for_evaluation(torch.device("cpu"))).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    windows = T.Schedule(args).windows(args.num_iterations, final_validation=True)
+    state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in model.state_dict().items()}
+    return args, model, state, T.model_state_shapes(args), windows
+
+
+SCALES = st.one_of(st.floats(min_value=1e-45, max_value=1e38), st.floats(min_value=-1e38, max_value=-1e-45),
+                   st.sampled_from([0.0, 10.0, 2.0 ** 64, 2.0 ** 65, float("inf"), float("-inf"), float("nan")]))
+
+
+@PROPERTY
+@given(scale=SCALES, only=st.one_of(st.none(), st.sampled_from(["lm_head", "scalars", "embed.weight",
+                                                                 "blocks.1.mlp.fc", "resid_lambdas"])))
+def test_weights_are_refused_or_give_finite_logits_at_every_scale(scale, only):
+    """Weights at any scale, all or one tensor: check_weights refuses exactly the non-finite ones and those past
+    MAX_WEIGHT, in one line; of what it accepts, check_forward_finite passes exactly the weights whose probe logits
+    are finite, and otherwise says so in one line (load_final_weights refuses them naming the file)."""
+    args, model, base, expected, windows = small_model()
+    state = {k: v * scale if isinstance(v, torch.Tensor) and only in (None, k) else v for k, v in base.items()}
+    tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+    good = all(bool(torch.isfinite(v).all()) and float(v.abs().max()) <= T.MAX_WEIGHT for v in tensors)
+    try:
+        T.check_weights(state, expected)
+    except T.WeightsError as e:
+        assert not good and "\n" not in str(e)
+        return
+    assert good
+    model.load_state_dict(state)
+    problem = T.check_forward_finite(model, args, windows)
+    ids = torch.arange(min(T.PROBE_TOKENS, T.context_length(args))) * 7919 % args.vocab_size
+    with torch.no_grad():
+        finite = bool(torch.isfinite(model.logits(model.hidden(ids, T.build_masks(
+            ids, model.plans, windows, args.window_block, use_flex=False)))).all())
+    assert (problem is None) == finite
+    assert problem is None or ("\n" not in problem and "non-finite logits" in problem)
