@@ -34,8 +34,8 @@ class SampleError(Exception):
 
 
 class OverflowingWeights(SampleError):
-    """Non-finite logits or losses from a model that passed load_final_weights' probe (check_forward_finite): its
-    weights overflow on this text. main() names the weights file."""
+    """Non-finite logits or losses from a model that passed the probe (train_gpt.check_forward_finite): its weights
+    overflow on this text. main() names the weights file."""
 
 
 def check_finite(values: torch.Tensor, what: str):
@@ -195,6 +195,9 @@ def main(argv=None) -> int:
             raise SampleError("--device=cuda but no CUDA device is available")
         device = torch.device("cuda" if use_cuda else "cpu")
         model, args, info = T.load_final_weights(options.folder, device)
+        problem = T.check_forward_finite(model, args, tuple(info["windows"]))
+        if problem:  # weights within MAX_WEIGHT that overflow still
+            raise SampleError(f"{Path(options.folder) / 'model.pt'}: these weights are finite, but {problem}")
         encoding = load_tokenizer()
         if options.eval == "hellaswag":
             examples = hellaswag.load_examples(options.data or hellaswag.DEFAULT_PATH, limit=options.limit or None)

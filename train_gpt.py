@@ -4102,8 +4102,8 @@ def release_folders(made: list[Path]):
 # model of the config (built on the meta device, so without memory) and the file fit this host's memory; the file
 # loads with weights_only, to the CPU; it is a dict whose keys are strings, whose tensors are dense and strided, on
 # the CPU (a tensor saved from the meta device holds no values), of a floating dtype, finite and at most MAX_WEIGHT
-# in magnitude, and whose names and shapes are the model's; a final-weights folder's model must then give finite
-# logits on a probe document (check_forward_finite). Before, only to-ours checked: --init_from cast int64 weights in silence and tracebacked
+# in magnitude, and whose names and shapes are the model's. What runs a final-weights folder's model (sample.py)
+# first checks its logits on a probe document (check_forward_finite); to-record only converts the weights. Before, only to-ours checked: --init_from cast int64 weights in silence and tracebacked
 # on a non-string key, a non-tensor value or a meta tensor, and NaN weights reached sample.py's multinomial.
 
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # cast into our parameters exactly
@@ -4298,17 +4298,15 @@ def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters
                         f"({first_line(e)})") from None
     model = cast_parameters(GPT(args, Numerics.for_evaluation(device)).to(device))
     model.load_state_dict(saved)
-    problem = check_forward_finite(model.eval(), args, tuple(windows))
-    if problem:
-        raise DataError(f"{path / 'model.pt'}: these weights are finite, but {problem}")
-    return model, args, info
+    return model.eval(), args, info
 
 
 @torch.no_grad()
 def check_forward_finite(model: GPT, args: Hyperparameters, windows: tuple[int, int]) -> str | None:
     """Why the model's logits on a probe document (BOS, then PROBE_TOKENS - 1 ids spread over the vocabulary) are not
     all finite, naming the largest weight; None when they are. Weights within MAX_WEIGHT can still overflow: they
-    multiply, layer after layer. sample.py would then fail in multinomial, or print token 0 ("!") at temperature 0."""
+    multiply, layer after layer. sample.py, which checks this after load_final_weights, failed in multinomial then,
+    or printed token 0 ("!") at temperature 0."""
     length = min(PROBE_TOKENS, context_length(args))
     ids = torch.arange(length, device=model.embed.weight.device) * 7919 % args.vocab_size  # 7919: a prime, ids apart
     if BOS_ID < args.vocab_size:  # (a test's small vocabulary has no <|endoftext|>)
