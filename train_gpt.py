@@ -4103,8 +4103,9 @@ def release_folders(made: list[Path]):
 # loads with weights_only, to the CPU; it is a dict whose keys are strings, whose tensors are dense and strided, on
 # the CPU (a tensor saved from the meta device holds no values), of a floating dtype, finite and at most MAX_WEIGHT
 # in magnitude, and whose names and shapes are the model's. What runs a final-weights folder's model (sample.py)
-# first checks its logits on a probe document (check_forward_finite); to-record only converts the weights. Before, only to-ours checked: --init_from cast int64 weights in silence and tracebacked
-# on a non-string key, a non-tensor value or a meta tensor, and NaN weights reached sample.py's multinomial.
+# first checks its logits on a probe document (check_forward_finite); to-record only converts the weights. Before,
+# only to-ours checked: --init_from cast int64 weights in silence and tracebacked on a non-string key, a non-tensor
+# value or a meta tensor, and NaN weights (and finite ones x1e30) reached sample.py's multinomial.
 
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # cast into our parameters exactly
 # The forward multiplies weights by weights (an embedding row by a lambda by a matrix): two above 2**64 overflow fp32
@@ -4140,8 +4141,8 @@ def nonfinite_problem(name: str, value: Tensor) -> str | None:
         return f"{name!r} holds {bad:,} non-finite value(s) (NaN or inf)"
     largest = float(value.abs().max()) if value.numel() else 0.0
     if largest > MAX_WEIGHT:
-        return f"{name!r} holds a weight of magnitude {largest:.3g}, over {MAX_WEIGHT:.3g} (2**64): the forward would " \
-               f"overflow"
+        return f"{name!r} holds a weight of magnitude {largest:.3g}, over {MAX_WEIGHT:.3g} (2**64): the forward " \
+               f"would overflow"
     return None
 
 
