@@ -10,7 +10,9 @@ and by Hypothesis over generated neighbours of them.
 The property tests call the readers in this process, on small examples, so that together they take seconds."""
 
 import functools
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,8 +23,9 @@ import sample
 import train_gpt as T
 from conftest import REPO, SHORT, in_process, one_line_error, random_final_weights, run_main
 
-sys.path.insert(0, str(REPO / "tools"))
+sys.path[:0] = [str(REPO / "tools"), str(REPO / "data")]
 import estimate_memory  # noqa: E402
+import tokenize_text  # noqa: E402
 
 # Small enough that Hypothesis adds well under a second a test; no database written into the repository.
 PROPERTY = settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -219,3 +222,188 @@ def test_weights_are_refused_or_give_finite_logits_at_every_scale(scale, only):
             ids, model.plans, windows, args.window_block, use_flex=False)))).all())
     assert (problem is None) == finite
     assert problem is None or ("\n" not in problem and "non-finite logits" in problem)
+
+
+# -----------------------------------------------------------------------------
+# Row 8: a user's input folder, links included
+
+TEXT = "The quick brown fox jumps over the lazy dog. " * 20
+
+
+def corpus(root: Path) -> Path:
+    """root/corpus/ with a text file, and root/elsewhere/ (a folder of two texts, and one text file) for links."""
+    (root / "corpus").mkdir()
+    (root / "corpus" / "a.txt").write_text("first " + TEXT)
+    (root / "elsewhere" / "folder").mkdir(parents=True)
+    (root / "elsewhere" / "folder" / "b.txt").write_text("second " + TEXT)
+    (root / "elsewhere" / "folder" / "c.jsonl").write_text('{"text": "third ' + TEXT + '"}\n')
+    (root / "elsewhere" / "d.txt").write_text("fourth " + TEXT)
+    return root / "corpus"
+
+
+def tokenize(capsys, *argv):
+    """tokenize_text.main in this process: (exit code, stderr's lines)."""
+    code = tokenize_text.main([*map(str, argv), "--bpe-file", str(tokenize_text.BUNDLED_BPE), "--workers", "1"])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def train_documents(out: Path) -> int:
+    return sum(int((T.read_shard(p) == T.BOS_ID).sum()) for p in out.glob("*_train_*.bin"))
+
+
+FOLLOWED = {
+    # (what, made in the corpus, documents in the data set, the note): the report, 32k of 85k tokens missing, exit 0
+    "a linked folder": (lambda c: (c / "more").symlink_to(c.parent / "elsewhere" / "folder"), 3,
+                        "a link, followed to the folder "),
+    "a linked .txt file": (lambda c: (c / "d.txt").symlink_to(c.parent / "elsewhere" / "d.txt"), 2,
+                           "a link, followed to the file "),
+    "a relative link in a subfolder": (lambda c: ((c / "sub").mkdir(), (c / "sub" / "f").symlink_to("../../elsewhere"
+                                                                                                     "/folder")),
+                                       3, "a link, followed to the folder ../../elsewhere/folder"),
+}
+
+
+@pytest.mark.parametrize("make, documents, note", FOLLOWED.values(), ids=FOLLOWED.keys())
+def test_a_link_under_an_input_folder_is_followed_and_said(tmp_path, capsys, make, documents, note):
+    """Row 8: a linked folder or file under an input was left out without a word (exit 0)."""
+    folder = corpus(tmp_path)
+    make(folder)
+    code, err = tokenize(capsys, folder, "--out", tmp_path / "out")
+    assert code == 0, err
+    assert train_documents(tmp_path / "out") == documents
+    assert [line for line in err if line.startswith("note:")] == [
+        line for line in err if line.startswith("note:") and note in line] != []
+
+
+def fifo(path: Path):
+    os.mkfifo(path)
+
+
+REFUSED = {
+    # (what, made in the corpus, fragments of the one error line)
+    "a dangling .txt link": (lambda c: (c / "gone.txt").symlink_to("nowhere.txt"),
+                             ["gone.txt: a link to nowhere.txt, which does not exist"]),
+    "a dangling link to a folder": (lambda c: (c / "chapters").symlink_to("../moved"),
+                                    ["chapters: a link to ../moved, which does not exist"]),
+    "a link to a folder it lies in": (lambda c: ((c / "sub").mkdir(), (c / "sub" / "up").symlink_to("..")),
+                                      ["sub/up: a link to .., a folder it lies in: following it would never end"]),
+    "a link to itself": (lambda c: (c / "self").symlink_to("self"), ["self: a loop of links"]),
+    "two links to one folder": (lambda c: ((c / "x").symlink_to("../elsewhere/folder"),
+                                           (c / "y").symlink_to("../elsewhere/folder")),
+                                ["y: a link to ../elsewhere/folder, a folder already read as ", "read twice"]),
+    "a FIFO named .txt": (lambda c: fifo(c / "pipe.txt"), ["pipe.txt: a FIFO (a named pipe), not a text file"]),
+    "a linked file twice": (lambda c: ((c / "x.txt").symlink_to("a.txt"),), ["listed more than once"]),
+}
+
+
+@pytest.mark.parametrize("make, fragments", REFUSED.values(), ids=REFUSED.keys())
+def test_a_link_or_file_that_cannot_be_read_as_text_is_one_line_naming_it(tmp_path, capsys, make, fragments):
+    """Row 8: a dangling .txt link (or a FIFO) under an input was skipped without a word; a loop is refused rather
+    than followed forever."""
+    folder = corpus(tmp_path)
+    make(folder)
+    code, err = tokenize(capsys, folder, "--out", tmp_path / "out")
+    assert code == 1 and len(err) == 1 and err[0].startswith(f"error: input {folder}"), err
+    for fragment in fragments:
+        assert fragment in err[0], (fragment, err[0])
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_fifo_named_as_an_input_is_said_to_be_one(tmp_path, capsys):
+    """It was 'no such file or folder'."""
+    fifo(tmp_path / "pipe.txt")
+    code, err = tokenize(capsys, tmp_path / "pipe.txt", "--out", tmp_path / "out")
+    assert code == 1 and err == [f"error: input {tmp_path / 'pipe.txt'}: a FIFO (a named pipe), not a text file "
+                                 f"or a folder"]
+
+
+def test_a_file_swapped_for_a_fifo_after_the_listing_is_refused_not_waited_on(tmp_path):
+    """The reader opens without blocking and checks what it opened: a FIFO with no writer never ends a read."""
+    fifo(tmp_path / "late.txt")
+    for reader in (tokenize_text.DocumentReader([tmp_path / "late.txt"]),
+                   tokenize_text.DocumentReader([tmp_path / "late.txt"], doc_separator="---")):
+        with pytest.raises(tokenize_text.TokenizeError, match="late.txt: a FIFO"):
+            list(reader)
+    os.rename(tmp_path / "late.txt", tmp_path / "late.jsonl")
+    with pytest.raises(tokenize_text.TokenizeError, match="late.jsonl: a FIFO"):
+        list(tokenize_text.DocumentReader([tmp_path / "late.jsonl"]))
+
+
+# What a generated entry of an input folder is; "outside" names lie beside the input folder.
+KINDS = ["text", "other file", "link to an outside file", "link to an outside folder", "link to the input folder",
+         "link to sub", "dangling link", "link to itself", "fifo"]
+NAMES = ["a.txt", "b.TXT", "c.jsonl", "d.md", "e", "f.txt", "g"]
+
+
+def build(root: Path, entries) -> tuple[Path, set[Path] | None]:
+    """The input folder root/in (with a subfolder sub/) holding the entries, and the files collect_files must return
+    (resolved), or None where it must refuse."""
+    top, outside = root / "in", root / "outside"
+    (top / "sub").mkdir(parents=True)
+    (outside / "folder").mkdir(parents=True)
+    (outside / "o.txt").write_text("o")
+    (outside / "folder" / "x.txt").write_text("x")
+    expected, refused, links_to = set(), False, {"file": 0, "folder": 0}
+    for parent, name, kind in entries:
+        path = top / parent / name
+        if path.exists() or path.is_symlink():
+            continue
+        texty = path.suffix.lower() in (".txt", ".jsonl")
+        if kind == "text" or kind == "other file":
+            path.write_text("t")
+            if texty:
+                expected.add(path.resolve())
+        elif kind == "link to an outside file":
+            path.symlink_to(outside / "o.txt")
+            if texty:
+                links_to["file"] += 1
+                expected.add((outside / "o.txt").resolve())
+        elif kind == "link to an outside folder":
+            path.symlink_to(outside / "folder")
+            links_to["folder"] += 1
+            expected.add((outside / "folder" / "x.txt").resolve())
+        elif kind in ("link to the input folder", "link to sub"):  # a loop, or sub's files read twice
+            path.symlink_to(top if kind == "link to the input folder" else top / "sub")
+            refused = True
+        elif kind == "dangling link":
+            path.symlink_to(root / "nowhere")
+            refused = True
+        elif kind == "link to itself":
+            path.symlink_to(path.name)
+            refused = True
+        else:
+            os.mkfifo(path)
+            refused |= texty
+    refused |= links_to["file"] > 1 or links_to["folder"] > 1 or not expected
+    return top, None if refused else expected
+
+
+# The first four kinds (which a folder may hold any number of) weighted up, so that many trees are read whole.
+ENTRIES = st.lists(st.tuples(st.sampled_from(["", "sub"]), st.sampled_from(NAMES),
+                             st.sampled_from(KINDS[:4] * 4 + KINDS)), max_size=6)
+
+
+@PROPERTY
+@given(entries=ENTRIES)
+def test_an_input_folder_gives_every_text_file_once_or_one_error(entries):
+    """Any tree of files, links (to files, to folders, to nothing, to themselves, back up) and FIFOs: collect_files
+    returns exactly the text files reachable, each once, or refuses in one line naming the input; it never leaves a
+    file out in silence, never follows a loop and never opens a FIFO."""
+    with tempfile.TemporaryDirectory() as root:
+        top, expected = build(Path(root), entries)
+        notes = []
+        try:
+            files = tokenize_text.collect_files([top], "input", notes.append)
+        except tokenize_text.TokenizeError as e:
+            assert expected is None, (entries, str(e))
+            assert "\n" not in str(e) and str(e).startswith(f"input {top}")
+            return
+        assert expected is not None, entries
+        assert sorted(f.resolve() for f in files) == sorted(expected)
+        assert bool(notes) == any(through_a_link(f, top) for f in files)
+
+
+def through_a_link(path: Path, top: Path) -> bool:
+    """Whether path, below top, is reached through a link (itself or a folder between)."""
+    parts = path.relative_to(top).parts
+    return any((top.joinpath(*parts[:n])).is_symlink() for n in range(1, len(parts) + 1))
