@@ -168,7 +168,8 @@ def test_init_from_refuses_weights_past_max_weight_before_the_run_starts(final_f
 
 
 def test_logits_that_overflow_during_generation_are_one_line_not_a_traceback(final_folder):
-    """The probe is one document: sample.py checks every step's logits too (before, multinomial's traceback)."""
+    """The probe is one document: sample.py checks every step's logits, and HellaSwag's losses, too (before,
+    multinomial's traceback; HellaSwag's losses were not checked)."""
     model, args, info = T.load_final_weights(final_folder, torch.device("cpu"))
     with torch.no_grad():
         for p in model.parameters():
@@ -176,6 +177,8 @@ def test_logits_that_overflow_during_generation_are_one_line_not_a_traceback(fin
     for temperature in (0.0, 1.0):
         with pytest.raises(sample.OverflowingWeights, match="logits after 3 tokens are not finite"):
             sample.generate(model, args, info, [40, 50], 3, temperature, 200, 0)
+    with pytest.raises(sample.OverflowingWeights, match="losses on HellaSwag are not finite"):
+        sample.token_losses_fn(model, args, info)([[40, 50, 60]])
 
 
 @functools.lru_cache(maxsize=None)
