@@ -33,6 +33,16 @@ class SampleError(Exception):
     """Bad input: printed as one `error: ...` line."""
 
 
+class OverflowingWeights(SampleError):
+    """Non-finite logits or losses from a model that passed the probe (train_gpt.check_forward_finite): its weights
+    overflow on this text. main() names the weights file."""
+
+
+def check_finite(values: torch.Tensor, what: str):
+    if not bool(torch.isfinite(values).all()):
+        raise OverflowingWeights(f"the model's {what} are not finite: its weights overflow on this text")
+
+
 def load_tokenizer():
     """GPT-2's BPE from data/gpt2.tiktoken: never downloaded."""
     try:
@@ -95,6 +105,7 @@ def generate(model: T.GPT, args: T.Hyperparameters, info: dict, prompt_tokens: l
     while True:
         if len(out) == max_new_tokens:
             return out, "max_new_tokens"
+        check_finite(logits, f"logits after {len(gen.tokens)} tokens")
         token = choose(logits[:vocab], temperature, top_k, rng)
         if token == T.BOS_ID:
             return out, "<|endoftext|>"
@@ -134,6 +145,7 @@ def token_losses_fn(model: T.GPT, args: T.Hyperparameters, info: dict):
         inputs, targets = packed[:-1], packed[1:]
         masks = T.build_masks(inputs, model.plans, windows, args.window_block, use_flex=False)
         losses = model.token_losses(inputs, targets, masks, separate_documents=True).float().cpu()
+        check_finite(losses, "losses on HellaSwag")
         out, start = [], 0
         for seq in sequences:  # drop the prediction of each sequence's first token from its BOS
             out.append(losses[start + 1:start + len(seq)])
@@ -183,6 +195,9 @@ def main(argv=None) -> int:
             raise SampleError("--device=cuda but no CUDA device is available")
         device = torch.device("cuda" if use_cuda else "cpu")
         model, args, info = T.load_final_weights(options.folder, device)
+        problem = T.check_forward_finite(model, args, tuple(info["windows"]))
+        if problem:  # weights within MAX_WEIGHT that overflow still
+            raise SampleError(f"{Path(options.folder) / 'model.pt'}: these weights are finite, but {problem}")
         encoding = load_tokenizer()
         if options.eval == "hellaswag":
             examples = hellaswag.load_examples(options.data or hellaswag.DEFAULT_PATH, limit=options.limit or None)
@@ -196,6 +211,9 @@ def main(argv=None) -> int:
         print(options.prompt + encoding.decode(tokens))
         print(f"[{len(tokens)} tokens; stopped at {reason}]", file=sys.stderr)
         return 0
+    except OverflowingWeights as e:
+        print(f"error: {Path(options.folder) / 'model.pt'}: {e}", file=sys.stderr)
+        return 2
     except (SampleError, T.ConfigError, T.DataError, hellaswag.HellaSwagError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

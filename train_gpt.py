@@ -2430,6 +2430,63 @@ MAX_TIMEOUT_S = 7 * 24 * 3600  # a collective that waits longer than a week is a
 MAX_MEMORY_GIB = 2 ** 20  # a pebibyte per rank: more is a typo (and 1e300 GiB would overflow a byte count)
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,200}")  # one file name: no separators, no way out of logs_dir
 
+# Upper bounds of the sizes, checked first (check_sizes): --num_layers=100000000 once built a hundred million layer
+# plans, tens of GB, before a later check refused it. Each bound lies past what any GPU can hold (the largest hold
+# 288 GB) or any run needs, so no real recipe is refused; the memory model refuses what fits below them and not the
+# device.
+MAX_LAYERS = 1024  # a module and a compiled block each; 8x the deepest trained transformers (Llama 3 405B: 126)
+MAX_WIDTH = 2 ** 22  # --model_dim, --head_dim: one d x d matrix is then 2**44 weights, 32 TiB in bf16
+MAX_MLP_RATIO = 64  # 16x the usual 4: the MLP's two matrices are then 128 d^2 weights a layer
+# --vocab_size and the bigram tables: a bf16 weight, its gradient and Adam's two fp32 moments are 12 bytes, so a table
+# of 2**25 rows at the speedrun's width 768 takes 288 GiB; and the loss's chunk of logits then takes 1 TiB in fp32.
+MAX_TABLE_ROWS = 2 ** 25
+# --val_seq_len, --stage_max_seq_len, --window_block, the windows (in blocks) and --dc_window: FlexAttention's block
+# mask of a sequence holds (positions / window_block)^2 int32 entries, 64 GiB for 2**24 positions in blocks of 128.
+MAX_POSITIONS = 2 ** 24
+# A step's tokens over all ranks: past the largest published pretraining batches (about 60M tokens, DeepSeek-V3);
+# also what --micro_batches=auto searches through (micro_batch_choices), counts up to batch / --window_block.
+MAX_BATCH_TOKENS = 2 ** 26
+MAX_VAL_TOKENS = 2 ** 34  # more than FineWeb10B holds (10B tokens); 32 GiB of uint16 read onto the host at start-up
+MAX_STAGES = 64  # each stage is a shape torch.compile specialises on (the record has 3)
+
+
+def size_bounds(args: Hyperparameters) -> list[tuple[str, tuple[int, ...], int]]:
+    """(flag, its values, the most each may be) for every size the config gives, lists parsed (ConfigError if
+    malformed) but nothing derived from them: check_sizes runs before anything is built."""
+    windows = [window_pair(args, "stage_windows", w) for w in args.stage_windows.split(",")]
+    return [
+        ("num_layers", (args.num_layers,), MAX_LAYERS),
+        ("model_dim", (args.model_dim,), MAX_WIDTH),
+        ("head_dim", (args.head_dim,), MAX_WIDTH),
+        ("mlp_ratio", (args.mlp_ratio,), MAX_MLP_RATIO),
+        ("vocab_size", (args.vocab_size,), MAX_TABLE_ROWS),
+        ("bigram_vocab_size", (args.bigram_vocab_size,), MAX_TABLE_ROWS),
+        ("bigram_sign_rows", (args.bigram_sign_rows,), MAX_TABLE_ROWS),
+        ("val_seq_len", (args.val_seq_len,), MAX_POSITIONS),
+        ("window_block", (args.window_block,), MAX_POSITIONS),
+        ("dc_window", (args.dc_window,), MAX_POSITIONS),
+        ("final_val_window", (args.final_val_window,), MAX_POSITIONS),
+        ("stage_windows", tuple(n for pair in windows for n in pair), MAX_POSITIONS),
+        ("extension_windows", window_pair(args, "extension_windows", args.extension_windows), MAX_POSITIONS),
+        ("stage_max_seq_len", int_list(args, "stage_max_seq_len"), MAX_POSITIONS),
+        ("stage_batch_tokens", int_list(args, "stage_batch_tokens"), MAX_BATCH_TOKENS),
+        ("val_tokens", (args.val_tokens,), MAX_VAL_TOKENS),
+    ]
+
+
+def check_sizes(args: Hyperparameters):
+    """Every size of the config from 1 to its bound (the MAX_ constants above), and at most MAX_STAGES stages; a
+    ConfigError names the flag."""
+    stages = len(int_list(args, "stage_batch_tokens"))
+    if stages > MAX_STAGES:
+        raise ConfigError(f"--stage_batch_tokens: {stages:,} stages, at most {MAX_STAGES}")
+    for name, values, most in size_bounds(args):
+        if min(values, default=1) <= 0:
+            raise ConfigError(f"--{name}={getattr(args, name)}: must be positive")
+        if max(values, default=1) > most:
+            raise ConfigError(f"--{name}={getattr(args, name)}: at most {most:,}, past what any GPU holds or any run "
+                              f"needs")
+
 
 def validate_config(args: Hyperparameters):
     positive = ["val_tokens", "val_seq_len", "vocab_size", "num_layers", "model_dim", "head_dim",
@@ -2438,6 +2495,7 @@ def validate_config(args: Hyperparameters):
     for name in positive:
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name}={getattr(args, name)}: must be positive")
+    check_sizes(args)
     for name in ["val_loss_every", "train_loss_every", "save_every", "warmup_steps", "extension_steps",
                  "muon_momentum_warmup", "muon_momentum_cooldown", "untie_stage"]:
         if getattr(args, name) < 0:
@@ -4133,11 +4191,18 @@ def release_folders(made: list[Path]):
 # (tools/record_weights.py to-ours). Each file is checked before any model is built from it, in this order: the
 # model of the config (built on the meta device, so without memory) and the file fit this host's memory; the file
 # loads with weights_only, to the CPU; it is a dict whose keys are strings, whose tensors are dense and strided, on
-# the CPU (a tensor saved from the meta device holds no values), of a floating dtype and finite, and whose names
-# and shapes are the model's. Before, only to-ours checked: --init_from cast int64 weights in silence and tracebacked
-# on a non-string key, a non-tensor value or a meta tensor, and NaN weights reached sample.py's multinomial.
+# the CPU (a tensor saved from the meta device holds no values), of a floating dtype, finite and at most MAX_WEIGHT
+# in magnitude, and whose names and shapes are the model's. What runs a final-weights folder's model (sample.py)
+# first checks its logits on a probe document (check_forward_finite); to-record only converts the weights. Before,
+# only to-ours checked: --init_from cast int64 weights in silence and tracebacked on a non-string key, a non-tensor
+# value or a meta tensor, and NaN weights (and finite ones x1e30) reached sample.py's multinomial.
 
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # cast into our parameters exactly
+# The forward multiplies weights by weights (an embedding row by a lambda by a matrix): two above 2**64 overflow fp32
+# and bf16 (whose largest is 2**128) in one product. Trained weights are O(1); smaller weights can overflow too (the
+# smoke model's random N(0, 0.3^2) weights times 10 give NaN logits), which the probe forward finds.
+MAX_WEIGHT = 2.0 ** 64
+PROBE_TOKENS = 64  # the probe document's length (check_forward_finite): within every model's context, cheap
 
 
 class WeightsError(ValueError):
@@ -4162,7 +4227,13 @@ def tensor_problem(name: str, value) -> str | None:
 
 def nonfinite_problem(name: str, value: Tensor) -> str | None:
     bad = int(value.numel() - torch.isfinite(value).sum())
-    return f"{name!r} holds {bad:,} non-finite value(s) (NaN or inf)" if bad else None
+    if bad:
+        return f"{name!r} holds {bad:,} non-finite value(s) (NaN or inf)"
+    largest = float(value.abs().max()) if value.numel() else 0.0
+    if largest > MAX_WEIGHT:
+        return f"{name!r} holds a weight of magnitude {largest:.3g}, over {MAX_WEIGHT:.3g} (2**64): the forward " \
+               f"would overflow"
+    return None
 
 
 def extra_state_problem(name: str, value, like) -> str | None:
@@ -4198,7 +4269,8 @@ def check_weights(state, expected: dict) -> dict:
     mismatch = state_dict_mismatch(state, expected)  # names and shapes
     if mismatch:
         raise WeightsError(mismatch)
-    refuse_first([nonfinite_problem(k, v) for k, v in state.items() if isinstance(v, Tensor)])  # reads every value
+    refuse_first([nonfinite_problem(k, v) for k, v in state.items() if isinstance(v, Tensor)])  # reads every value:
+    # finite and within MAX_WEIGHT
     return state
 
 
@@ -4305,8 +4377,9 @@ def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters
         validate_config(args)
         windows = info.get("windows")
         if not (isinstance(windows, list) and len(windows) == 2
-                and all(type(w) is int and w > 0 for w in windows)):  # type(): a bool is no block count
-            raise ValueError(f'"windows" must be the final (short, long) windows in blocks, got {windows!r}')
+                and all(type(w) is int and 0 < w <= MAX_POSITIONS for w in windows)):  # type(): a bool is no count
+            raise ValueError(f'"windows" must be the final (short, long) windows in blocks (1 to {MAX_POSITIONS:,}), '
+                             f'got {windows!r}')
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise DataError(f"{path / 'config.json'}: not train_gpt.py's final-weights config ({e})") from None
     try:
@@ -4317,6 +4390,25 @@ def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters
     model = cast_parameters(GPT(args, Numerics.for_evaluation(device)).to(device))
     model.load_state_dict(saved)
     return model.eval(), args, info
+
+
+@torch.no_grad()
+def check_forward_finite(model: GPT, args: Hyperparameters, windows: tuple[int, int]) -> str | None:
+    """Why the model's logits on a probe document (BOS, then PROBE_TOKENS - 1 ids spread over the vocabulary) are not
+    all finite, naming the largest weight; None when they are. Weights within MAX_WEIGHT can still overflow: they
+    multiply, layer after layer. sample.py, which checks this after load_final_weights, failed in multinomial then,
+    or printed token 0 ("!") at temperature 0."""
+    length = min(PROBE_TOKENS, context_length(args))
+    ids = torch.arange(length, device=model.embed.weight.device) * 7919 % args.vocab_size  # 7919: a prime, ids apart
+    if BOS_ID < args.vocab_size:  # (a test's small vocabulary has no <|endoftext|>)
+        ids[0] = BOS_ID
+    masks = build_masks(ids, model.plans, windows, args.window_block, use_flex=False)
+    if bool(torch.isfinite(model.logits(model.hidden(ids, masks))).all()):
+        return None
+    name, value = max(((n, float(t.abs().max())) for n, t in model.state_dict().items()
+                       if isinstance(t, Tensor) and t.numel()), key=lambda pair: pair[1])
+    return f"a forward pass on a probe document gives non-finite logits: they overflow (the largest weight is " \
+           f"{value:.3g}, in {name!r})"
 
 
 def state_dict_mismatch(saved, expected: dict, shown: int = 3) -> str:

@@ -2,7 +2,8 @@
 
 Inputs are .txt files (one document per file, or several split by --doc-separator lines), .jsonl files
 (one JSON object per line with a "text" field), and folders of both (searched recursively, in sorted
-order). Every document is written as <|endoftext|> (id 50256, the BOS token) followed by its tokens.
+order; links are followed, each said in a note; a link to nothing or a loop is an error naming it). Every
+document is written as <|endoftext|> (id 50256, the BOS token) followed by its tokens.
 A document longer than --max-doc-tokens (default 2,048, the tokens train_gpt.py trains on per document)
 is written as several, cut at paragraphs, else at line ends, else anywhere, so that none of it is skipped.
 
@@ -21,6 +22,7 @@ one line while the first lasts, and a finished run leaves exactly its own PREFIX
 import argparse
 import codecs
 import contextlib
+import errno
 import hashlib
 import itertools
 import json
@@ -28,6 +30,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -212,39 +215,120 @@ def decode_utf8(raw: bytes) -> tuple[str, int]:
     return raw.decode("utf-8", errors="tokenize_text.replace"), _replaced_bytes
 
 
-def files_below(folder: Path, flag: str) -> list[Path]:
-    """Every file below folder (recursively; a link to a folder is not followed, as rglob did not follow one).
-    A folder that cannot be read is an error naming it: rglob skipped it without a word, and the data set
-    lacked its files while the tool exited 0."""
-    def refuse(error: OSError):
-        raise TokenizeError(f"{flag} {folder}: cannot read the folder {safe_write.visible(str(error.filename))} "
-                            f"({error.strerror}), so its files would be left out", code=2)
-    return [Path(root, name) for root, _, names in os.walk(folder, onerror=refuse) for name in names]
+FILE_KINDS = [(stat.S_ISFIFO, "a FIFO (a named pipe)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"),
+              (stat.S_ISBLK, "a device")]
 
 
-def collect_files(paths, flag: str) -> list[Path]:
-    """Expand files and folders (recursively, sorted) into the .txt/.jsonl files they name."""
-    files = []
+def kind_of(mode: int) -> str:
+    return next((name for test, name in FILE_KINDS if test(mode)), "an odd kind of file")
+
+
+def link_target(path: Path) -> str:
+    try:
+        return safe_write.visible(os.readlink(path))
+    except OSError:
+        return "?"
+
+
+def input_stat(path: Path, prefix: str) -> os.stat_result:
+    """os.stat of an input (links followed); an error starting with prefix says why there is none: a link to
+    nothing, a loop of links, nothing there, or no permission."""
+    try:
+        return os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ENOENT and path.is_symlink():
+            raise TokenizeError(f"{prefix}: a link to {link_target(path)}, which does not exist; remove the link or "
+                                f"restore what it names") from None
+        if e.errno == errno.ENOENT:
+            raise TokenizeError(f"{prefix}: no such file or folder") from None
+        if e.errno == errno.ELOOP:
+            raise TokenizeError(f"{prefix}: a loop of links (this one names {link_target(path)})") from None
+        raise TokenizeError(f"{prefix}: cannot read it ({e.strerror})", code=2) from None
+
+
+def files_below(folder: Path, flag: str, notes: list[str] | None = None) -> list[Path]:
+    """Every .txt/.jsonl file below folder, recursively. Links are followed to the files and folders they name, each
+    said in a line added to `notes`; a link to nothing, a loop of links, a link to a folder already read (one it lies
+    in: a loop; another: its files twice) and a .txt/.jsonl that is not a regular file (a FIFO blocks the read
+    forever) are errors naming them, and so is a folder that cannot be read. Before, rglob left links and unreadable
+    folders out without a word: the data set lacked their files while the tool exited 0."""
+    where = f"{flag} {folder}"
+    top = input_stat(folder, where)
+    read = {(top.st_dev, top.st_ino): folder}  # each folder read (device, inode) -> the path it was read through
+    found, pending = [], [(folder, frozenset(read))]  # folders to read, each with its own and its parents' keys
+    while pending:  # a stack, not recursion: a legal tree can be thousands of folders deep
+        directory, ancestors = pending.pop()
+        try:
+            with os.scandir(directory) as listing:
+                entries = sorted(Path(entry.path) for entry in listing)
+        except OSError as e:
+            raise TokenizeError(f"{where}: cannot read the folder {safe_write.visible(str(directory))} "
+                                f"({e.strerror}), so its files would be left out", code=2) from None
+        for path in entries:
+            prefix = f"{where}: {safe_write.visible(str(path))}"
+            info = input_stat(path, prefix)
+            link = path.is_symlink()
+            if stat.S_ISDIR(info.st_mode):
+                key = (info.st_dev, info.st_ino)
+                what = f"a link to {link_target(path)}, " if link else ""
+                if key in ancestors:  # only a link leads to a folder it lies in
+                    raise TokenizeError(f"{prefix}: {what}a folder it lies in: following it would never end")
+                if key in read:
+                    raise TokenizeError(f"{prefix}: {what}a folder already read as "
+                                        f"{safe_write.visible(str(read[key]))}: its files would be read twice")
+                read[key] = path
+                if link and notes is not None:
+                    notes.append(f"note: {prefix}: a link, followed to the folder {link_target(path)}")
+                pending.append((path, ancestors | {key}))
+            elif path.suffix.lower() in SUFFIXES:
+                if not stat.S_ISREG(info.st_mode):
+                    raise TokenizeError(f"{prefix}: {kind_of(info.st_mode)}, not a text file")
+                if link and notes is not None:
+                    notes.append(f"note: {prefix}: a link, followed to the file {link_target(path)}")
+                found.append(path)
+    return found
+
+
+def collect_files(paths, flag: str, note=None) -> list[Path]:
+    """Expand files and folders (recursively, sorted) into the .txt/.jsonl files they name (files_below). The links
+    followed are said through `note`, once every input is known good: an error stays the only line."""
+    files, notes = [], []
     for p in map(Path, paths):
-        if p.is_dir():
-            found = sorted((f for f in files_below(p, flag) if f.is_file() and f.suffix.lower() in SUFFIXES),
-                           key=lambda f: f.relative_to(p).as_posix())
+        info = input_stat(p, f"{flag} {p}")
+        if stat.S_ISDIR(info.st_mode):
+            found = sorted(files_below(p, flag, notes), key=lambda f: f.relative_to(p).as_posix())
             if not found:
                 raise TokenizeError(f"{flag} {p}: folder holds no .txt or .jsonl files")
             files.extend(found)
-        elif p.is_file():
-            if p.suffix.lower() not in SUFFIXES:
-                raise TokenizeError(f"{flag} {p}: unsupported file type (expected .txt or .jsonl)")
-            files.append(p)
+        elif not stat.S_ISREG(info.st_mode):
+            raise TokenizeError(f"{flag} {p}: {kind_of(info.st_mode)}, not a text file or a folder")
+        elif p.suffix.lower() not in SUFFIXES:
+            raise TokenizeError(f"{flag} {p}: unsupported file type (expected .txt or .jsonl)")
         else:
-            raise TokenizeError(f"{flag} {p}: no such file or folder")
+            files.append(p)
     seen = set()
     for f in files:
         key = f.resolve()
         if key in seen:
             raise TokenizeError(f"{flag} {f}: listed more than once (directly or through a folder)")
         seen.add(key)
+    for line in notes if note else ():
+        note(line)
     return files
+
+
+def open_regular(path: Path):
+    """path opened for reading, refused unless it is a regular file: one swapped for a FIFO since collect_files
+    would block the read forever (O_NONBLOCK opens a FIFO at once, without a writer)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise TokenizeError(f"{path}: cannot read ({e.strerror})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise TokenizeError(f"{path}: {kind_of(mode)}, not a text file")
+    return os.fdopen(fd, "rb")
 
 
 class DocumentReader:
@@ -285,21 +369,18 @@ class DocumentReader:
                           f"and were replaced with U+FFFD")
 
     def _read_txt(self, path):
-        try:
-            raw = path.read_bytes()
-        except OSError as e:
-            raise TokenizeError(f"{path}: cannot read ({e.strerror})") from None
+        with open_regular(path) as f:
+            try:
+                raw = f.read()
+            except OSError as e:
+                raise TokenizeError(f"{path}: cannot read ({e.strerror})") from None
         self.bytes_read += len(raw)
         text, self._replaced = decode_utf8(raw)
         text = text.removeprefix("\ufeff")  # a UTF-8 byte order mark is not part of the text
         return self._separator.split(text) if self._separator else [text]
 
     def _read_jsonl(self, path):
-        try:
-            f = open(path, "rb")
-        except OSError as e:
-            raise TokenizeError(f"{path}: cannot read ({e.strerror})") from None
-        with f:
+        with open_regular(path) as f:
             for lineno, raw in enumerate(f, 1):
                 self.bytes_read += len(raw)
                 line, bad = decode_utf8(raw)
@@ -681,9 +762,9 @@ def run(args):
     def warn(message):  # through tqdm, so that warnings do not garble the progress bar
         tqdm.write(safe_write.visible(message), file=sys.stderr)
 
-    val_files = collect_files(args.val_files, "--val-files") if args.val_files else []
+    val_files = collect_files(args.val_files, "--val-files", warn) if args.val_files else []
     held_out = {f.resolve() for f in val_files}
-    train_files = [f for f in collect_files(args.inputs, "input") if f.resolve() not in held_out]
+    train_files = [f for f in collect_files(args.inputs, "input", warn) if f.resolve() not in held_out]
     if not train_files:
         raise TokenizeError("every input is held out by --val-files; nothing is left for training")
 

@@ -141,6 +141,11 @@ def main(argv=None) -> int:
     if bad:
         print(f"error: --world_sizes: {bad[0]} is not a world size (at least 1)", file=sys.stderr)
         return 2
+    bad = [w for w in options.world_sizes if w > T.MAX_BATCH_TOKENS]
+    if bad:  # every rank trains on a token of each step at least
+        print(f"error: --world_sizes: {bad[0]} ranks, more than a step's tokens can be (at most "
+              f"{T.MAX_BATCH_TOKENS:,}, train_gpt.MAX_BATCH_TOKENS)", file=sys.stderr)
+        return 2
     card = fake_cuda.GPUS[options.gpu]
     try:
         tables = {w: estimate(flags, w, card) for w in options.world_sizes}
