@@ -1251,8 +1251,13 @@ def write_atomic(path: Path, data: bytes) -> None:
     """Write via a temp file in the same folder and rename: readers never see half a file."""
     path = Path(path)
     try:
-        # the name cut to 100 characters: a legal 253-character one failed with "File name too long"
-        fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name[:100]}.", suffix=".tmp")
+        # the name cut to 100 bytes, where a character starts: a file name may have 255 bytes, and cut to 100
+        # characters a legal name of 4-byte characters still failed with "File name too long"
+        raw = os.fsencode(path.name)
+        cut = min(len(raw), 100)
+        while 0 < cut < len(raw) and raw[cut] & 0xC0 == 0x80:  # a UTF-8 continuation byte: inside a character
+            cut -= 1
+        fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{os.fsdecode(raw[:cut])}.", suffix=".tmp")
         os.close(fd)
     except OSError as e:
         raise ToolError(f"{path}: cannot write ({why_not_written(e)})") from None

@@ -1526,9 +1526,14 @@ def test_attention_is_compared_as_resolved_on_the_logs_device(capsys, tmp_path, 
     assert code == 1 and "FAIL not the same experiment: attention is " in out, out
 
 
-def test_a_long_legal_output_name_is_written(capsys, tmp_path):
-    """Row 18: `extract -o` a legal 253-character name failed with "File name too long" (its temporary's)."""
-    out = tmp_path / ("x" * 250 + ".py")
+@pytest.mark.parametrize("name", ["x" * 250 + ".py", "\U0001F600" * 62 + ".py", "\u00e9" * 126 + ".py",
+                                  "\u20ac" * 84 + ".py"])
+def test_a_long_legal_output_name_is_written(capsys, tmp_path, name):
+    """Row 18: `extract -o` a legal 253-character name failed with "File name too long" (its temporary's); issue 46
+    row 13: cut by characters, a legal 251-byte name of 4-byte characters still did. Names of 250-256 bytes of 1 to
+    4-byte characters, the cut falling inside a character for the others."""
+    out = tmp_path / name
+    assert len(os.fsencode(name)) <= 255
     code, _, err = run(capsys, "extract", SAME_CODE[0], "-o", out)
     assert code == 0, err
     assert [p.name for p in tmp_path.iterdir()] == [out.name]
