@@ -3572,7 +3572,8 @@ class MemoryModel:
         with self.fake, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self.model = cast_parameters(GPT(args, numerics))
-            self.muon, self.adam = build_optimizers(self.model, args)
+            # shapes only: --init_from's weights are not read (tied or not, the schedule's untie is counted)
+            self.muon, self.adam = build_optimizers(self.model, dataclasses.replace(args, init_from=""))
         if self.use_flex:  # through the layers' seam: the model itself knows nothing of this count
             for block in self.model.blocks:
                 if block.attn is not None:
