@@ -212,10 +212,10 @@ def main(argv=None) -> int:
         print(f"[{len(tokens)} tokens; stopped at {reason}]", file=sys.stderr)
         return 0
     except OverflowingWeights as e:
-        print(f"error: {Path(options.folder) / 'model.pt'}: {e}", file=sys.stderr)
+        T.console_line(f"error: {Path(options.folder) / 'model.pt'}: {e}", sys.stderr)
         return 2
     except (SampleError, T.ConfigError, T.DataError, hellaswag.HellaSwagError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        T.console_line(f"error: {e}", sys.stderr)  # (names and text it did not write, escaped)
         return 2
 
 

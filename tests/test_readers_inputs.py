@@ -410,3 +410,28 @@ def through_a_link(path: Path, top: Path) -> bool:
     """Whether path, below top, is reached through a link (itself or a folder between)."""
     parts = path.relative_to(top).parts
     return any((top.joinpath(*parts[:n])).is_symlink() for n in range(1, len(parts) + 1))
+
+
+# --- one escape for the text the tools print (issue 46, deliver 3) ----------------------------------------------
+
+def test_every_tool_prints_a_name_it_did_not_choose_escaped(tmp_path):
+    """A folder or flag named with a terminal escape (clear the screen) reaches the terminal as `\\x1b`, never as
+    the escape: sample.py, tools/record_weights.py and tools/bench.py printed it raw."""
+    import bench
+    import record_weights
+    name = str(tmp_path / "run\x1b[2J\x1b[32mOK")
+    cases = [(sample.main, [name, "--prompt", "hi"]), (record_weights.main, ["to-record", name, tmp_path / "x.pt"]),
+             (bench.main, ["--out", tmp_path / "b", "--parts", "stage1\x1b[2J"]),
+             (estimate_memory.main, ["--", "--preset=smoke\x1b[2J"])]
+    for main, argv in cases:
+        proc = in_process(main, *argv)
+        line = one_line_error(proc, "\\x1b[2J")
+        assert "\x1b" not in proc.stderr + proc.stdout, (main.__module__, line)
+
+
+def test_the_memory_model_counts_a_run_that_starts_from_init_from():
+    """The memory model builds the optimizers on fake tensors, where build_optimizers compared --init_from's embedding
+    and lm_head with torch.equal, a value fake tensors do not have: estimate_memory.py, and on a GPU every run's
+    start-up memory check, failed with a DataDependentOutputException traceback for any --init_from."""
+    proc = in_process(estimate_memory.main, "--world_sizes", "1", "--", "--preset=smoke", "--init_from=/no/weights")
+    assert proc.returncode == 0 and "fits within" in proc.stdout, proc.stderr[-2000:]

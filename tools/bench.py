@@ -1324,7 +1324,7 @@ def main(argv: list[str] | None = None) -> int:
         options = parse_options(argv)
         report = run(options, argv)
     except (BenchError, T.ConfigError, T.DataError, T.TrainingError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        T.console_line(f"error: {e}", sys.stderr)  # (the flags and names it quotes, escaped)
         return 2
     print(render_markdown(report.data))
     failed = [name for name, row in report.data["parts"].items() if row.get("error")]

@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     parser.add_argument("--world_sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--gpu", choices=list(fake_cuda.GPUS), default="h100",
                         help="the card to fit (default h100); its memory, and FP8 or not")
-    parser.error = lambda message: (print(f"error: {message}", file=sys.stderr), sys.exit(2))
+    parser.error = lambda message: (T.console_line(f"error: {message}", sys.stderr), sys.exit(2))
     options = parser.parse_args(ours)
     bad = [w for w in options.world_sizes if w < 1]
     if bad:
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
         tables = {w: estimate(flags, w, card) for w in options.world_sizes}
         fits = {w: fitting_flags(["--preset=speedrun", *flags], w, card) for w in options.world_sizes}
     except (T.ConfigError, T.DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        T.console_line(f"error: {e}", sys.stderr)
         return 2
     for world_size, table in tables.items():
         print(f"\nworld size {world_size}, per rank (GiB)")

@@ -745,13 +745,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = run_preflight(options.flags, options.world_size, options.backend)
     except (DoesNotFit, T.DoesNotFitError) as e:  # the preflight's measure, or the trainer's own start-up check
-        print(f"error: {e}; {fitting_command(options, card, said=isinstance(e, T.DoesNotFitError))}", file=sys.stderr)
+        T.console_line(f"error: {e}; {fitting_command(options, card, said=isinstance(e, T.DoesNotFitError))}",
+                       sys.stderr)
         return 1
-    except (T.ConfigError, T.DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (T.ConfigError, T.DataError) as e:  # (console_line escapes the names and flags they quote)
+        T.console_line(f"error: {e}", sys.stderr)
         return 2
     except PreflightFailure as e:
-        print(f"error: {e}", file=sys.stderr)
+        T.console_line(f"error: {e}", sys.stderr)
         return 1
     print_report(report)
     return 0

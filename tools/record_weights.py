@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             T.write_file(out, state)
             print(f"wrote {out}: load it with the record's GPT (compiled) load_state_dict")
     except (WeightsError, T.DataError, T.ConfigError, T.TrainingError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        T.console_line(f"error: {e}", sys.stderr)  # (file names it did not choose, escaped)
         return 2
     return 0
 
