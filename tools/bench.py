@@ -1173,7 +1173,8 @@ def parse_options(argv: list[str]) -> argparse.Namespace:
                         help="with --counts: also compile with inductor (fake Triton, sm_90) and count every kernel's "
                              "launches and bytes")
     parser.add_argument("--card", choices=("h100", "h200"), default="h100",
-                        help="with --counts: the GPU machine the cost model prices the counts for (tools/cost_model.py)")
+                        help="with --counts: the GPU machine the cost model prices the counts for "
+                             "(tools/cost_model.py)")
     parser.add_argument("--bus_gbps", type=float, default=360.0,
                         help="NVLink bus bandwidth the estimate assumes, GB/s (default 360: nccl-tests' large-message "
                              "all-gather on 8xH100 SXM; not measured here)")

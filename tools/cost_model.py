@@ -24,10 +24,10 @@ model prices them:
 The constants are fitted once (fit()) to the one H100 run there is, 40c201b's stage 3
 (notes/bench/2026-11-26-h100-40c201b-stage3-profile.json), from 40c201b's counts
 (notes/bench/2026-11-28-cpu-counts-40c201b.json): each kind of kernel's share of the profile, the block masks'
-time, which is host work (177 eager ops of a few hundred bytes), and the rank steps' time. With the same constants, the H200's
-copy bandwidth and the H200 machine's host speed, validate() predicts the H200 runs of the same code, which the
-fit never saw. Without --kernels the counts hold the compiled graphs' aten ops one by one, so the model prices
-them unfused: an upper bound.
+time, which is host work (177 eager ops of a few hundred bytes), and the rank steps' time. With the same
+constants, the H200's copy bandwidth and the H200 machine's host speed, validate() predicts the H200 runs of the
+same code, which the fit never saw. Without --kernels the counts hold the compiled graphs' aten ops one by one,
+so the model prices them unfused: an upper bound.
 """
 
 from __future__ import annotations
@@ -292,7 +292,8 @@ def fit(counts: dict | None = None, run: dict | None = None) -> Constants:
     masks_ops = sum(step["eager_ops_by_source"].get("block masks", 0) for step in steps) / len(steps)
     masks_ms = run["parts"]["stage3"]["masks"]["median_ms"]
     c = dataclasses.replace(c, host_op_us=round(masks_ms * 1e3 / masks_ops, 2))
-    c = dataclasses.replace(c, **{f: round(getattr(c, f), 4) for f in ("elementwise", "strided", "matmul", "attention")})
+    fitted = ("elementwise", "strided", "matmul", "attention")
+    c = dataclasses.replace(c, **{f: round(getattr(c, f), 4) for f in fitted})
     # how much of the faster side hides behind the slower: the H100's rank steps, the mean of the two kinds
     rank_steps = [run["parts"]["stage3"][f"rank_step_{kind}"]["median_ms"] for kind in ("without_Adam", "with_Adam")]
 

@@ -138,8 +138,8 @@ class StepCounts:
                 for (shape, dtype, into), n in self.adds.most_common()]
         return {"eager_ops": sum(self.eager_ops.values()), "eager_ops_by_source": dict(self.eager_ops.most_common()),
                 "eager_bytes_by_source": dict(self.eager_bytes), "collectives": self.collectives,
-                "graph_calls": dict(self.graph_calls),
-                "graph_calls_by_source": dict(self.graph_calls_by_source), "gradient_adds": sum(self.adds.values()), "adds": adds,
+                "graph_calls": dict(self.graph_calls), "graph_calls_by_source": dict(self.graph_calls_by_source),
+                "gradient_adds": sum(self.adds.values()), "adds": adds,
                 "kernel_launches": sum(self.kernels.values()),
                 "kernel_launches_by_source": dict(self._launches_by_source()),
                 "kernel_bytes_by_source": dict(self.kernel_bytes), "extern_bytes_by_source": dict(self.extern_bytes),

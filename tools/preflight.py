@@ -633,8 +633,8 @@ def _count_stages(args: T.Hyperparameters, world_size: int, kernels: bool, stage
             if len(steps) < cycle:
                 continue
             row = {"micro_tokens": stage.micro_tokens, "micro_batches_per_rank": stage.micro_batches // world_size,
-                   "logits_per_micro_batch": stage.micro_tokens * model.vocab, "steps_in_stage": stage.end - stage.start,
-                   "steps": {}}
+                   "logits_per_micro_batch": stage.micro_tokens * model.vocab,
+                   "steps_in_stage": stage.end - stage.start, "steps": {}}
             for i, step in enumerate(steps):
                 model.rotary.set_window(schedule.windows(step)[1])
                 T.set_schedules(step, optimizers, schedule, args)
