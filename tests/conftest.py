@@ -23,10 +23,13 @@ sys.path.insert(0, str(REPO))
 import train_gpt  # noqa: E402
 from process_tree import descendants  # noqa: E402
 
-# The property tests' examples are generated afresh each run: no example database is written into the repository,
-# and no deadline fails an example that a loaded 2-core machine made slow (each test bounds its max_examples).
-settings.register_profile("repo", database=None, deadline=None)
-settings.load_profile("repo")
+# The property tests draw the same examples in every run (derandomize): a suite that passes passes again, and a
+# failure is a defect to find, not luck. `pytest --hypothesis-profile=explore` draws new ones each run, to search.
+# No example database is written into the repository, and no deadline fails an example that a loaded 2-core
+# machine made slow (each test bounds its max_examples).
+settings.register_profile("repo", database=None, deadline=None, derandomize=True)
+settings.register_profile("explore", database=None, deadline=None)
+
 
 train_gpt.keep_freed_cpu_memory()  # the in-process tests allocate like the trainer does
 # One intra-op thread, as the processes the tests start have (OMP_NUM_THREADS=1 in cpu_env): the tests' tensors
@@ -43,6 +46,8 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: runs the trainer or a tool as a whole, or several processes; "
                                        "the inner loop `python -m pytest tests -m \"not slow\"` leaves these out")
+    if config.getoption("hypothesis_profile", None) is None:  # (hypothesis's own plugin loads one given)
+        settings.load_profile("repo")
 
 
 # Every phase of a test (setup, call, teardown) ends within TEST_LIMIT_S of its own time, even one that waits in
