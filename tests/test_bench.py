@@ -324,6 +324,8 @@ def test_cost_model_prices_each_kind_of_work_at_its_rate():
                          ("NorMuon", "eager", 10_000_000, 0, 3)],                # 20 us each
                         {"loss head": 1, "NorMuon": 3}, {"forward graphs": 2, "backward graphs": 1, "NorMuon": 1},
                         {"all-gather": 80_000_000})                             # loopback: 2 x 10 MB at 1000 GB/s
+    import op_counts
+    assert set(cost_model.PROFILE_KIND) == {*op_counts.WORK_KINDS, "loopback"}  # every counted kind has a price
     model = cost_model.model_step(step, card, c, world_size=8)
     kinds = model["device_ms_by_kind"]
     assert kinds["element-wise and reductions"] == pytest.approx((40 + 30 + 10 + 60) / 1e3)
