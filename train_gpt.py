@@ -463,7 +463,7 @@ YARN_ALPHA, YARN_BETA = 1, 32  # frequencies turning fewer/more times than this 
 # F.rms_norm's default eps is the dtype's machine epsilon: the record's bf16 activations get 2**-7. Fixed here so
 # that fp32 (CPU) runs compute the same function.
 NORM_EPS = 2 ** -7
-XSA_EPS = 1e-4  # F.normalize's eps for the value direction XSA subtracts along
+XSA_EPS = 1e-4  # the record's F.normalize eps for the value direction XSA subtracts along
 DC_NORM_EPS = 1e-6  # the DC query-side weights are RMS-normalised over heads with this eps
 SKIP_GATE_INIT = -1.5  # the skip weight starts at sigmoid(-1.5) = 0.18
 RESIDUAL_INIT = 1.1 ** 0.5  # each sublayer scales the stream by this at init: 1.1 per layer
@@ -706,6 +706,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask, scale: Tensor) -> Tensor:
     return flex_attention(q, k, v, block_mask=mask, scale=1.0)
 
 
+def along(y: Tensor, v: Tensor) -> Tensor:
+    """y's component along v, per head: (y.v) v / max(|v|^2, eps^2). Record #85 writes it with v's unit vector,
+    (y.u) u with u = F.normalize(v, eps); record #86's rewrite, the same math, takes no square root and makes
+    no normalized copy of v, so it moves fewer bytes forward and backward. y, v: (B, T, H, D)."""
+    return (y * v).sum(-1, keepdim=True) / (v * v).sum(-1, keepdim=True).clamp(min=XSA_EPS ** 2) * v
+
+
 def dc_visible(docs: Tensor, window: int, block: int) -> Tensor:
     """dc_correction's mask, (T / block, block, 2 block): which keys of its own block and the block before
     (those columns first) each query of a block sees: 0 <= t - s < window, in t's document. docs: (T,)."""
@@ -824,8 +831,7 @@ class CausalSelfAttention(nn.Module):
         y = y.reshape(B, T, H, D)  # a paired layer's interleaved heads back in order
         xsa_alpha, gate = extras.xsa_alpha, extras.gate
         if xsa_alpha is not None:  # XSA: take out a learned share of the output along the value's direction
-            direction = F.normalize(v, dim=-1, eps=XSA_EPS)
-            y = y - torch.tanh(xsa_alpha).type_as(y).view(B, T, H, 1) * (y * direction).sum(-1, keepdim=True) * direction
+            y = y - torch.tanh(xsa_alpha).type_as(y).view(B, T, H, 1) * along(y, v)
         if gate is not None:
             y = y * gate.type_as(y).view(B, T, H, 1)
         return F.linear(y.reshape(B, T, dim), lambdas[1] * self.vo[1].type_as(y))
@@ -900,27 +906,62 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a, scale_b, out_dtype: torch.dtype, fa
                             use_fast_accum=fast_accum)
 
 
+def round_to_bf16(x: Tensor) -> Tensor:
+    """fp32 x rounded to the nearest bf16 (ties to even), kept in fp32: x.to(bf16).float() for finite x, written
+    as integer arithmetic on its bits. Inductor drops a cast down and back up as a no-op in a fused kernel unless
+    a config flag (emulate_precision_casts) is set, which the public record rules forbid; it keeps this."""
+    bits = x.view(torch.int32)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536  # add half an ulp of bf16 (ties to even), cut 16 bits
+    return bits.view(torch.float32)
+
+
+def relu_square_grad(out: Tensor, grad: Tensor) -> Tensor:
+    """The gradient of relu(h)^2 from its output, 2 relu(h) grad. The root of a rounded square is exact in
+    fp32, and in bf16 once rounded back to bf16 (compiled, the root is taken in fp32), so this is bit for bit
+    the gradient h gives (short of underflow)."""
+    root = out.float().sqrt()
+    if out.dtype == torch.bfloat16:
+        root = round_to_bf16(root)
+    return 2 * root.type_as(grad) * grad
+
+
+class ReluSquare(torch.autograd.Function):
+    """relu(h)^2 keeping only its output for the backward, which takes relu(h) from its root (record #87): no
+    copy of h is kept or read again."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor) -> Tensor:
+        out = F.relu(h).square()
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        out, = ctx.saved_tensors
+        return relu_square_grad(out, grad)
+
+
 class ReluSquaredMLP(torch.autograd.Function):
     """relu(x @ fc.T)^2 @ proj with the up-projection's forward in FP8 (record #85): x is scaled by its own
     absolute maximum (per tensor, each call), fc by a per-layer scale refreshed after each optimizer step
-    (MLP.refresh_fp8). The backward uses the weights and x in their own dtype (bf16), as the record's."""
+    (MLP.refresh_fp8). The backward uses the weights and x in their own dtype (bf16), as the record's, and
+    takes relu from the square it keeps (ReluSquare)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, fc: Tensor, proj: Tensor, fc_f8: Tensor, fc_scale: Tensor) -> Tensor:
         x2 = x.flatten(0, -2)  # (tokens, dim): _scaled_mm takes 2-D operands
         amax = x2.detach().abs().amax().float().clamp(min=1e-12)
         x8 = (x2.detach().float() * (FP8_E4M3_MAX / amax)).to(torch.float8_e4m3fn)
-        pre = scaled_mm(x8, fc_f8.T, amax / FP8_E4M3_MAX, fc_scale, x.dtype, fast_accum=True)
-        post = F.relu(pre).square()
-        ctx.save_for_backward(x2, fc, proj, pre, post)
+        post = F.relu(scaled_mm(x8, fc_f8.T, amax / FP8_E4M3_MAX, fc_scale, x.dtype, fast_accum=True)).square()
+        ctx.save_for_backward(x2, fc, proj, post)
         return (post @ proj.type_as(post)).view(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        x2, fc, proj, pre, post = ctx.saved_tensors
+        x2, fc, proj, post = ctx.saved_tensors
         grad2 = grad.reshape(-1, grad.size(-1))
         grad_proj = post.T @ grad2
-        grad_pre = 2 * F.relu(pre) * (grad2 @ proj.T.type_as(grad2))
+        grad_pre = relu_square_grad(post, grad2 @ proj.T.type_as(grad2))
         grad_fc = grad_pre.T @ x2
         grad_x = grad_pre @ fc.type_as(grad_pre)
         return grad_x.view(grad.shape), grad_fc, grad_proj, None, None
@@ -959,7 +1000,7 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.precision == "fp8" and self.training:
             return ReluSquaredMLP.apply(x, self.fc, self.proj, self.fc_f8, self.fc_scale)
-        return F.relu(F.linear(x, self.fc.type_as(x))).square() @ self.proj.type_as(x)
+        return ReluSquare.apply(F.linear(x, self.fc.type_as(x))) @ self.proj.type_as(x)
 
 
 @dataclass
@@ -1173,15 +1214,6 @@ def head_fp8(lm_head: Tensor) -> tuple[Tensor, Tensor]:
 def fp8_copies(fcs: list[Tensor], lm_head: Tensor | None) -> tuple[list, tuple | None]:
     """Every FP8 copy the forward reads, from the current weights (refresh_fp8): one compiled call on CUDA."""
     return [mlp_fp8(fc) for fc in fcs], (head_fp8(lm_head) if lm_head is not None else None)
-
-
-def round_to_bf16(x: Tensor) -> Tensor:
-    """fp32 x rounded to the nearest bf16 (ties to even), kept in fp32: x.to(bf16).float() for finite x, written
-    as integer arithmetic on its bits. Inductor drops a cast down and back up as a no-op in a fused kernel unless
-    a config flag (emulate_precision_casts) is set, which the public record rules forbid; it keeps this."""
-    bits = x.view(torch.int32)
-    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536  # add half an ulp of bf16 (ties to even), cut 16 bits
-    return bits.view(torch.float32)
 
 
 def mtp_chunk(u: Tensor, targets: Tensor, weights: Tensor, cap: tuple, loss_scale: float,

@@ -383,6 +383,59 @@ def test_block_masks_are_create_block_mask_s_for_their_mask_mod():
                 assert torch.equal(getattr(mask, name), getattr(reference, name)), (windows, kind, name)
 
 
+def records_xsa(y, v, alpha):
+    """Record #85's XSA, as its source writes it (F.normalize's unit vector of v)."""
+    vn = F.normalize(v, dim=-1, eps=1e-4)
+    proj = (y * vn).sum(-1, keepdim=True)
+    return y - torch.tanh(alpha)[..., None] * proj * vn
+
+
+def xsa_inputs(dtype):
+    g = torch.Generator().manual_seed(11)
+    y, v = torch.randn(2, 64, 3, 16, generator=g, dtype=dtype), torch.randn(2, 64, 3, 16, generator=g, dtype=dtype)
+    # values whose norm is below the eps (the clamp decides), between eps^2 and eps (a clamp of |v| at eps^2, not
+    # |v|^2, would differ there), and zero
+    v[0, :8] *= 1e-6
+    v[0, 8:16] *= 3e-5
+    v[1, :4] = 0
+    alpha = torch.randn(2, 64, 3, generator=g, dtype=dtype)
+    return y, v, alpha
+
+
+def test_xsa_is_the_records_normalized_projection_written_as_record_86():
+    # in fp64 the two forms are the same function: values and every gradient agree to rounding
+    y, v, alpha = (t.requires_grad_() for t in xsa_inputs(torch.float64))
+    ours = y - torch.tanh(alpha)[..., None] * T.along(y, v)
+    ref = records_xsa(y, v, alpha)
+    assert_close(ours, ref, rtol=1e-12, atol=1e-14)
+    grads = torch.autograd.grad(ours, (y, v, alpha), torch.ones_like(ours))
+    ref_grads = torch.autograd.grad(ref, (y, v, alpha), torch.ones_like(ref))
+    for name, a, b in zip("y v alpha".split(), grads, ref_grads):
+        assert_close(a, b, rtol=1e-10, atol=1e-10 * b.abs().max().item(), msg=name)
+    # in fp32, a few roundings apart
+    y32, v32, a32 = (t.detach().float() for t in (y, v, alpha))
+    assert_close(y32 - torch.tanh(a32)[..., None] * T.along(y32, v32), records_xsa(y32, v32, a32),
+                 rtol=1e-5, atol=1e-6)
+
+
+def test_relu_square_keeps_only_its_output_and_its_gradient_is_autograds_bit_for_bit():
+    g = torch.Generator().manual_seed(12)
+    values = torch.cat([torch.randn(4096, generator=g) * torch.logspace(-15, 15, 4096),
+                        torch.tensor([0.0, -0.0, 1.0, -1.0, 3.0e18, 2.0 ** -60])])
+    for dtype in (torch.float32, torch.bfloat16):
+        h = values.to(dtype).clone().requires_grad_()
+        grad = torch.randn(values.shape, generator=g).to(dtype)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = T.ReluSquare.apply(h)
+        assert len(saved) == 1 and saved[0] is out, "relu^2 keeps more than its output"
+        out.backward(grad)
+        h_ref = values.to(dtype).clone().requires_grad_()
+        ref = F.relu(h_ref).square()
+        ref.backward(grad)
+        assert torch.equal(out, ref) and torch.equal(h.grad, h_ref.grad), dtype
+
+
 def test_fp8_mlp_matches_its_quantised_definition_and_backward_is_bf16():
     g = torch.Generator().manual_seed(6)
     mlp = T.MLP(64, 4, "fp8")
@@ -400,6 +453,10 @@ def test_fp8_mlp_matches_its_quantised_definition_and_backward_is_bf16():
     pre = (x8 @ w8.T).bfloat16()
     assert_close(out.float(), (F.relu(pre).square() @ mlp.proj).float(), rtol=2 ** -7, atol=1e-4)
     grad = torch.randn_like(out)
+    hidden = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: hidden.append(t.shape[-1] == 256) or t, lambda t: t):
+        out = mlp.train()(x)
+    assert sum(hidden) == 1, "the FP8 MLP keeps more than relu^2's output of its (tokens, hidden) tensors"
     out.backward(grad)
     grad_pre = 2 * F.relu(pre) * (grad @ mlp.proj.T)
     # bf16 sums in another order: the differences are bf16 roundings of the largest terms, whatever an entry's size
@@ -709,6 +766,13 @@ def test_inductor_keeps_the_bf16_rounding_without_a_config_flag():
     assert "32767" in source and "-65536" in source, "the rounding is not in inductor's generated code"
     expected = torch.sigmoid(u * 0.25 + 0.5).to(torch.bfloat16).float() * 3.0
     assert torch.equal(out, expected)
+    # relu^2's gradient from its bf16 output: compiled, the root is taken in fp32 and rounded back, so it is
+    # 2 relu(h) g of the bf16 h, bit for bit (unrounded, 4,143 of these 32,750 positive values differ)
+    g = torch.Generator().manual_seed(13)
+    h = (torch.randn(1 << 16, generator=g) * torch.logspace(-8, 8, 1 << 16)).bfloat16()
+    grad = torch.randn(1 << 16, generator=g).bfloat16()
+    compiled = torch.compile(T.relu_square_grad, backend="inductor", fullgraph=True)
+    assert torch.equal(compiled(F.relu(h).square(), grad), 2 * F.relu(h) * grad)
     assert not torch._inductor.config.emulate_precision_casts
 
 
