@@ -18,6 +18,7 @@ model, checkpoints, logging, main(). Importing this file has no side effects.
 
 from __future__ import annotations
 
+import base64
 import collections
 import concurrent.futures
 import contextlib
@@ -27,6 +28,7 @@ import datetime
 import errno
 import fcntl
 import fnmatch
+import functools
 import gc
 import glob
 import hashlib
@@ -127,6 +129,10 @@ class Hyperparameters:
     stage_mtp_weights: str = _help("per stage ('/' between stages): weights of the losses of the next 1, 2, 3... "
                                    "tokens, moving linearly from the values before '>' to those after it over the "
                                    "stage; the extension keeps the last", "1,0.5,0.25>1,0.5,0/1,0.5>1,0/1>1")
+    stage_prefix_weights: str = _help("per stage: weight of the prefix-token loss (record #88: each row also "
+                                      "predicts the longest proper byte prefix of its next token that is a token), "
+                                      "moving linearly from the value before '>' to the one after it over the stage; "
+                                      "the extension keeps the last; all 0: no prefix term", "0,0,0")
     cooldown_frac: float = _help("the lr multiplier moves linearly to final_lr_frac over this last fraction of the "
                                  "scheduled steps", 0.6)
     final_lr_frac: float = _help("lr multiplier at the end of the cooldown and in the extension", 0.15)
@@ -214,7 +220,8 @@ PRESETS: dict[str, dict] = {
         num_iterations=30, extension_steps=3,
         stage_batch_tokens="1024,2048,3072", micro_batches="4", stage_max_seq_len="256,512,512",
         stage_windows="1:2,2:4,3:6", extension_windows="3:7", final_val_window=10, window_block=64,
-        stage_mtp_weights="1,0.5>1,0/1>1/1>1", cooldown_frac=0.3, adam_lr=0.04, muon_lr=0.06,
+        stage_mtp_weights="1,0.5>1,0/1>1/1>1", stage_prefix_weights="0.25,0.25>0,0",
+        cooldown_frac=0.3, adam_lr=0.04, muon_lr=0.06,
         num_layers=6, model_dim=64, head_dim=16, bigram_vocab_size=50_000, bigram_sign_rows=1024,
         no_attention_layers="3", paired_layers="0,4", long_window_layers="1,5", xsa_layers="1,2",
         attn_gate_layers="1,5", dc_layers="5", dc_window=56, value_embed_layers="1,2,4,5", skip_layers="1:3",
@@ -274,6 +281,8 @@ class Stage:
     lr: float
     mtp_start: tuple[float, ...]
     mtp_end: tuple[float, ...]
+    prefix_start: float
+    prefix_end: float
     micro_batches: int | None  # None: --micro_batches=auto, not yet chosen (plan_memory)
 
     @property
@@ -301,11 +310,19 @@ class Schedule:
                 raise ConfigError(f"--stage_mtp_weights={args.stage_mtp_weights}: each stage needs as many weights "
                                   f"after '>' as before it")
             mtp.append(pair)
-        counts = {len(batches), len(lengths), len(windows), len(lrs), len(mtp)}
+        prefix = []
+        for part in args.stage_prefix_weights.split(","):
+            start, arrow, end = part.partition(">")
+            pair = [number_list(args, "stage_prefix_weights", text) for text in (start, end or start)]
+            if any(len(p) != 1 for p in pair):
+                raise ConfigError(f"--stage_prefix_weights={args.stage_prefix_weights}: expected one weight per "
+                                  f"stage, or two as start>end")
+            prefix.append((pair[0][0], pair[1][0]))
+        counts = {len(batches), len(lengths), len(windows), len(lrs), len(mtp), len(prefix)}
         if len(counts) != 1:
-            raise ConfigError(f"--stage_batch_tokens, --stage_max_seq_len, --stage_windows, --stage_lr and "
-                              f"--stage_mtp_weights must list one value per stage (got {len(batches)}, {len(lengths)}, "
-                              f"{len(windows)}, {len(lrs)}, {len(mtp)})")
+            raise ConfigError(f"--stage_batch_tokens, --stage_max_seq_len, --stage_windows, --stage_lr, "
+                              f"--stage_mtp_weights and --stage_prefix_weights must list one value per stage (got "
+                              f"{len(batches)}, {len(lengths)}, {len(windows)}, {len(lrs)}, {len(mtp)}, {len(prefix)})")
         self.scheduled = args.num_iterations - args.extension_steps
         self.total = args.num_iterations
         n = len(batches)
@@ -313,11 +330,12 @@ class Schedule:
         ends = [round(self.scheduled * (i + 1) / n) for i in range(n)]
         starts = [0, *ends[:-1]]
         counts = stage_micro_batches(args, n)
-        self.stages = [Stage(s, e, batches[i], lengths[i], windows[i], lrs[i], *mtp[i], counts[i])
+        self.stages = [Stage(s, e, batches[i], lengths[i], windows[i], lrs[i], *mtp[i], *prefix[i], counts[i])
                        for i, (s, e) in enumerate(zip(starts, ends))]
         self.stages.append(Stage(self.scheduled, self.total, batches[-1], lengths[-1],
                                  window_pair(args, "extension_windows", args.extension_windows), lrs[-1],
-                                 mtp[-1][1], mtp[-1][1], counts[-1]))
+                                 mtp[-1][1], mtp[-1][1], prefix[-1][1], prefix[-1][1], counts[-1]))
+        self.prefix_term = any(w > 0 for pair in prefix for w in pair)
         self.final_val_windows = (self.stages[-1].windows[0], args.final_val_window)
         self.cooldown_start = int(self.scheduled * (1 - args.cooldown_frac))
         self.final_lr_frac = args.final_lr_frac
@@ -348,10 +366,22 @@ class Schedule:
             lr = lr * (1 - t) + self.final_lr_frac * t
         return lr
 
-    def mtp_weights(self, step: int) -> tuple[float, ...]:
+    def stage_fraction(self, step: int) -> float:
+        """How far into its stage a step is, 0 at its first step: the weights move linearly with it."""
         stage = self.stage(step)
-        t = (step - stage.start) / (stage.end - stage.start) if step < stage.end else 1.0
+        return (step - stage.start) / (stage.end - stage.start) if step < stage.end else 1.0
+
+    def mtp_weights(self, step: int) -> tuple[float, ...]:
+        stage, t = self.stage(step), self.stage_fraction(step)
         return tuple(a + (b - a) * t for a, b in zip(stage.mtp_start, stage.mtp_end))
+
+    def prefix_weight(self, step: int) -> float | None:
+        """The prefix-token loss's weight at a step; None where its stage has none (the loss then has no prefix
+        column at all)."""
+        stage, t = self.stage(step), self.stage_fraction(step)
+        if stage.prefix_start == 0 and stage.prefix_end == 0:
+            return None
+        return stage.prefix_start + (stage.prefix_end - stage.prefix_start) * t
 
     def momentum(self, step: int) -> float:
         """NorMuon's momentum: rises linearly from start to end over the warmup, falls back to start over the
@@ -1152,9 +1182,9 @@ class SoftcappedMTPLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, targets: Tensor, mtp_weights: Tensor, loss_scale: float,
-                head: HeadLoss) -> Tensor:
+                head: HeadLoss, prefix: tuple | None = None) -> Tensor:
         loss, grad_x, grad_w = head.fn(x, weight, targets, mtp_weights, head.cap, loss_scale, head.chunk,
-                                       head.fp8_weights)
+                                       head.fp8_weights, prefix)
         ctx.save_for_backward(grad_x, grad_w)
         ctx.weight_dtype = weight.dtype
         return loss
@@ -1162,11 +1192,12 @@ class SoftcappedMTPLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         grad_x, grad_w = ctx.saved_tensors
-        return grad_x * grad.to(grad_x.dtype), (grad_w * grad).to(ctx.weight_dtype), None, None, None, None
+        return grad_x * grad.to(grad_x.dtype), (grad_w * grad).to(ctx.weight_dtype), None, None, None, None, None
 
 
 def head_loss(x: Tensor, weight: Tensor, targets: Tensor, mtp_weights: Tensor, cap: tuple, loss_scale: float,
-              chunk: int, fp8_weights: tuple | None = None) -> tuple[Tensor, Tensor, Tensor]:
+              chunk: int, fp8_weights: tuple | None = None,
+              prefix: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """SoftcappedMTPLoss's forward: the summed loss times loss_scale and the gradients of x (T, dim) and of the
     lm_head (dim, vocab, fp32), `chunk` rows of logits at a time. With FP8 (fp8_weights: the lm_head's e4m3
     copies in both layouts, since _scaled_mm takes its first operand row-major and its second column-major),
@@ -1177,13 +1208,18 @@ def head_loss(x: Tensor, weight: Tensor, targets: Tensor, mtp_weights: Tensor, c
     weights = mtp_weights.float()
     # targets for offsets k = 0..n-1, padded with -1 past the sequence's end: (T, n)
     shifted = torch.stack([F.pad(targets[k:], (0, k), value=-1) for k in range(n)], dim=1)
+    if prefix is not None:  # record #88: each row's prefix target (-1: none) is one more target, with its weight
+        prefix_targets, prefix_weight = prefix
+        shifted = torch.cat([shifted, prefix_targets[:, None]], dim=1)
+        weights = torch.cat([weights, prefix_weight.float().view(1)])
     total = torch.zeros((), dtype=torch.float32, device=x.device)
     grad_x = torch.empty_like(x)
     if fp8_weights is None:
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for lo in range(0, T, chunk):
             xc = x[lo:lo + chunk]
-            chunk_loss, g_u = mtp_chunk(xc @ weight.type_as(xc), shifted[lo:lo + chunk], weights, cap, loss_scale)
+            chunk_loss, g_u = mtp_chunk(xc @ weight.type_as(xc), shifted[lo:lo + chunk], weights, cap, loss_scale,
+                                        every_row=n)
             total += chunk_loss
             grad_x[lo:lo + chunk] = g_u.to(x.dtype) @ weight.T.type_as(xc)
             grad_w += xc.float().T @ g_u
@@ -1196,7 +1232,7 @@ def head_loss(x: Tensor, weight: Tensor, targets: Tensor, mtp_weights: Tensor, c
     g8_t = torch.empty((w8.size(1), T), dtype=torch.uint8, device=x.device)
     for lo in range(0, T, chunk):
         u = scaled_mm(x8[lo:lo + chunk], w8_t.T, HEAD_X_SCALE, HEAD_W_SCALE, torch.bfloat16, fast_accum=True)
-        chunk_loss, g8 = mtp_chunk(u, shifted[lo:lo + chunk], weights, cap, loss_scale, grad_s)
+        chunk_loss, g8 = mtp_chunk(u, shifted[lo:lo + chunk], weights, cap, loss_scale, grad_s, every_row=n)
         total += chunk_loss
         grad_x[lo:lo + chunk] = scaled_mm(g8, w8.T, grad_s, HEAD_W_SCALE, x.dtype)
         g8_t[:, lo:lo + chunk] = g8.view(torch.uint8).T
@@ -1217,10 +1253,11 @@ def fp8_copies(fcs: list[Tensor], lm_head: Tensor | None) -> tuple[list, tuple |
 
 
 def mtp_chunk(u: Tensor, targets: Tensor, weights: Tensor, cap: tuple, loss_scale: float,
-              grad_s: float | None = None) -> tuple[Tensor, Tensor]:
+              grad_s: float | None = None, every_row: int | None = None) -> tuple[Tensor, Tensor]:
     """One chunk of SoftcappedMTPLoss: its summed loss and the gradient of its logits u (rows, vocab), given
-    each row's targets for the k offsets (-1: none) and the softcap (A, shift, width); with grad_s, that
-    gradient divided by grad_s, in e5m2. Every column's gradient is first computed as if it were no row's
+    each row's targets (-1: none) and their weights, and the softcap (A, shift, width); with grad_s, that
+    gradient divided by grad_s, in e5m2. The first every_row weights (all by default: the k offsets') count in
+    the softmax term of every row; the rest (the prefix target's) only where the row has that target. Every column's gradient is first computed as if it were no row's
     target, in one element-wise pass (compiled, it never holds the gradient in fp32); then the few target
     columns of each row are computed apart, from their gathered values, and written over it. Eager, the
     passes over rows x vocab work in place."""
@@ -1236,13 +1273,18 @@ def mtp_chunk(u: Tensor, targets: Tensor, weights: Tensor, cap: tuple, loss_scal
     sum_exp = e.sum(dim=-1, keepdim=True)
     s_target, e_target = torch.gather(s, 1, columns), torch.gather(e, 1, columns)
     loss = (weights * valid * (sum_exp.log() - A * s_target)).sum()
-    # dL/du = (S_w softmax(z) - the weights of the k whose target is this column) * dz/du,
-    # dz/du = A / width * s (1 - s): S_w keeps every weight, also where a row has fewer targets (the kernel's)
+    # dL/du = (S_w softmax(z) - the weights of the targets that are this column) * dz/du,
+    # dz/du = A / width * s (1 - s): S_w keeps every offset's weight, also where a row has fewer targets (the
+    # kernel's), and the prefix target's only where the row has one (record #88's kernel)
     scale = A / width * loss_scale
-    softmax_scale = (weights.sum() * scale) / sum_exp
+    every_row = weights.numel() if every_row is None else every_row
+    weight_sum = weights[:every_row].sum()
+    if every_row < weights.numel():
+        weight_sum = weight_sum + (weights[every_row:] * valid[:, every_row:]).sum(dim=-1, keepdim=True)
+    softmax_scale = (weight_sum * scale) / sum_exp
     g_u = e.mul_(softmax_scale).mul_(s.addcmul_(s, s, value=-1))
-    # The target columns: each offset's weight taken from its column, in offset order (as the kernel adds them;
-    # a column several offsets name loses each of their weights; a missing target's weight is 0).
+    # The target columns: each target's weight taken from its column, in order (as the kernel adds them; a
+    # column several targets name loses each of their weights; a missing target's weight is 0).
     target_grad, target_weights = e_target * softmax_scale, weights * valid * scale
     for k in range(targets.size(1)):
         target_grad = target_grad - torch.where(columns == columns[:, k:k + 1], target_weights[:, k:k + 1], 0.0)
@@ -1257,6 +1299,36 @@ def mtp_chunk(u: Tensor, targets: Tensor, weights: Tensor, cap: tuple, loss_scal
 
 def padded_vocab(vocab_size: int) -> int:
     return 128 * math.ceil(vocab_size / 128)  # tensor-core friendly; the extra logits learn to stay low
+
+
+# Record #88's prefix-token targets, from the bundled GPT-2 ranks (the file data/tokenize_text.py checks too)
+GPT2_VOCAB = BOS_ID + 1
+GPT2_BPE_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+
+
+def prefix_token_table(vocab: int) -> Tensor:
+    """(vocab,) int64: for each GPT-2 token id below vocab, the id of the longest proper (shorter, non-empty) prefix
+    of its bytes that is itself such a token; -1 for the 256 single bytes, <|endoftext|> and the padded ids. (A
+    vocabulary cut below GPT-2's, as small test runs use, keeps only the prefixes it has.)"""
+    return torch.tensor(gpt2_prefixes(min(vocab, GPT2_VOCAB)) + [-1] * max(vocab - GPT2_VOCAB, 0), dtype=torch.int64)
+
+
+@functools.lru_cache(maxsize=4)
+def gpt2_prefixes(vocab: int) -> list[int]:
+    path = REPO_DIR / "data" / "gpt2.tiktoken"  # lines of "base64 bytes, rank"
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the GPT-2 ranks the prefix-token loss needs ({e.strerror})") from None
+    if hashlib.sha256(raw).hexdigest() != GPT2_BPE_SHA256:
+        raise ConfigError(f"{path}: not the bundled GPT-2 ranks (its sha256 differs); restore it with "
+                          f"`git checkout -- data/gpt2.tiktoken`")
+    ids = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in raw.splitlines())}
+    ids = {token: i for token, i in ids.items() if i < vocab}
+    table = [-1] * vocab
+    for token, i in ids.items():
+        table[i] = next((ids[token[:end]] for end in range(len(token) - 1, 0, -1) if token[:end] in ids), -1)
+    return table
 
 
 # The model's position limits, derived from the config here and nowhere else: the rotary tables,
@@ -1366,6 +1438,8 @@ class GPT(nn.Module):
                 nn.init.kaiming_uniform_(w.data[j], a=math.sqrt(5))
         self.blocks = nn.ModuleList(Block(plan, args, self.numerics.mlp) for plan in self.plans)
         self.rotary = Rotary(args.head_dim, max_positions(args), args.window_block, Schedule(args).stages[0].windows[1])
+        if Schedule(args).prefix_term:  # a row's prefix target is prefix_table[its next token]
+            self.register_buffer("prefix_table", prefix_token_table(vocab), persistent=False)
         # compile_model puts compiled ones here
         self.head_loss, self.mask_parts = head_loss, mask_parts
         if self.numerics.head == "fp8":  # the lm_head's e4m3 copies in both layouts (refresh_fp8)
@@ -1489,14 +1563,19 @@ class GPT(nn.Module):
         return A * torch.sigmoid((u + shift) / width)
 
     def forward(self, input_ids: Tensor, target_ids: Tensor, masks: Masks, mtp_weights: Tensor | None = None,
-                loss_scale: float = 1.0) -> Tensor:
-        """Training: record #85's multi-token loss of one packed sequence, summed over tokens and times
-        loss_scale. Evaluation: the next-token cross-entropy, summed over tokens."""
+                loss_scale: float = 1.0, prefix_weight: Tensor | None = None) -> Tensor:
+        """Training: record #85's multi-token loss of one packed sequence (with prefix_weight, a (1,) tensor, record
+        #88's prefix-token term too), summed over tokens and times loss_scale. Evaluation: the next-token
+        cross-entropy, summed over tokens."""
         x = self.hidden(input_ids, masks)[0]
         if self.training:
             fp8 = (self.lm_head_f8, self.lm_head_f8_t) if self.numerics.head == "fp8" else None
             head = HeadLoss(self.cap, LOSS_CHUNK, fp8, self.head_loss)
-            return SoftcappedMTPLoss.apply(x, self.lm_head, target_ids, mtp_weights, loss_scale, head)
+            prefix = None
+            if prefix_weight is not None:
+                targets = torch.where(target_ids >= 0, self.prefix_table[target_ids.clamp(min=0)], -1)
+                prefix = (targets, prefix_weight)
+            return SoftcappedMTPLoss.apply(x, self.lm_head, target_ids, mtp_weights, loss_scale, head, prefix)
         return torch.stack(self.cross_entropy_chunks(x, target_ids, "sum")).sum()
 
     def token_losses(self, input_ids: Tensor, target_ids: Tensor, masks: Masks,
@@ -2351,6 +2430,8 @@ def train_step(model: GPT, optimizers, batch, step: int, schedule: Schedule, arg
     windows = schedule.windows(step)
     device = batch[0][0].device
     mtp = host_to_device(torch.tensor(schedule.mtp_weights(step)), device)
+    prefix = schedule.prefix_weight(step)
+    prefix = host_to_device(torch.tensor([prefix]), device) if prefix is not None else None
     loss_sum = torch.zeros((), device=device)
     for i, (inputs, targets) in enumerate(batch):
         reduce_now = adam_now and i == len(batch) - 1
@@ -2360,7 +2441,7 @@ def train_step(model: GPT, optimizers, batch, step: int, schedule: Schedule, arg
         with contextlib.nullcontext() if reduce_now else adam.no_sync():
             # Summed over tokens, averaged over micro-batches and ranks (the record's gradient scale).
             masks = build_masks(inputs, model.plans, windows, args.window_block, use_flex, model.mask_parts)
-            loss = model(inputs, targets, masks, mtp, loss_scale=1 / len(batch))
+            loss = model(inputs, targets, masks, mtp, loss_scale=1 / len(batch), prefix_weight=prefix)
             loss.backward()
         loss_sum += loss.detach() * len(batch)
     muon.step()
@@ -3649,9 +3730,11 @@ class MemoryModel:
                 saved[StorageWeakRef(t.untyped_storage())] = t.untyped_storage().nbytes()
                 return t
 
-            mtp = torch.ones(len(Schedule(self.args).mtp_weights(0)))
+            schedule = Schedule(self.args)
+            mtp = torch.ones(len(schedule.mtp_weights(0)))
+            prefix = torch.ones(1) if schedule.prefix_weight(0) is not None else None
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-                self.model(x[:-1], x[1:], masks, mtp, loss_scale=1.0)
+                self.model(x[:-1], x[1:], masks, mtp, loss_scale=1.0, prefix_weight=prefix)
         return sum(saved.values()), masks_size
 
     def _live_in_forward(self, seq_len: int, windows: tuple[int, int]) -> tuple[int, int]:
@@ -4962,6 +5045,8 @@ def train(args: Hyperparameters, env: DistEnv):
         if args.resume:
             resume = check_checkpoint(resolve_checkpoint(args.resume, args), args, env, source)
         init_state = read_init_weights(args) if args.init_from and not args.resume else None
+        if schedule.prefix_term:  # the model's prefix-token table, from a bundled file: read before anything is made
+            prefix_token_table(padded_vocab(args.vocab_size))
         if args.init_from and args.resume and not (Path(args.init_from) / "model.pt").is_file():
             raise DataError(f"--init_from={args.init_from}: not a final-weights folder (no model.pt); a resumed run "
                             f"continues from its checkpoint's weights and does not read it: drop --init_from")

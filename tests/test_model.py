@@ -301,6 +301,117 @@ def test_multi_token_loss_and_its_gradient_are_the_records(chunk):
     assert not torch.allclose(z_grad, u.grad)  # the quirk changes the last rows
 
 
+def prefix_loss_case(seed=8):
+    """A loss head's inputs with the prefix term's cases: rows without a prefix target, a prefix target equal to
+    the row's offset-1 and offset-2 targets (their weights add up), and the last rows without some offsets."""
+    g = torch.Generator().manual_seed(seed)
+    T_, D, V = 40, 64, 64
+    x = T.norm(torch.randn(T_, D, generator=g))
+    w = torch.randn(D, V, generator=g) * 0.05
+    targets = torch.randint(0, V, (T_,), generator=g)
+    prefix = torch.randint(0, V, (T_,), generator=g)
+    prefix[::5] = -1
+    prefix[3], prefix[8] = targets[4], targets[10]
+    targets[12] = targets[13] = prefix[11] = 7
+    prefix[T_ - 1] = 9  # the last row has a prefix target and only its offset-0 target
+    return x, w, targets, prefix, torch.tensor([1.0, 0.5, 0.25]), 0.3
+
+
+def prefix_logit_gradient(u_s, targets, prefix, weights, pw, scale):
+    """Record #88's kernel: dL/du = scale (S_w softmax(z) - every weight whose target is the column) dz/du, where
+    S_w = the sum of every offset's weight, plus pw on rows that have a prefix target."""
+    T_, V = u_s.shape
+    p = torch.softmax(23 * u_s, -1)
+    has_prefix = (prefix >= 0).float()
+    target_weights = torch.zeros(T_, V)
+    for k, wk in enumerate(weights.tolist()):
+        target_weights[torch.arange(T_ - k), targets[k:]] += wk
+    rows = torch.nonzero(prefix >= 0)[:, 0]
+    target_weights[rows, prefix[rows]] += pw
+    weight_sum = weights.sum() + pw * has_prefix[:, None]
+    return scale * (weight_sum * p - target_weights) * 23 / 7.5 * u_s * (1 - u_s)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_prefix_token_loss_and_its_gradient_are_record_88s(fp8):
+    x, w, targets, prefix, weights, pw = prefix_loss_case()
+    T_, scale = len(targets), 0.25
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    head = T.HeadLoss((23.0, 5.0, 7.5), 16, T.head_fp8(w.detach()) if fp8 else None, T.head_loss)
+    loss = T.SoftcappedMTPLoss.apply(x, w, targets, weights, scale, head, (prefix, torch.tensor([pw])))
+    loss.backward()
+    if fp8:  # the FP8 head's operands, logits and bf16 squashed logits (test_fp8_head_matches...)
+        x_used = (x.detach() / (100 / 448)).to(torch.float8_e4m3fn).float() * (100 / 448)
+        w_used = (w.detach() / (1.6 / 448)).to(torch.float8_e4m3fn).float() * (1.6 / 448)
+        s = torch.sigmoid(((x_used @ w_used).bfloat16().float() + 5) / 7.5).bfloat16().float()
+    else:
+        x_used, w_used = x.detach(), w.detach()
+        s = torch.sigmoid((x_used @ w_used + 5) / 7.5)
+    z = 23 * s
+    lse = torch.logsumexp(z, -1)
+    ref = sum(wk * (lse[:T_ - k] - z[torch.arange(T_ - k), targets[k:]]).sum() for k, wk in enumerate(weights.tolist()))
+    rows = torch.nonzero(prefix >= 0)[:, 0]
+    ref = ref + pw * (lse[rows] - z[rows, prefix[rows]]).sum()
+    assert_close(loss, scale * ref, rtol=1e-5, atol=1e-4)
+    g_u = prefix_logit_gradient(s, targets, prefix, weights, pw, scale)
+    if fp8:  # the gradient in e5m2 at its scale, then both FP8 matmuls
+        grad_s = scale * 0.75 / 448
+        g_u = (g_u / grad_s).to(torch.float8_e5m2).float() * grad_s
+        # e5m2 keeps 2 mantissa bits: an element on a rounding boundary may round the other way
+        tol = dict(rtol=0.05, atol=0.05 * (g_u @ w_used.T).abs().max().item())
+    else:
+        tol = dict(rtol=1e-5, atol=1e-6)
+    assert_close(x.grad, g_u @ w_used.T, **tol)
+    assert_close(w.grad, x_used.T @ g_u, **tol)
+
+
+def test_a_zero_prefix_weight_changes_no_gradient():
+    # the prefix column with weight 0 adds 0 to S_w and takes 0 from its column: the gradients are the loss's
+    # without it, bit for bit (the loss itself sums one more zero, in another order)
+    x, w, targets, prefix, weights, _ = prefix_loss_case(9)
+    with_zero = T.head_loss(x, w, targets, weights, (23.0, 5.0, 7.5), 0.5, 16, None, (prefix, torch.tensor([0.0])))
+    without = T.head_loss(x, w, targets, weights, (23.0, 5.0, 7.5), 0.5, 16)
+    assert torch.equal(with_zero[1], without[1]) and torch.equal(with_zero[2], without[2])
+    assert_close(with_zero[0], without[0], rtol=1e-6, atol=0)
+
+
+def test_prefix_table_holds_each_tokens_longest_proper_prefix_that_is_a_token():
+    import base64
+    ranks = {base64.b64decode(token): int(rank) for token, rank in
+             (line.split() for line in (T.REPO_DIR / "data" / "gpt2.tiktoken").read_text().splitlines())}
+    pieces = {i: b for b, i in ranks.items()}
+    table = T.prefix_token_table(50304)
+    assert table.shape == (50304,) and table.dtype == torch.int64
+    assert (table == -1).sum() == 256 + 1 + 47 and (table[50256:] == -1).all()  # single bytes, <|endoftext|>, pads
+    assert (table[464], table[262], table[318]) == (817, 294, 1312)  # 'The' -> 'Th', ' the' -> ' th', ' is' -> ' i'
+    for i, piece in pieces.items():
+        if len(piece) == 1:
+            assert table[i] == -1
+            continue
+        prefix = pieces[int(table[i])]
+        assert len(prefix) < len(piece) and piece.startswith(prefix), i
+        assert not any(piece[:end] in ranks for end in range(len(prefix) + 1, len(piece))), i  # none longer
+    # a vocabulary cut below GPT-2's (small test runs) keeps the prefixes it has
+    small = T.prefix_token_table(280)
+    assert small.shape == (280,) and (small < 280).all()
+    assert small[262] == ranks[b" t"]  # ' the' -> ' t': ' th' (294) is cut
+    assert all(small[i] == table[i] for i in range(280) if table[i] < 280)
+
+
+def test_prefix_weights_follow_their_stage_schedule():
+    args = T.parse_args(["--num_iterations=33", "--extension_steps=3", "--stage_prefix_weights=0.25,0.25>0,0"], False)
+    schedule = T.Schedule(args)
+    assert [(s.start, s.end) for s in schedule.stages] == [(0, 10), (10, 20), (20, 30), (30, 33)]
+    assert [schedule.prefix_weight(step) for step in (0, 9, 10, 15, 19)] == pytest.approx([0.25, 0.25, 0.25, 0.125, 0.025])
+    assert all(schedule.prefix_weight(step) is None for step in (20, 29, 30, 33))  # no prefix column at all
+    assert schedule.prefix_term and not T.Schedule(T.parse_args([], True)).prefix_term  # the speedrun (#85) has none
+    for flags, message in ((["--stage_prefix_weights=0.25,0"], "must list one value per stage"),
+                           (["--stage_prefix_weights=0.1>0.2>0.3,0,0"], "expected comma-separated numbers"),
+                           (["--stage_prefix_weights=-1,0,0"], "expected finite numbers >= 0")):
+        with pytest.raises(T.ConfigError, match=message):
+            T.Schedule(T.parse_args(["--preset=smoke", *flags], False))
+
+
 def test_fp8_head_matches_its_quantised_definition():
     g = torch.Generator().manual_seed(5)
     T_, D, V = 32, 64, 128

@@ -66,6 +66,8 @@ def test_checkpoints_of_other_code_are_refused_unless_forced(short_run, tmp_path
     # A copy of train_gpt.py with a comment added, loaded in this process.
     edited_path = tmp_path / "train_gpt.py"
     edited_path.write_text(TRAIN.read_text() + "\n# an edit\n")
+    (tmp_path / "data").mkdir()  # with the GPT-2 ranks the smoke preset's prefix-token loss reads next to it
+    shutil.copy(TRAIN.parent / "data/gpt2.tiktoken", tmp_path / "data/gpt2.tiktoken")
     spec = importlib.util.spec_from_file_location("edited_train_gpt", edited_path)
     edited = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = edited  # dataclasses look their module up there
