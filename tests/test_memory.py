@@ -131,14 +131,16 @@ def test_the_memory_model_predicts_real_cpu_steps_and_validation():
         x[::300] = T.BOS_ID
         masks = T.build_masks(x[:-1], model.plans, windows, args.window_block, False)
         mtp = torch.tensor(schedule.stages[stage].mtp_start)
+        prefix = schedule.prefix_weight(schedule.stages[stage].start)  # the smoke preset's first stage has one
+        prefix = torch.tensor([prefix]) if prefix is not None else None
         model.zero_grad(set_to_none=True)
-        model(x[:-1], x[1:], masks, mtp, loss_scale=1.0).backward()
+        model(x[:-1], x[1:], masks, mtp, loss_scale=1.0, prefix_weight=prefix).backward()
         live = T.LiveMemory("cpu")
         live.track([*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters())])
         with live:
             live.start()
             base = live.live
-            model(x[:-1], x[1:], masks, mtp, loss_scale=1.0).backward()
+            model(x[:-1], x[1:], masks, mtp, loss_scale=1.0, prefix_weight=prefix).backward()
         row = memory.training(micro_tokens, windows, 1)
         predicted = max(row["saved activations"] + row["loss chunk"] + row["block masks"], row["embedding backward"])
         seen.append((micro_tokens, live.peak - base, predicted))
@@ -153,6 +155,8 @@ def test_the_memory_model_predicts_real_cpu_steps_and_validation():
         model(x[:-1], x[1:], T.build_masks(x[:-1], model.plans, windows, args.window_block, False))
     row = memory.validation(args.val_seq_len, windows)
     seen.append(("validation", live.peak - base, row["forward's largest live tensors"] + row["block masks"]))
+    print("memory model against this CPU (what, measured MiB, predicted MiB):",
+          [(what, round(m / 2 ** 20, 1), round(p / 2 ** 20, 1)) for what, m, p in seen])
     for what, measured, predicted in seen:
         assert abs(predicted / measured - 1) < 0.05, seen
     # each kind of peak was met: the loss chunk, and the value embeddings' backward (two copies of the table)
