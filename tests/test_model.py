@@ -4,7 +4,6 @@ gates, DC; paired heads) against a per-head reference, the bigram hash, the DC c
 MUDD mixing, the multi-token loss and its gradient, the FP8 MLP and head, rotary, causality and document
 isolation, the layer plan, initial values, parameter dtypes, config parsing."""
 
-import math
 
 import numpy as np
 import pytest
