@@ -738,8 +738,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask, scale: Tensor) -> Tensor:
 
 def along(y: Tensor, v: Tensor) -> Tensor:
     """y's component along v, per head: (y.v) v / max(|v|^2, eps^2). Record #85 writes it with v's unit vector,
-    (y.u) u with u = F.normalize(v, eps); record #86's rewrite, the same math, takes no square root and makes
-    no normalized copy of v, so it moves fewer bytes forward and backward. y, v: (B, T, H, D)."""
+    (y.u) u with u = F.normalize(v, eps); record #86's rewrite, the same math, takes no square root and makes no
+    normalized copy of v (compiled, inductor fuses either form into one pass over y and v). y, v: (B, T, H, D)."""
     return (y * v).sum(-1, keepdim=True) / (v * v).sum(-1, keepdim=True).clamp(min=XSA_EPS ** 2) * v
 
 
@@ -1175,6 +1175,9 @@ class SoftcappedMTPLoss(torch.autograd.Function):
     scales them by its incoming gradient; and with the kernel's gradient: on the last rows of a sequence, where
     some of the k have no target, the softmax term still carries the sum of all the weights (autograd of the
     loss above would carry only the valid ones').
+
+    prefix = (targets, weight (1,)): record #88's term, pw (lse_t - z_t[p_t]) for the rows t whose next token has
+    a prefix target p_t (-1: none), whose weight the softmax term carries on those rows only.
 
     With FP8 (the record's head): x / x_s and W / w_s in e4m3, the gradient of u divided by g_s in e5m2,
     g_s = loss_scale * 0.75/448; the backward matmuls in FP8 too. Otherwise the logits are computed in the
