@@ -1440,8 +1440,9 @@ class GPT(nn.Module):
             for j in range(2):
                 nn.init.kaiming_uniform_(w.data[j], a=math.sqrt(5))
         self.blocks = nn.ModuleList(Block(plan, args, self.numerics.mlp) for plan in self.plans)
-        self.rotary = Rotary(args.head_dim, max_positions(args), args.window_block, Schedule(args).stages[0].windows[1])
-        if Schedule(args).prefix_term:  # a row's prefix target is prefix_table[its next token]
+        schedule = Schedule(args)
+        self.rotary = Rotary(args.head_dim, max_positions(args), args.window_block, schedule.stages[0].windows[1])
+        if schedule.prefix_term:  # a row's prefix target is prefix_table[its next token]
             self.register_buffer("prefix_table", prefix_token_table(vocab), persistent=False)
         # compile_model puts compiled ones here
         self.head_loss, self.mask_parts = head_loss, mask_parts
