@@ -1,9 +1,11 @@
 """train_gpt.py: the NanoGPT speedrun trainer in one file.
 
 Trains a GPT-2-small-class model on FineWeb10B to 3.28 val loss as fast as 8xH100 allow, with the
-learning algorithm of public modded-nanogpt record #85 v3 (2026-05-27, "MUDD gates and lightweight DC")
-rewritten in plain PyTorch: FlexAttention instead of FlashAttention-3, torch._scaled_mm and PyTorch ops
-instead of Triton and CUDA kernels. notes/recipe.md lists every component next to the record's value. The same file runs on
+learning algorithm of public modded-nanogpt record #89 (2026-07-17, "FP8 down projection", as merged upstream:
+record #85 v3's "MUDD gates and lightweight DC" with #88's prefix-token loss and #89's FP8 down-projection,
+1,285 steps; --preset=record85 keeps #85 v3's) rewritten in plain PyTorch: FlexAttention instead of
+FlashAttention-3, torch._scaled_mm and PyTorch ops instead of Triton and CUDA kernels. notes/recipe.md lists
+every component next to the record's value. The same file runs on
 one GPU (gradient accumulation keeps the global batch), on several nodes (torchrun rendezvous) and
 on CPU (gloo, the `smoke` preset on the bundled corpus).
 
@@ -94,7 +96,8 @@ def _help(text: str, default):
 
 @dataclass(frozen=True)  # the config never changes after parsing: a resolved one is a copy (dataclasses.replace)
 class Hyperparameters:
-    preset: str = _help("named set of values: speedrun (8xH100 record) or smoke (CPU, bundled corpus)", "speedrun")
+    preset: str = _help("named set of values: speedrun (record #89's algorithm, 8xH100), record85 (record #85 v3's) "
+                        "or smoke (CPU, bundled corpus)", "speedrun")
     # data
     train_files: str = _help("glob of training shards", "data/fineweb10B/fineweb_train_*.bin")
     val_files: str = _help("glob of validation shards", "data/fineweb10B/fineweb_val_*.bin")
@@ -108,7 +111,7 @@ class Hyperparameters:
                          "micro-batch starts at a document, which gives its first max_seq_len tokens) or stream "
                          "(consecutive runs of tokens: every token trained on)", "auto")
     # the schedule: three stages of equal length, then the extension (lists hold one value per stage)
-    num_iterations: int = _help("optimizer steps in all: the scheduled ones, then the extension", 1290)
+    num_iterations: int = _help("optimizer steps in all: the scheduled ones, then the extension", 1285)
     extension_steps: int = _help("last steps, run at the final lr and windows of the extension", 15)
     stage_batch_tokens: str = _help("tokens per optimizer step in each stage, over all ranks (the extension keeps "
                                     "the last)", "131072,262144,393216")
@@ -132,7 +135,7 @@ class Hyperparameters:
     stage_prefix_weights: str = _help("per stage: weight of the prefix-token loss (record #88: each row also "
                                       "predicts the longest proper byte prefix of its next token that is a token), "
                                       "moving linearly from the value before '>' to the one after it over the stage; "
-                                      "the extension keeps the last; all 0: no prefix term", "0,0,0")
+                                      "the extension keeps the last; all 0: no prefix term", "0.25,0.25>0,0")
     cooldown_frac: float = _help("the lr multiplier moves linearly to final_lr_frac over this last fraction of the "
                                  "scheduled steps", 0.6)
     final_lr_frac: float = _help("lr multiplier at the end of the cooldown and in the extension", 0.15)
@@ -166,6 +169,9 @@ class Hyperparameters:
                                    "fp8, bf16 or fp32; fp8 applies to training, evaluation uses bf16", "auto")
     mlp_precision: str = _help("the MLP up-projection's forward: auto (as lm_head_precision), fp8, bf16 or fp32; "
                                "its backward is in the weights' dtype", "auto")
+    mlp_down_fp8: bool = _help("record #89: where the up-projection runs in FP8, the down-projection's forward does "
+                               "too, with delayed scales (the activation's from the previous forward, the weight's "
+                               "from the previous step); its backward is in the weights' dtype", True)
     # attention (windows in blocks of window_block tokens)
     attention: str = _help("auto (flex on CUDA, sdpa elsewhere), flex (FlexAttention block masks) or sdpa "
                            "(dense boolean mask)", "auto")
@@ -207,8 +213,11 @@ class Hyperparameters:
 
 
 PRESETS: dict[str, dict] = {
-    # The 8xH100 record configuration: the dataclass defaults.
+    # The 8xH100 record configuration, record #89's algorithm (the dataclass defaults): record #85 v3's, with
+    # #88's prefix-token loss, #89's FP8 down-projection and 1,270 + 15 steps (notes/recipe.md).
     "speedrun": {},
+    # Record #85 v3's algorithm, as its logs ran it: 1,275 + 15 steps, no prefix term, the down-projection in bf16.
+    "record85": dict(num_iterations=1290, stage_prefix_weights="0,0,0", mlp_down_fp8=False),
     # A small model on the bundled Shakespeare shards: a CPU check of the whole pipeline with the
     # speedrun's structure scaled down: three stages and an extension with growing batches, sequences and
     # windows, multi-token prediction, paired heads, XSA, DC, the key offset, value embeddings, the gated
@@ -974,27 +983,37 @@ class ReluSquare(torch.autograd.Function):
 class ReluSquaredMLP(torch.autograd.Function):
     """relu(x @ fc.T)^2 @ proj with the up-projection's forward in FP8 (record #85): x is scaled by its own
     absolute maximum (per tensor, each call), fc by a per-layer scale refreshed after each optimizer step
-    (MLP.refresh_fp8). The backward uses the weights and x in their own dtype (bf16), as the record's, and
-    takes relu from the square it keeps (ReluSquare)."""
+    (refresh_fp8). Given proj's e4m3 copy (proj_f8_t: (dim, hidden)) with its scale and the activation's scale,
+    the down-projection's forward is FP8 too (record #89): relu^2's bf16 output divided by the activation's
+    scale, clipped at e4m3's largest value; it then also returns that output's absolute maximum, from which
+    the next forward's scale is set (MLP.forward). The backward uses the weights and x in their own dtype
+    (bf16), as the records', and takes relu from the square it keeps (ReluSquare)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, fc: Tensor, proj: Tensor, fc_f8: Tensor, fc_scale: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, fc: Tensor, proj: Tensor, fc_f8: Tensor, fc_scale: Tensor,
+                proj_f8_t: Tensor | None = None, proj_scale: Tensor | None = None, act_scale: Tensor | None = None):
         x2 = x.flatten(0, -2)  # (tokens, dim): _scaled_mm takes 2-D operands
         amax = x2.detach().abs().amax().float().clamp(min=1e-12)
         x8 = (x2.detach().float() * (FP8_E4M3_MAX / amax)).to(torch.float8_e4m3fn)
         post = F.relu(scaled_mm(x8, fc_f8.T, amax / FP8_E4M3_MAX, fc_scale, x.dtype, fast_accum=True)).square()
         ctx.save_for_backward(x2, fc, proj, post)
-        return (post @ proj.type_as(post)).view(*x.shape[:-1], -1)
+        if proj_f8_t is None:
+            return (post @ proj.type_as(post)).view(*x.shape[:-1], -1)
+        post8 = (post.float() * (1 / act_scale)).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)  # post >= 0
+        out = scaled_mm(post8, proj_f8_t.T, act_scale, proj_scale, x.dtype, fast_accum=True)
+        post_amax = post.detach().amax().float()
+        ctx.mark_non_differentiable(post_amax)
+        return out.view(*x.shape[:-1], -1), post_amax
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
+    def backward(ctx, grad: Tensor, *_):
         x2, fc, proj, post = ctx.saved_tensors
         grad2 = grad.reshape(-1, grad.size(-1))
         grad_proj = post.T @ grad2
         grad_pre = relu_square_grad(post, grad2 @ proj.T.type_as(grad2))
         grad_fc = grad_pre.T @ x2
         grad_x = grad_pre @ fc.type_as(grad_pre)
-        return grad_x.view(grad.shape), grad_fc, grad_proj, None, None
+        return grad_x.view(grad.shape), grad_fc, grad_proj, None, None, None, None, None
 
 
 def mlp_fp8(fc: Tensor) -> tuple[Tensor, Tensor]:
@@ -1004,32 +1023,72 @@ def mlp_fp8(fc: Tensor) -> tuple[Tensor, Tensor]:
     return (fc / scale).to(torch.float8_e4m3fn), scale.float()
 
 
+# Record #89's delayed scaling of the down-projection. Its input's scale is 1.8x the absolute maximum of the
+# layer's previous training forward on this rank (no all-reduce), over e4m3's largest value; its weight's is
+# 1.12x the weight's absolute maximum after the previous step, but the exact maximum (no headroom) for the
+# first 16 steps and at the start. Both maxima come from passes that run anyway; values past a scale clip.
+DOWN_ACT_HEADROOM, DOWN_WEIGHT_HEADROOM, DOWN_EXACT_STEPS = 1.8, 1.12, 16
+
+
+def mlp_down_fp8(proj: Tensor, used: Tensor, upcoming: Tensor, scales: str) -> tuple[Tensor, Tensor, Tensor]:
+    """A down-projection's e4m3 copy, (dim, hidden) so that its transpose is the column-major operand
+    _scaled_mm takes, with the scale it was quantised at and the scale for the next refresh. `scales`: "exact"
+    (the weight's own maximum, in its dtype as the record's), "delayed" (`upcoming`, set by the previous refresh)
+    or "stored" (`used` as loaded: the copy of a checkpoint's weights, its scales unchanged)."""
+    amax = proj.abs().amax()
+    if scales == "exact":
+        used = amax.float().clamp(min=1e-12) / FP8_E4M3_MAX
+        used = round_to_bf16(used) if proj.dtype == torch.bfloat16 else used
+    elif scales == "delayed":
+        used = upcoming
+    w8_t = (proj.float() / used).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).T.contiguous()
+    if scales != "stored":
+        upcoming = amax.float().clamp(min=1e-12) * (DOWN_WEIGHT_HEADROOM / FP8_E4M3_MAX)
+    return w8_t, used, upcoming
+
+
 class MLP(nn.Module):
     """ReLU^2 MLP. fc is (hidden, dim), proj (hidden, dim): the record's layouts, x @ proj for the
-    down-projection."""
+    down-projection. scaled_down (--mlp_down_fp8): the down-projection's delayed scales are run state (buffers
+    saved with the weights; the activation's is per rank), used where the up-projection runs in FP8."""
 
-    def __init__(self, dim: int, ratio: int, precision: str):
+    def __init__(self, dim: int, ratio: int, precision: str, scaled_down: bool = False):
         super().__init__()
         self.precision = precision
         self.fc = nn.Parameter(torch.empty(ratio * dim, dim))
         self.proj = nn.Parameter(torch.zeros(ratio * dim, dim))  # zero init: each layer starts as the identity
         uniform_init_(self.fc, 0.5 * dim ** -0.5)
+        self.down_fp8 = scaled_down and precision == "fp8"
+        if scaled_down:
+            for name in ("down_act_scale", "down_weight_scale", "down_weight_next_scale"):
+                self.register_buffer(name, torch.ones((), dtype=torch.float32))
         if precision == "fp8":
             self.register_buffer("fc_f8", torch.zeros(ratio * dim, dim, dtype=torch.float8_e4m3fn), persistent=False)
             self.register_buffer("fc_scale", torch.ones((), dtype=torch.float32), persistent=False)
-            self.refresh_fp8()
+        if self.down_fp8:
+            self.register_buffer("proj_f8_t", torch.zeros(dim, ratio * dim, dtype=torch.float8_e4m3fn),
+                                 persistent=False)
+        self.refresh_fp8("exact")
 
     @torch.no_grad()
-    def refresh_fp8(self):
-        """The FP8 copy of fc the forward reads: after every change of fc (the model's refresh_fp8 does all
-        layers at once)."""
+    def refresh_fp8(self, scales: str = "stored"):
+        """The FP8 copies the forward reads: after every change of fc and proj (the model's refresh_fp8 does all
+        layers at once; `scales` as mlp_down_fp8's)."""
         if self.precision == "fp8":
             # assigned, not copied into: a module-wide cast such as .bfloat16() must not change their dtypes
             self.fc_f8, self.fc_scale = mlp_fp8(self.fc)
+        if self.down_fp8:
+            self.proj_f8_t, self.down_weight_scale, self.down_weight_next_scale = mlp_down_fp8(
+                self.proj, self.down_weight_scale.float(), self.down_weight_next_scale.float(), scales)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.precision == "fp8" and self.training:
-            return ReluSquaredMLP.apply(x, self.fc, self.proj, self.fc_f8, self.fc_scale)
+            if not self.down_fp8:
+                return ReluSquaredMLP.apply(x, self.fc, self.proj, self.fc_f8, self.fc_scale)
+            out, post_amax = ReluSquaredMLP.apply(x, self.fc, self.proj, self.fc_f8, self.fc_scale, self.proj_f8_t,
+                                                  self.down_weight_scale, self.down_act_scale)
+            self.down_act_scale.copy_(post_amax.clamp(min=1e-12) * (DOWN_ACT_HEADROOM / FP8_E4M3_MAX))
+            return out
         return ReluSquare.apply(F.linear(x, self.fc.type_as(x))) @ self.proj.type_as(x)
 
 
@@ -1116,7 +1175,7 @@ class Block(nn.Module):
         self.skip_from, self.shared_layer = skip_pair(args)[0], args.shared_input_layer  # the states it may read
         self.attn = (CausalSelfAttention(plan, args.model_dim, args.head_dim, args.dc_window, args.window_block)
                      if plan.attention else None)
-        self.mlp = MLP(args.model_dim, args.mlp_ratio, mlp_precision)
+        self.mlp = MLP(args.model_dim, args.mlp_ratio, mlp_precision, args.mlp_down_fp8)
 
     def forward(self, x: Tensor, inputs: LayerInputs, weights: LayerWeights,
                 cache: AttentionCache | None = None) -> Tensor:
@@ -1250,9 +1309,12 @@ def head_fp8(lm_head: Tensor) -> tuple[Tensor, Tensor]:
     return w8, w8.T.contiguous()
 
 
-def fp8_copies(fcs: list[Tensor], lm_head: Tensor | None) -> tuple[list, tuple | None]:
-    """Every FP8 copy the forward reads, from the current weights (refresh_fp8): one compiled call on CUDA."""
-    return [mlp_fp8(fc) for fc in fcs], (head_fp8(lm_head) if lm_head is not None else None)
+def fp8_copies(fcs: list[Tensor], downs: list[tuple[Tensor, Tensor, Tensor]], lm_head: Tensor | None,
+               scales: str) -> tuple[list, list, tuple | None]:
+    """Every FP8 copy the forward reads, from the current weights (refresh_fp8): one compiled call on CUDA.
+    downs: each FP8 down-projection's (proj, used scale, next scale), `scales` as mlp_down_fp8's."""
+    return ([mlp_fp8(fc) for fc in fcs], [mlp_down_fp8(*down, scales) for down in downs],
+            head_fp8(lm_head) if lm_head is not None else None)
 
 
 def mtp_chunk(u: Tensor, targets: Tensor, weights: Tensor, cap: tuple, loss_scale: float,
@@ -2409,18 +2471,30 @@ def set_schedules(step: int, optimizers, schedule: Schedule, args: Hyperparamete
 
 
 @torch.no_grad()
-def refresh_fp8(model: GPT):
-    """The FP8 copies of the MLPs' up-projections and of the lm_head, after every change of those weights (each
-    step, loading): all of them in one call, compiled on CUDA."""
+def refresh_fp8(model: GPT, scales: str = "stored"):
+    """The FP8 copies of the MLPs' projections and of the lm_head, after every change of those weights (each
+    step, loading): all of them in one call, compiled on CUDA. `scales`, for the down-projections' delayed
+    scaling (mlp_down_fp8): "exact" at the start, then after each step "exact" or "delayed" (down_scales),
+    "stored" after loading weights with their scales."""
     mlps = [block.mlp for block in model.blocks if block.mlp.precision == "fp8"]
+    downs = [mlp for mlp in mlps if mlp.down_fp8]
     head = model.lm_head if model.numerics.head == "fp8" else None
     if not mlps and head is None:
         return
-    mlp_copies, head_copies = model.fp8_copies([mlp.fc for mlp in mlps], head)
+    mlp_copies, down_copies, head_copies = model.fp8_copies(
+        [mlp.fc for mlp in mlps], [(m.proj, m.down_weight_scale, m.down_weight_next_scale) for m in downs], head,
+        scales)
     for mlp, (fc_f8, fc_scale) in zip(mlps, mlp_copies):
         mlp.fc_f8, mlp.fc_scale = fc_f8, fc_scale
+    for mlp, (proj_f8_t, used, upcoming) in zip(downs, down_copies):
+        mlp.proj_f8_t, mlp.down_weight_scale, mlp.down_weight_next_scale = proj_f8_t, used, upcoming
     if head_copies is not None:
         model.lm_head_f8, model.lm_head_f8_t = head_copies
+
+
+def down_scales(step: int) -> str:
+    """How the refresh after an optimizer step moves the down-projections' weight scales (record #89)."""
+    return "exact" if step < DOWN_EXACT_STEPS else "delayed"
 
 
 def train_step(model: GPT, optimizers, batch, step: int, schedule: Schedule, args: Hyperparameters,
@@ -2455,7 +2529,7 @@ def train_step(model: GPT, optimizers, batch, step: int, schedule: Schedule, arg
         adam.zero_grad(set_to_none=True)
         if step == schedule.untie_step and adam.tied is not None:
             adam.untie()
-    refresh_fp8(model)
+    refresh_fp8(model, down_scales(step))
     return loss_sum
 
 
@@ -2529,7 +2603,8 @@ def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:
 
 
 def usage() -> str:
-    lines = ["usage: train_gpt.py [--preset=speedrun|smoke] [--field=value ...]", "", "fields (speedrun default):"]
+    lines = ["usage: train_gpt.py [--preset=speedrun|record85|smoke] [--field=value ...]", "",
+             "fields (speedrun default):"]
     for f in dataclasses.fields(Hyperparameters):
         lines.append(f"  --{f.name}={f.default!s:<40} {f.metadata['help']}")
     return "\n".join(lines)
@@ -4186,6 +4261,7 @@ def save_checkpoint(step: int, train_time_ms: float, model: GPT, optimizers, loa
         files = {}
         try:
             rank_state = {"step": step, "optimizers": [opt.state_dict() for opt in optimizers],
+                          "rank_buffers": {name: t.clone() for name, t in rank_buffers(model).items()},
                           "cpu_rng": torch.get_rng_state(),
                           "cuda_rng": torch.cuda.get_rng_state() if env.device.type == "cuda" else torch.empty(0)}
             files[f"rank_{env.rank}.pt"] = write_file(tmp / f"rank_{env.rank}.pt", rank_state,
@@ -4835,9 +4911,21 @@ def check_resume_shards(resume: Resume, loader, args: Hyperparameters):
                                 f"{other}); use --force_resume=true to go on with these shards anyway")
 
 
+def rank_buffers(model: GPT) -> dict[str, Tensor]:
+    """The model's state that differs between ranks: the down-projections' activation scales (record #89: from
+    each rank's own forwards). model.pt holds rank 0's; rank_R.pt each rank's own."""
+    return {name: t for name, t in model.named_buffers() if name.endswith(".down_act_scale")}
+
+
 def load_checkpoint(resume: Resume, model: GPT, optimizers, loader, env: DistEnv) -> tuple[int, float]:
     try:
         model.load_state_dict(resume.model_state)
+        own, saved = rank_buffers(model), resume.rank_state.get("rank_buffers", {})
+        if set(saved) != set(own):
+            raise ValueError(f"rank {env.rank}'s activation scales: the checkpoint holds {len(saved)}, the model "
+                             f"{len(own)}")
+        for name, t in own.items():
+            t.copy_(saved[name])
         for opt, state in zip(optimizers, resume.rank_state["optimizers"], strict=True):
             opt.load_state_dict(state)
         loader.load_state_dict(resume.meta.loader)
@@ -4928,6 +5016,15 @@ def nvidia_smi() -> str:
         return ""
 
 
+# What each preset's algorithm is (the log header's recipe line); the smoke preset is the speedrun's scaled down.
+RECIPES = {
+    "speedrun": "record #89 (modded-nanogpt 2026-07-17, FP8 down-projection, as merged upstream: record #85 v3 with "
+                "#88's prefix-token loss and #89's FP8 down-projection)",
+    "record85": "record #85 v3 (modded-nanogpt, 2026-05-27, MUDD gates and lightweight DC)",
+}
+RECORD_PRESETS = tuple(RECIPES)
+
+
 def log_header(run: Run, model: GPT):
     args, env, log = run.args, run.env, run.log
     log(run.source, console=False, verbatim=True)
@@ -4946,14 +5043,16 @@ def log_header(run: Run, model: GPT):
         elif precisions[name] == "bf16" and getattr(args, flag) == "auto":
             precisions[name] += " (this GPU has no FP8 tensor cores)"
     compiled = "per layer" if args.compile else ("FlexAttention only" if attention_kind == "flex" else "off")
+    down = next((b.mlp for b in model.blocks), None)
+    down = "fp8 (delayed scaling)" if down is not None and down.down_fp8 else PRECISION_NAMES[model.numerics.compute]
     log(f"attention: {attention_kind}  lm_head: {precisions['lm_head']}  mlp up-projection: {precisions['mlp']}  "
-        f"compile: {compiled}")
-    log(f"recipe: record #85 v3 (modded-nanogpt, 2026-05-27, MUDD gates and lightweight DC): {args.num_iterations} "
-        f"steps in {len(run.schedule.stages) - 1} stages and an extension", console=False)
+        f"mlp down-projection: {down}  compile: {compiled}")
+    log(f"recipe: {RECIPES.get(args.preset, RECIPES['speedrun'])}: {args.num_iterations} steps in "
+        f"{len(run.schedule.stages) - 1} stages and an extension", console=False)
     smi = nvidia_smi()
     if smi:
         log(smi, console=False, verbatim=True)
-    if args.preset != "speedrun":
+    if args.preset not in RECORD_PRESETS:
         log(f"note: {args.preset} preset (small model, not the record configuration) - NOT a record run")
     log("hyperparameters:", console=False)
     for name, value in dataclasses.asdict(args).items():
@@ -5015,7 +5114,7 @@ def build_model(args: Hyperparameters, env: DistEnv, init_state: dict | None = N
     if env.world_size > 1:  # identical weights on every rank whatever the device's RNG does
         for t in [*model.parameters(), model.bigram_signs]:
             dist.broadcast(t.data, src=0)
-    refresh_fp8(model)
+    refresh_fp8(model, "exact")  # of the cast weights (record #89's scales of its bf16 weights)
     return model
 
 

@@ -3,12 +3,12 @@
   python data/cached_fineweb10B.py        # the val shard + the first 10 training shards (about 2.2 GB)
   python data/cached_fineweb10B.py 103    # all of FineWeb10B (about 20.8 GB)
 
-Why 10 by default: train_gpt.py's speedrun preset (record #85) trains 1,290 steps in stages of 8
-micro-batches of 16,385, 32,769 and 49,153 tokens, and a shard supplies fewer steps than its 100,000,000
-tokens suggest: each document gives only its first 896 (first stage) or 2,048 tokens, a micro-batch skips
-the rest of the document it ends in, and a step never straddles two shards. Under the synthetic
+Why 10 by default: train_gpt.py's speedrun preset (record #89) trains 1,285 steps (--preset=record85: 1,290)
+in stages of 8 micro-batches of 16,385, 32,769 and 49,153 tokens, and a shard supplies fewer steps than its
+100,000,000 tokens suggest: each document gives only its first 896 (first stage) or 2,048 tokens, a micro-batch
+skips the rest of the document it ends in, and a step never straddles two shards. Under the synthetic
 document-length model of train_gpt.py (exponential, mean 1,000 tokens) the shards supply 436, 325, 247,
-218 and 218 steps in turn (their steps use 59% of the first shard's tokens, 85-86% of the others'), so 5
+218 and 218 steps in turn (counted for record #85's 1,290) (their steps use 59% of the first shard's tokens, 85-86% of the others'), so 5
 would do; the public repository's instructions download 9; the default is those 9 and one spare.
 train_gpt.py counts the steps of the shards it finds before it starts, and refuses to run short (naming
 how many shards to fetch) unless --repeat_data=true.
@@ -32,7 +32,7 @@ import shards
 REPO_ID = "kjj0/fineweb10B-gpt2"
 REPO_TYPE = "dataset"
 TRAIN_SHARDS_IN_REPO = 103  # fineweb_train_000001.bin .. fineweb_train_000103.bin
-SPEEDRUN_STEPS = 1290  # train_gpt.py's num_iterations
+SPEEDRUN_STEPS = 1285  # train_gpt.py's num_iterations
 RECORD_TRAIN_SHARDS = 9  # what the public speedrun repository's instructions download
 DEFAULT_TRAIN_SHARDS = RECORD_TRAIN_SHARDS + 1  # one spare: the steps a real shard supplies are not measured here
 DEFAULT_OUT = Path(__file__).resolve().parent / "fineweb10B"

@@ -5,6 +5,8 @@ MUDD mixing, the multi-token loss and its gradient, the FP8 MLP and head, rotary
 isolation, the layer plan, initial values, parameter dtypes, config parsing."""
 
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -403,7 +405,7 @@ def test_prefix_weights_follow_their_stage_schedule():
     assert [(s.start, s.end) for s in schedule.stages] == [(0, 10), (10, 20), (20, 30), (30, 33)]
     assert [schedule.prefix_weight(step) for step in (0, 9, 10, 15, 19)] == pytest.approx([0.25, 0.25, 0.25, 0.125, 0.025])
     assert all(schedule.prefix_weight(step) is None for step in (20, 29, 30, 33))  # no prefix column at all
-    assert schedule.prefix_term and not T.Schedule(T.parse_args([], True)).prefix_term  # the speedrun (#85) has none
+    assert schedule.prefix_term and not T.Schedule(T.parse_args(["--preset=record85"], True)).prefix_term
     for flags, message in ((["--stage_prefix_weights=0.25,0"], "must list one value per stage"),
                            (["--stage_prefix_weights=0.1>0.2>0.3,0,0"], "expected comma-separated numbers"),
                            (["--stage_prefix_weights=-1,0,0"], "expected finite numbers >= 0")):
@@ -573,6 +575,162 @@ def test_fp8_mlp_matches_its_quantised_definition_and_backward_is_bf16():
     for ours, ref in ((mlp.fc.grad, grad_pre.T @ x.detach()), (x.grad, grad_pre @ mlp.fc)):
         assert_close(ours.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6 * ref.float().abs().max().item())
     assert mlp.fc.grad.dtype == torch.bfloat16
+
+
+# --- record #89's FP8 down-projection and its delayed scales ---------------------------------------------------
+
+def fp8_down_mlp(seed=7, dim=64):
+    """An MLP with both projections' forwards in FP8 (record #89), its weights in bf16 and its scales in fp32 (as
+    cast_parameters leaves them), at the scales of its start."""
+    g = torch.Generator().manual_seed(seed)
+    mlp = T.MLP(dim, 4, "fp8", scaled_down=True)
+    with torch.no_grad():
+        mlp.fc.copy_(torch.randn(4 * dim, dim, generator=g) * 0.05)
+        mlp.proj.copy_(torch.randn(4 * dim, dim, generator=g) * 0.05)
+    for p in mlp.parameters():
+        p.data = p.data.bfloat16()
+    mlp.refresh_fp8("exact")
+    return mlp.train(), g
+
+
+def e4m3(t):
+    return t.float().clamp(-448, 448).to(torch.float8_e4m3fn).float()
+
+
+def hidden_saved(mlp, x):
+    """mlp(x), and the (tokens, hidden) tensors its forward keeps for the backward."""
+    kept = []
+    hook = lambda t: kept.append(t) or t
+    with torch.autograd.graph.saved_tensors_hooks(hook, lambda t: t):
+        out = mlp(x)
+    return out, [t for t in kept if t.dim() == 2 and t.shape[-1] == mlp.fc.shape[0]]
+
+
+def test_fp8_down_projection_is_record_89s_quantised_matmul_and_its_backward_is_bf16s():
+    mlp, g = fp8_down_mlp()
+    up_only = copy.deepcopy(mlp)
+    up_only.down_fp8 = False  # the same FP8 up-projection, the down-projection in bf16
+    w_scale = (mlp.proj.abs().max() / 448).float()  # the record's exact scale: divided in the weights' bf16
+    assert mlp.down_weight_scale == w_scale and mlp.down_act_scale == 1.0  # no activation's maximum yet
+    assert mlp.down_weight_next_scale == mlp.proj.abs().max().float() * (1.12 / 448)
+    assert mlp.state_dict().keys() == {"fc", "proj", "down_act_scale", "down_weight_scale", "down_weight_next_scale"}
+    for clip in (False, True):  # the start's 1.0 (nothing clips), then an eighth of the set scale: the largest clip
+        x = T.norm(torch.randn(48, 64, generator=g)).bfloat16().requires_grad_()
+        x_ref = x.detach().clone().requires_grad_()
+        if clip:
+            mlp.down_act_scale.div_(8)
+        scale = mlp.down_act_scale.clone()
+        out, saved = hidden_saved(mlp, x)
+        ref, saved_ref = hidden_saved(up_only, x_ref)
+        assert len(saved) == 1 and torch.equal(saved[0], saved_ref[0]), "the FP8 forward keeps more, or another post"
+        post = saved[0].float()  # relu^2's bf16 output, the same in both
+        clipped = int((post / scale > 448).sum())
+        assert (clipped > 0) == clip, clipped
+        expected = (e4m3((post / scale).clamp(max=448)) @ e4m3(mlp.proj.float() / w_scale)) * scale * w_scale
+        assert_close(out.float(), expected.bfloat16().float(), rtol=2 ** -7, atol=1e-5)
+        assert mlp.down_act_scale == post.max() * (1.8 / 448)  # the next forward's
+        assert not torch.equal(out, ref)  # FP8 rounding: a check that the FP8 path ran
+        grad = torch.randn(out.shape, generator=g).bfloat16()
+        out.backward(grad)
+        ref.backward(grad)
+        assert torch.equal(x.grad, x_ref.grad), "the backward is not the bf16 one"
+    for p, p_ref in zip(mlp.parameters(), up_only.parameters()):
+        assert p.grad.dtype == torch.bfloat16 and torch.equal(p.grad, p_ref.grad)
+    before = mlp.down_act_scale.clone()
+    assert torch.equal(mlp.eval()(x), up_only.eval()(x)) and mlp.down_act_scale == before  # evaluation: no FP8
+
+
+def test_fp8_down_scales_follow_record_89s_delayed_scaling_over_20_steps():
+    mlp, g = fp8_down_mlp()
+    assert T.DOWN_EXACT_STEPS == 16 and [T.down_scales(s) for s in (0, 15, 16, 19)] == ["exact"] * 2 + ["delayed"] * 2
+    # 20 steps of weights whose largest entry moves both ways, by more than the 12% headroom at steps 17 and 18
+    growth = [1.0, 0.9, 1.1, 1.05, 0.95, 1.2, 1.0, 0.8, 1.0, 1.3, 1.0, 1.0, 0.9, 1.1, 1.0, 1.0, 1.05, 1.3, 1.25, 0.9]
+    weights, w = [], mlp.proj.detach().float()
+    for k in growth:
+        w = (w * k + 0.002 * torch.randn(w.shape, generator=g)).bfloat16().float()
+        weights.append(w)
+    previous_amax, reach = None, []
+    for step, w in enumerate(weights):
+        mlp.proj.data = w.bfloat16()
+        mlp.refresh_fp8(T.down_scales(step))
+        amax = w.abs().max()
+        if step < 16:  # exact: the weights' own maximum / 448, in bf16
+            used = (amax.bfloat16() / 448).float()
+        else:  # 1.12 x the previous step's maximum / 448, in fp32
+            used = previous_amax * torch.tensor(1.12 / 448)
+        assert mlp.down_weight_scale == used, step
+        assert torch.equal(mlp.proj_f8_t.T.float(), e4m3(w / used)), step
+        reach.append(float(amax / used / 448))  # past 1: the largest weights clip at 448
+        previous_amax = amax
+    # exact steps reach 448 within the bf16 rounding of their scale; delayed ones 1/1.12 of it, unless they grew
+    assert all(abs(r - 1) <= 2 ** -8 for r in reach[:16]), reach
+    assert reach[17] > 1.1 and reach[18] > 1.05 and all(r < 1 for r in (reach[16], reach[19])), reach
+    # the activation's scale: 1.8 x the previous forward's maximum of relu^2's output, 1.0 before the first
+    fresh, _ = fp8_down_mlp()
+    expected_next = torch.tensor(1.0)
+    for i in range(4):
+        x = T.norm(torch.randn(32, 64, generator=g)).bfloat16()
+        before = fresh.down_act_scale.clone()
+        _, saved = hidden_saved(fresh, x)
+        assert before == expected_next, i
+        expected_next = saved[0].float().max() * torch.tensor(1.8 / 448)
+        assert fresh.down_act_scale == expected_next
+
+
+def test_fp8_down_state_loads_back_and_continues_bit_for_bit():
+    args = T.parse_args(["--preset=smoke"], False)
+    numerics = T.Numerics(torch.float32, "fp32", "fp8")
+    torch.manual_seed(0)
+    model = T.GPT(args, numerics).train()
+    T.refresh_fp8(model, "exact")
+    tokens = torch.randint(0, 50000, (129,))
+    tokens[0] = T.BOS_ID
+    masks = T.build_masks(tokens[:-1], model.plans, (1, 2), args.window_block, False)
+    mtp = torch.tensor([1.0, 0.5])
+
+    def step(m, s):
+        m(tokens[:-1], tokens[1:], masks, mtp, loss_scale=1.0).backward()
+        with torch.no_grad():
+            for p in m.parameters():
+                if p.grad is not None:
+                    p -= 0.01 * p.grad.sign()
+                p.grad = None
+        T.refresh_fp8(m, T.down_scales(s))
+
+    for s in range(3):
+        step(model, s)
+    again = T.GPT(args, numerics).train()
+    again.load_state_dict(model.state_dict())  # the post-load refresh quantises at the loaded scales
+    scaled = [b.mlp for b in model.blocks]
+    assert all(m.down_fp8 for m in scaled)
+    for m, m2 in zip(scaled, [b.mlp for b in again.blocks]):
+        for name in ("proj_f8_t", "fc_f8", "down_weight_scale", "down_weight_next_scale", "down_act_scale"):
+            assert torch.equal(getattr(m, name).float(), getattr(m2, name).float()), name
+    assert len({float(m.down_act_scale) for m in scaled}) == len(scaled)  # set by the forwards, one per layer
+    for s in (3, 20):  # an exact step, a delayed one
+        step(model, s)
+        step(again, s)
+    pairs = zip(model.state_dict().values(), again.state_dict().values())
+    assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in pairs)
+
+
+def test_each_rank_resumes_with_its_own_activation_scales(tmp_path):
+    args = T.parse_args(["--preset=smoke"], False)
+    model = T.GPT(args, T.Numerics(torch.float32, "fp32", "fp8"))
+    own = T.rank_buffers(model)
+    assert sorted(own) == [f"blocks.{i}.mlp.down_act_scale" for i in range(args.num_layers)]
+    rank_0 = copy.deepcopy(model.state_dict())  # model.pt: rank 0's scales
+    rank_1 = {name: torch.tensor(2.0 + i) for i, name in enumerate(own)}
+    loader = type("Loader", (), {"load_state_dict": lambda self, state: None})()
+    env = T.DistEnv(1, 1, 2, torch.device("cpu"))
+    state = {"step": 4, "optimizers": [], "rank_buffers": rank_1, "cpu_rng": torch.get_rng_state()}
+    meta = type("Meta", (), {"loader": {}, "step": 4, "train_time_ms": 1.0})()
+    T.load_checkpoint(T.Resume(tmp_path, meta, rank_0, state), model, [], loader, env)
+    assert all(own[name] == value for name, value in rank_1.items())
+    del state["rank_buffers"]  # a checkpoint of the same config without them: refused, in one line
+    with pytest.raises(T.TrainingError, match=r"does not fit this run \(rank 1's activation scales: the "
+                                              r"checkpoint holds 0, the model 6\)"):
+        T.load_checkpoint(T.Resume(tmp_path, meta, rank_0, state), model, [], loader, env)
 
 
 class StubAttention(torch.nn.Module):

@@ -1,6 +1,7 @@
-"""Record #85's recipe: the speedrun preset's values, the stage schedule (learning rate, momentum, windows,
-batch sizes, sequence lengths, multi-token weights, the untie step) against the record's numbers written out
-by hand, and the loader's BOS-aligned packing across stages and world sizes."""
+"""The records' recipes: the record85 preset's values and stage schedule (learning rate, momentum, windows,
+batch sizes, sequence lengths, multi-token weights, the untie step) against record #85 v3's numbers written out
+by hand; the speedrun preset's (record #89's) where they differ; and the loader's BOS-aligned packing across
+stages and world sizes."""
 
 import numpy as np
 import pytest
@@ -8,12 +9,12 @@ import torch
 
 import train_gpt as T
 
-SPEEDRUN = T.parse_args(["--preset=speedrun"], True)
-SCHEDULE = T.Schedule(SPEEDRUN)
+RECORD85 = T.parse_args(["--preset=record85"], True)
+SCHEDULE = T.Schedule(RECORD85)
 
 
-def test_speedrun_preset_holds_record_85s_values():
-    a = SPEEDRUN
+def test_record85_preset_holds_record_85s_values():
+    a = RECORD85
     assert (a.num_iterations, a.extension_steps, a.micro_batches) == (1290, 15, "8")
     assert [(s.start, s.end) for s in SCHEDULE.stages] == [(0, 425), (425, 850), (850, 1275), (1275, 1290)]
     assert [s.batch_tokens for s in SCHEDULE.stages] == [131_072, 262_144, 393_216, 393_216]
@@ -30,6 +31,38 @@ def test_speedrun_preset_holds_record_85s_values():
     assert (a.logit_cap, a.logit_cap_shift, a.logit_cap_width, a.dc_window) == (23, 5, 7.5, 112)
     # 425 * 131,072 + 425 * 262,144 + (425 + 15) * 393,216 training tokens
     assert sum(SCHEDULE.stage(s).batch_tokens for s in range(a.num_iterations)) == 340_131_840
+
+
+# Record #89 as merged upstream (its root train_gpt.py at f411b3d3: notes/record89.md): record #85 v3's recipe on
+# 1,270 scheduled steps, stage ends round(1270 * i / 3), the split (untie) step 847 | 1 = 847, the cooldown from
+# int(1270 * 0.4) = 508; record #88's prefix weight 0.25 through stage 1, 0.25 -> 0 over stage 2, 0 after; #89's
+# FP8 down-projection.
+SPEEDRUN = T.parse_args(["--preset=speedrun"], True)
+
+
+def test_speedrun_preset_is_record_89s_schedule_on_record_85s_values():
+    schedule = T.Schedule(SPEEDRUN)
+    assert (SPEEDRUN.num_iterations, SPEEDRUN.extension_steps, SPEEDRUN.mlp_down_fp8) == (1285, 15, True)
+    assert [(s.start, s.end) for s in schedule.stages] == [(0, 423), (423, 847), (847, 1270), (1270, 1285)]
+    assert schedule.untie_step == 847 and schedule.cooldown_start == 508
+    assert [schedule.lr(s) for s in (0, 423, 508)] == [1.0, 1.52, 1.52]
+    assert schedule.lr(846) == pytest.approx(1.52 * (1 - 338 / 762) + 0.15 * 338 / 762, rel=1e-12)
+    assert schedule.lr(847) == pytest.approx(1.73 * (1 - 339 / 762) + 0.15 * 339 / 762, rel=1e-12)
+    assert [schedule.lr(s) for s in (1270, 1284)] == [0.15, 0.15]
+    assert schedule.momentum(1235) == 0.95 and schedule.momentum(1284) == pytest.approx(0.95 - 0.1 * 49 / 50)
+    weights = [schedule.prefix_weight(s) for s in (0, 422, 423, 635, 846)]
+    assert weights == pytest.approx([0.25, 0.25, 0.25, 0.25 * (1 - 212 / 424), 0.25 * (1 - 423 / 424)], rel=1e-12)
+    assert all(schedule.prefix_weight(s) is None for s in (847, 1269, 1270, 1285))
+    assert [schedule.mtp_weights(s) for s in (422, 846)] == [pytest.approx((1, 0.5, 0.25 / 423)),
+                                                           pytest.approx((1, 0.5 / 424))]
+    assert [s for s in range(1286) if schedule.validates(s)] == [0, 250, 500, 750, 1000, 1250, 1285]
+    # everything else is record #85 v3's
+    same = {f.name for f in T.dataclasses.fields(T.Hyperparameters)} - {
+        "preset", "num_iterations", "stage_prefix_weights", "mlp_down_fp8"}
+    assert all(getattr(SPEEDRUN, name) == getattr(RECORD85, name) for name in same)
+    assert (RECORD85.stage_prefix_weights, RECORD85.mlp_down_fp8) == ("0,0,0", False)
+    # 423 * 131,072 + 424 * 262,144 + (423 + 15) * 393,216 training tokens
+    assert sum(schedule.stage(s).batch_tokens for s in range(1285)) == 338_821_120
 
 
 # The record's learning-rate multiplier: its stage's (1, 1.52, 1.73), then from step int(1275 * 0.4) = 510 a
@@ -49,7 +82,7 @@ def test_lr_schedule(step, expected):
 @pytest.mark.parametrize("step, expected", [(0, 0.85), (150, 0.9), (299, 0.85 + 0.1 * 299 / 300), (300, 0.95),
                                             (1240, 0.95), (1241, 0.95 - 0.1 / 50), (1265, 0.9), (1289, 0.95 - 0.1 * 49 / 50)])
 def test_muon_momentum_schedule(step, expected):
-    assert T.Schedule(SPEEDRUN).momentum(step) == pytest.approx(expected, rel=1e-12)
+    assert T.Schedule(RECORD85).momentum(step) == pytest.approx(expected, rel=1e-12)
 
 
 # Multi-token weights move linearly over each stage: [1, .5, .25 -> 0], then [1, .5 -> 0], then [1].
@@ -74,11 +107,11 @@ def test_stage_boundaries(step, windows, batch, length):
 
 def test_untie_adam_and_validation_steps():
     assert SCHEDULE.untie_step == 851  # the record's split step: 850 | 1, an odd step, so that Adam steps
-    schedule = T.Schedule(SPEEDRUN)
+    schedule = T.Schedule(RECORD85)
     assert [s for s in range(6) if schedule.adam_steps(s)] == [1, 3, 5]
     assert [s for s in range(1291) if schedule.validates(s)] == [0, 250, 500, 750, 1000, 1250, 1290]
     assert SCHEDULE.windows(1290, final_validation=True) == (6, 20)
-    assert T.Schedule(T.parse_args(["--preset=speedrun", "--untie_stage=3"], True)).untie_step is None
+    assert T.Schedule(T.parse_args(["--preset=record85", "--untie_stage=3"], True)).untie_step is None
 
 
 def test_yarn_follows_the_window_changes_and_stays_for_the_final_validation():
