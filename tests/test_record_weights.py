@@ -1,8 +1,8 @@
-"""tools/record_weights.py: record #85's state_dict <-> ours, both ways, exactly; and its command line. The
-record's layout is written out here from its code: qk_bank holds, per attention layer in order, the head
-pairs' query blocks then their key blocks; vo_bank the value then the output matrix; mlp_bank[layer] the
+"""tools/record_weights.py: record #89's (and #85's) state_dict <-> ours, both ways, exactly; and its command
+line. The record's layout is written out here from its code: qk_bank holds, per attention layer in order, the
+head pairs' query blocks then their key blocks; vo_bank the value then the output matrix; mlp_bank[layer] the
 up-projection (fc) and the down-projection (proj); each bank padded (qk and vo to multiples of 8 matrices, mlp
-to 12 layers)."""
+to 12 layers); record #89's three FP8 scale vectors of the down-projections, one entry per MLP of mlp_bank."""
 
 import datetime
 import errno
@@ -31,14 +31,21 @@ def random_state(args, seed=0):
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if ".down_" in name:  # the FP8 scales (record #89)
+                b.copy_(torch.rand(()) + 0.5)
     return model.state_dict()
+
+
+def padded_tensor(name: str) -> bool:
+    return name.endswith("bank") or name.removeprefix(W.COMPILED_PREFIX) in W.DOWN_SCALES
 
 
 def record_like(args, seed=1):
     """A record-layout state dict for this architecture, with values everywhere (the padding included)."""
     record = W.ours_to_record(random_state(args, seed), args)
     g = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(v.shape, generator=g) if k.endswith("bank") else v for k, v in record.items()}
+    return {k: torch.randn(v.shape, generator=g) if padded_tensor(k) else v for k, v in record.items()}
 
 
 def test_the_record_layout_maps_to_our_layers():
@@ -59,6 +66,9 @@ def test_the_record_layout_maps_to_our_layers():
     assert torch.equal(ours["bigram_signs"], record["_orig_mod.bigram_sign_table"])
     assert record["_orig_mod.qk_bank"].shape[0] == 24 and record["_orig_mod.vo_bank"].shape[0] == 16  # 20, 10 used
     assert record["_orig_mod.mlp_bank"].shape[0] == 12
+    for theirs, mine in W.DOWN_SCALES.items():
+        assert record[f"_orig_mod.{theirs}"].shape == (12,)
+        assert all(ours[f"blocks.{layer}.mlp.{mine}"] == record[f"_orig_mod.{theirs}"][layer] for layer in range(6))
 
 
 def test_conversions_are_exact_inverses():
@@ -72,11 +82,26 @@ def test_conversions_are_exact_inverses():
     back = W.ours_to_record(W.record_to_ours(record, SMOKE), SMOKE, like=record)
     assert back.keys() == record.keys()
     assert all(torch.equal(back[k], record[k]) for k in record)
-    # without `like`, only the padding is lost (zeros)
+    # without `like`, only the padding is lost (zeros; ones for the scales, the record's initial values)
     plain = W.ours_to_record(W.record_to_ours(record, SMOKE), SMOKE)
     assert [k for k in record if not torch.equal(plain[k], record[k])] == [
-        "_orig_mod.qk_bank", "_orig_mod.vo_bank", "_orig_mod.mlp_bank"]
+        "_orig_mod.qk_bank", "_orig_mod.vo_bank", "_orig_mod.mlp_bank",
+        *(f"_orig_mod.{name}" for name in W.DOWN_SCALES)]
     assert not plain["_orig_mod.qk_bank"][20:].any() and not plain["_orig_mod.mlp_bank"][6:].any()
+    assert all((plain[f"_orig_mod.{name}"][6:] == 1).all() for name in W.DOWN_SCALES)
+
+
+def test_record_85s_state_dict_converts_under_its_preset_and_is_named_under_the_speedrun_s():
+    record85 = T.parse_args(["--preset=smoke", "--mlp_down_fp8=false"], False)
+    record = record_like(record85)
+    assert not any(k.removeprefix(W.COMPILED_PREFIX) in W.DOWN_SCALES for k in record)
+    ours = W.record_to_ours(record, record85)
+    assert not any(".down_" in k for k in ours) and ours.keys() == T.GPT(record85).state_dict().keys()
+    assert W.ours_to_record(ours, record85, like=record).keys() == record.keys()
+    with pytest.raises(W.WeightsError, match=r"missing '_mlp_down_act_scales' \(expected shape \(6,\)\) \(record "
+                                             r"#89's FP8 scales: a record #85 v3 state dict converts with `-- "
+                                             r"--preset=record85`\); and 2 more key\(s\) wrong"):
+        W.record_to_ours(record, SMOKE)
 
 
 def test_the_speedrun_model_has_the_records_parameters_in_use():
@@ -191,7 +216,7 @@ REFUSED = [  # id, the input file, to-ours's own flags, the fragments of its err
     # #7: an integer or complex copy of a state was converted (into zeros, or real parts)
     ("int64_state", saved(dtype=torch.int64), [],
      ["'embed.weight' has dtype int64, expected a floating one (bfloat16, float16, float32 or float64)",
-      "; and 19 more key(s) wrong"]),
+      "; and 22 more key(s) wrong"]),
     ("complex_state", saved(dtype=torch.complex64), [], ["'embed.weight' has dtype complex64, expected a floating"]),
     ("bf16_state_with_an_int32_tensor", saved(cast("scalars", torch.int32)), [],
      ["'scalars' has dtype int32, expected a floating one"]),

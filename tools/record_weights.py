@@ -1,18 +1,21 @@
-"""Weights interop with public modded-nanogpt record #85 v3: its GPT's state_dict <-> this repository's.
+"""Weights interop with public modded-nanogpt record #89 (its root train_gpt.py at f411b3d3, the speedrun
+preset) and record #85 v3 (--preset=record85): their GPT's state_dict <-> this repository's.
 
-    python tools/record_weights.py to-ours state_step001290.pt ck/record85/final   # sample.py / --init_from
+    python tools/record_weights.py to-ours state_step001285.pt ck/record89/final   # sample.py / --init_from
     python tools/record_weights.py to-record ck/run/final record_state.pt           # load into the record's GPT
+    python tools/record_weights.py to-ours state_step001290.pt ck/record85/final -- --preset=record85
 
-to-ours builds the speedrun preset's model; train_gpt.py flags after `--` change that (the same architecture
-at another size, e.g. in the tests).
+to-ours builds the speedrun preset's model; train_gpt.py flags after `--` change that (record #85 v3's model, or
+the same architecture at another size, e.g. in the tests).
 
 In Python, record_to_ours(state) and ours_to_record(state) convert state dicts (tensors are shared, not
 copied). The record keeps its attention and MLP matrices in banks padded for 8 ranks (qk_bank: 6 head-pair
 blocks per attention layer, 60 used of 64; vo_bank: value and output per attention layer, 20 of 24;
-mlp_bank: fc and proj of 11 layers plus an unused 12th); this repository keeps them per layer, without the
-padding. The two functions are exact inverses on everything either model reads:
+mlp_bank: fc and proj of 11 layers plus an unused 12th), and record #89 its down-projections' FP8 scales in
+vectors of 12 (the activation's, per rank: the file holds its rank 0's; the weight's used and next); this
+repository keeps them per layer, without the padding. The two functions are exact inverses on everything either model reads:
 record_to_ours(ours_to_record(s)) == s, and ours_to_record(record_to_ours(r), like=r) == r, where `like`
-supplies the record's padding (zeros, and the unused 12th MLP's initial fc, otherwise). The rotary state,
+supplies the record's padding (zeros, and the unused 12th MLP's initial fc and its scales, otherwise). The rotary state,
 which the record does not save, is the one after the schedule's window changes up to `step` (default: the
 end of training).
 
@@ -47,7 +50,11 @@ import train_gpt as T  # noqa: E402
 COMPILED_PREFIX = "_orig_mod."  # the record's model is torch.compile'd: its state_dict keys carry this
 RECORD_MLP_LAYERS = 12  # the record's mlp_bank always has 12 (11 used)
 RECORD_WORLD_SIZE = 8
-BANKS = ("qk_bank", "vo_bank", "mlp_bank")  # their first size is the record's padded row count: at least ours
+# Record #89's FP8 scales of the down-projections (--mlp_down_fp8): record name -> our per-layer buffer
+DOWN_SCALES = {"_mlp_down_act_scales": "down_act_scale", "_mlp_down_proj_scales": "down_weight_scale",
+               "_mlp_down_proj_next_scales": "down_weight_next_scale"}
+# their first size is the record's padded row count: at least ours
+BANKS = ("qk_bank", "vo_bank", "mlp_bank", *DOWN_SCALES)
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since PyTorch 1.6
 # The legacy format (a pickle) starts with torch's magic number, pickled (LONG1 of 10 bytes) after the protocol
 # and, from protocol 4, a frame header.
@@ -104,9 +111,12 @@ def _take(state: dict, name: str):
 
 def _banks(state: dict, args: T.Hyperparameters) -> dict[str, torch.Tensor]:
     """Our per-layer matrices gathered into the record's banks, without its padding: qk_bank
-    (heads * attention layers, ...), vo_bank (2 * attention layers, ...), mlp_bank (layers, 2, ...)."""
+    (heads * attention layers, ...), vo_bank (2 * attention layers, ...), mlp_bank (layers, 2, ...); and with
+    --mlp_down_fp8, record #89's scale vectors (layers,)."""
     layers = _attention_layers(args)
-    return {
+    scales = {theirs: torch.stack([_take(state, f"blocks.{layer}.mlp.{mine}") for layer in range(args.num_layers)])
+              for theirs, mine in DOWN_SCALES.items()} if args.mlp_down_fp8 else {}
+    return {**scales,
         "qk_bank": torch.cat([_take(state, f"blocks.{layer}.attn.qk") for layer in layers]),
         "vo_bank": torch.cat([_take(state, f"blocks.{layer}.attn.vo") for layer in layers]),
         "mlp_bank": torch.stack([torch.stack([_take(state, f"blocks.{layer}.mlp.fc"),
@@ -135,7 +145,7 @@ def _shape_problem(name: str, found: tuple, expected: tuple) -> str | None:
 
 
 def check_record_state(state: dict, args: T.Hyperparameters) -> dict:
-    """The record's state dict without the '_orig_mod.' prefix, once it is record #85's GPT for this config:
+    """The record's state dict without the '_orig_mod.' prefix, once it is the record's GPT for this config:
     string keys; every tensor there; floating dtypes; the shapes of record_shapes. Otherwise a WeightsError,
     one line naming the first key that is wrong and how many more are. Tensors the conversion does not use (a
     buffer the record's file may hold) are left out, and unused_keys names them."""
@@ -154,7 +164,9 @@ def check_record_state(state: dict, args: T.Hyperparameters) -> dict:
     for name, shape in expected.items():
         value = plain.get(name)
         if value is None:
-            problems.append(f"missing {name!r} (expected shape {shape})")
+            hint = (" (record #89's FP8 scales: a record #85 v3 state dict converts with `-- --preset=record85`)"
+                    if name in DOWN_SCALES else "")
+            problems.append(f"missing {name!r} (expected shape {shape}){hint}")
         else:  # train_gpt.py's one check of a stored tensor: dense, on the CPU, floating (see T.check_weights)
             problems.append(T.tensor_problem(name, value) or _shape_problem(name, tuple(value.shape), shape))
     if not any(problems):  # last, as the trainer's reader does: it reads every value
@@ -187,6 +199,8 @@ def record_to_ours(state: dict, args: T.Hyperparameters | None = None, step: int
     for layer in range(args.num_layers):
         ours[f"blocks.{layer}.mlp.fc"] = mlp[layer, 0]
         ours[f"blocks.{layer}.mlp.proj"] = mlp[layer, 1]
+        for theirs, mine in DOWN_SCALES.items() if args.mlp_down_fp8 else ():
+            ours[f"blocks.{layer}.mlp.{mine}"] = state[theirs][layer]
     for name, value in rotary_state(args, args.num_iterations if step is None else step).items():
         ours[f"rotary.{name}"] = value
     return ours
@@ -206,19 +220,21 @@ def ours_to_record(state: dict, args: T.Hyperparameters | None = None, like: dic
     banks = _banks(state, args)
     qk, vo, mlp = banks["qk_bank"], banks["vo_bank"], banks["mlp_bank"]
 
-    def padded(used: torch.Tensor, name: str, rows: int) -> torch.Tensor:
+    def padded(used: torch.Tensor, name: str, rows: int, fill: float = 0.0) -> torch.Tensor:
         if like is not None:
             full = _take(like, name).clone()
             if full.shape[1:] != used.shape[1:] or full.size(0) < used.size(0):
                 raise WeightsError(f"like[{name!r}] has shape {tuple(full.shape)}, not a padded {tuple(used.shape)}")
         else:
-            full = used.new_zeros((rows, *used.shape[1:]))
+            full = used.new_full((rows, *used.shape[1:]), fill)
         full[:used.size(0)] = used
         return full
 
     record["qk_bank"] = padded(qk, "qk_bank", -(-qk.size(0) // RECORD_WORLD_SIZE) * RECORD_WORLD_SIZE)
     record["vo_bank"] = padded(vo, "vo_bank", -(-vo.size(0) // RECORD_WORLD_SIZE) * RECORD_WORLD_SIZE)
     record["mlp_bank"] = padded(mlp, "mlp_bank", max(RECORD_MLP_LAYERS, args.num_layers))
+    for name in DOWN_SCALES if args.mlp_down_fp8 else ():  # the record's initial scales: ones
+        record[name] = padded(banks[name], name, max(RECORD_MLP_LAYERS, args.num_layers), fill=1.0)
     return {prefix + k: v for k, v in record.items()}
 
 
