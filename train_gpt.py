@@ -2483,7 +2483,7 @@ def refresh_fp8(model: GPT, scales: str = "stored"):
         return
     mlp_copies, down_copies, head_copies = model.fp8_copies(
         [mlp.fc for mlp in mlps], [(m.proj, m.down_weight_scale, m.down_weight_next_scale) for m in downs], head,
-        scales)
+        scales if downs else "stored")  # one compiled graph where no scale moves
     for mlp, (fc_f8, fc_scale) in zip(mlps, mlp_copies):
         mlp.fc_f8, mlp.fc_scale = fc_f8, fc_scale
     for mlp, (proj_f8_t, used, upcoming) in zip(downs, down_copies):
