@@ -4507,15 +4507,21 @@ def model_state_shapes(args: Hyperparameters) -> dict:
         return GPT(args).state_dict()
 
 
-def read_weights(path: Path, args: Hyperparameters, skip: str | None = None) -> dict:
-    """A weights file of ours, checked against the model of `args` (see the block above); keys starting with
-    `skip` are left out first (--init_from's rotary state follows its own run's schedule). Raises WeightsError."""
-    expected = {k: v for k, v in model_state_shapes(args).items() if not (skip and k.startswith(skip))}
+def read_weights(path: Path, args: Hyperparameters, skip=None) -> dict:
+    """A weights file of ours, checked against the model of `args` (see the block above); keys for which
+    `skip(key)` holds are left out first (--init_from's run state: see init_run_state). Raises WeightsError."""
+    expected = {k: v for k, v in model_state_shapes(args).items() if not (skip and skip(k))}
     check_fits_host(expected, path.stat().st_size)
     state = load_weights(path)
     if isinstance(state, dict) and skip:
-        state = {k: v for k, v in state.items() if not (isinstance(k, str) and k.startswith(skip))}
+        state = {k: v for k, v in state.items() if not (isinstance(k, str) and skip(k))}
     return check_weights(state, expected)
+
+
+def init_run_state(key: str) -> bool:
+    """What --init_from does not take from its weights: the rotary state, which follows this run's schedule, and
+    the down-projections' FP8 scales, which start over (so final weights of either preset start the other)."""
+    return key.startswith("rotary.") or ".mlp.down_" in key
 
 
 FINAL_WEIGHTS_FORMAT = "train_gpt.py final weights, version 1"
@@ -5091,13 +5097,13 @@ def keep_freed_cpu_memory():
 
 def read_init_weights(args: Hyperparameters) -> dict:
     """--init_from's weights, checked against the model this config builds (read_weights) before the run creates
-    anything. The rotary state is left out: it follows this run's schedule."""
+    anything, without the run state of init_run_state."""
     path = Path(args.init_from)
     if not (path / "model.pt").is_file():
         raise DataError(f"--init_from={path}: not a final-weights folder (no model.pt; train with "
                         f"--save_final=true, or convert the record's weights with tools/record_weights.py)")
     try:
-        return read_weights(path / "model.pt", args, skip="rotary.")
+        return read_weights(path / "model.pt", args, skip=init_run_state)
     except (WeightsError, OSError) as e:
         raise DataError(f"--init_from={path}: its weights do not fit this config's model ({first_line(e)})") from None
 

@@ -1,6 +1,7 @@
 """End-to-end runs of train_gpt.py on CPU: the smoke preset, world-size invariance, bad input."""
 
 import contextlib
+import dataclasses
 import errno
 import io
 import os
@@ -8,6 +9,7 @@ import re
 import sys
 
 import pytest
+import torch
 
 import train_gpt as T
 from conftest import REPO, TRAIN, one_line_error, python, run_command, run_main, val_losses
@@ -130,6 +132,24 @@ def test_init_from_starts_from_a_final_weights_folder(final_folder, short_run, t
     assert trained < 10.3 and first < trained + 0.3, (first, trained)
     other = run_main("--model_dim=128", "--head_dim=32", f"--init_from={final_folder}", f"--logs_dir={tmp_path}")
     one_line_error(other, f"--init_from={final_folder}: its weights do not fit this config's model")
+
+
+def test_init_from_takes_final_weights_of_either_record_preset(tmp_path):
+    # record #89's FP8 scales are run state: --init_from starts them over (exact scales of the loaded weights), so
+    # final weights with them start a run without them (record85), and the other way round
+    with_scales = T.parse_args(["--preset=smoke"], False)
+    without = T.parse_args(["--preset=smoke", "--mlp_down_fp8=false"], False)
+    for saved, loaded in ((with_scales, without), (without, with_scales)):
+        folder = tmp_path / f"from_{saved.mlp_down_fp8}"
+        folder.mkdir()
+        torch.manual_seed(0)
+        state = T.GPT(saved).state_dict()
+        assert any(".mlp.down_" in k for k in state) == saved.mlp_down_fp8
+        torch.save(state, folder / "model.pt")
+        taken = T.read_init_weights(dataclasses.replace(loaded, init_from=str(folder)))
+        assert taken.keys() == {k for k in state if ".mlp.down_" not in k and not k.startswith("rotary.")}
+        model = T.build_model(loaded, T.DistEnv(0, 0, 1, torch.device("cpu")), taken)
+        assert torch.equal(model.embed.weight, state["embed.weight"])
 
 
 def test_run_sh_without_torch_says_so_in_one_line(tmp_path):
