@@ -993,9 +993,8 @@ class ReluSquaredMLP(torch.autograd.Function):
     def forward(ctx, x: Tensor, fc: Tensor, proj: Tensor, fc_f8: Tensor, fc_scale: Tensor,
                 proj_f8_t: Tensor | None = None, proj_scale: Tensor | None = None, act_scale: Tensor | None = None):
         x2 = x.flatten(0, -2)  # (tokens, dim): _scaled_mm takes 2-D operands
-        amax = x2.detach().abs().amax().float().clamp(min=1e-12)
-        x8 = (x2.detach().float() * (FP8_E4M3_MAX / amax)).to(torch.float8_e4m3fn)
-        post = F.relu(scaled_mm(x8, fc_f8.T, amax / FP8_E4M3_MAX, fc_scale, x.dtype, fast_accum=True)).square()
+        x8, x_scale = fp8_activation(x2.detach())
+        post = F.relu(scaled_mm(x8, fc_f8.T, x_scale, fc_scale, x.dtype, fast_accum=True)).square()
         ctx.save_for_backward(x2, fc, proj, post)
         if proj_f8_t is None:
             return (post @ proj.type_as(post)).view(*x.shape[:-1], -1)
@@ -1016,11 +1015,27 @@ class ReluSquaredMLP(torch.autograd.Function):
         return grad_x.view(grad.shape), grad_fc, grad_proj, None, None, None, None, None
 
 
+def in_dtype_of(like: Tensor, x: Tensor) -> Tensor:
+    """fp32 x as `like`'s dtype would hold it: rounded to bf16 for bf16, kept in fp32. Written with round_to_bf16,
+    which inductor keeps, where the record computes in bf16 eagerly (a cast inductor drops)."""
+    return round_to_bf16(x) if like.dtype == torch.bfloat16 else x
+
+
+def fp8_activation(x: Tensor) -> tuple[Tensor, Tensor]:
+    """The up-projection's input in e4m3 at its own absolute maximum, and the scale back (fp32). The record
+    computes the factor `448.0 / max` and the product in x's dtype (bf16), then casts; PyTorch divides a number by
+    a tensor as the tensor's reciprocal times the number, each rounded."""
+    amax = x.abs().amax().float().clamp(min=1e-12)
+    factor = in_dtype_of(x, in_dtype_of(x, 1 / amax) * FP8_E4M3_MAX)
+    scaled = in_dtype_of(x, x.float() * factor)
+    return scaled.to(torch.float8_e4m3fn), amax / FP8_E4M3_MAX
+
+
 def mlp_fp8(fc: Tensor) -> tuple[Tensor, Tensor]:
     """An MLP up-projection's e4m3 copy and its scale (fp32), by the weight's absolute maximum: the scale and
     the division in fc's dtype (bf16 on GPUs), as the record's."""
-    scale = fc.abs().amax().clamp(min=1e-12) / FP8_E4M3_MAX
-    return (fc / scale).to(torch.float8_e4m3fn), scale.float()
+    scale = in_dtype_of(fc, fc.abs().amax().float().clamp(min=1e-12) / FP8_E4M3_MAX)
+    return in_dtype_of(fc, fc.float() / scale).to(torch.float8_e4m3fn), scale
 
 
 # Record #89's delayed scaling of the down-projection. Its input's scale is 1.8x the absolute maximum of the
@@ -1037,8 +1052,7 @@ def mlp_down_fp8(proj: Tensor, used: Tensor, upcoming: Tensor, scales: str) -> t
     or "stored" (`used` as loaded: the copy of a checkpoint's weights, its scales unchanged)."""
     amax = proj.abs().amax()
     if scales == "exact":
-        used = amax.float().clamp(min=1e-12) / FP8_E4M3_MAX
-        used = round_to_bf16(used) if proj.dtype == torch.bfloat16 else used
+        used = in_dtype_of(proj, amax.float().clamp(min=1e-12) / FP8_E4M3_MAX)
     elif scales == "delayed":
         used = upcoming
     w8_t = (proj.float() / used).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).T.contiguous()
