@@ -60,7 +60,7 @@ SCENARIOS = {
                     "blocks = torch.arange(docs.numel() // block_size)")),
     # The FP8 MLP's weight operand made row-major: CPU's _scaled_mm takes it, CUDA's refuses it.
     "fp8_layout": (["--world_size=8", "--", *ONE_LENGTH, "--compile=false"],
-                   ("ReluSquaredMLP", "scaled_mm(x8, fc_f8.T, amax", "scaled_mm(x8, fc_f8.T.contiguous(), amax")),
+                   ("ReluSquaredMLP", "scaled_mm(x8, fc_f8.T, x_scale", "scaled_mm(x8, fc_f8.T.contiguous(), x_scale")),
     # A recipe far larger than this host's memory (8.9 billion parameters at width 8,192): the trainer's
     # start-up check refuses it, before anything is built, since no micro-batch can make it fit an H100.
     "huge": (["--world_size=8", "--", "--model_dim=8192", "--head_dim=128", "--compile=false"], None),
