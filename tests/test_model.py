@@ -706,13 +706,14 @@ def test_fp8_down_scales_follow_record_89s_delayed_scaling_over_20_steps():
         assert fresh.down_act_scale == expected_next
 
 
+@pytest.mark.slow  # 12 s: CPU _scaled_mm is a slow loop
 def test_fp8_down_state_loads_back_and_continues_bit_for_bit():
     args = T.parse_args(["--preset=smoke"], False)
     numerics = T.Numerics(torch.float32, "fp32", "fp8")
     torch.manual_seed(0)
     model = T.GPT(args, numerics).train()
     T.refresh_fp8(model, "exact")
-    tokens = torch.randint(0, 50000, (129,))
+    tokens = torch.randint(0, 50000, (65,))  # few: CPU _scaled_mm is a slow loop
     tokens[0] = T.BOS_ID
     masks = T.build_masks(tokens[:-1], model.plans, (1, 2), args.window_block, False)
     mtp = torch.tensor([1.0, 0.5])
@@ -726,7 +727,7 @@ def test_fp8_down_state_loads_back_and_continues_bit_for_bit():
                 p.grad = None
         T.refresh_fp8(m, T.down_scales(s))
 
-    for s in range(3):
+    for s in range(2):
         step(model, s)
     again = T.GPT(args, numerics).train()
     again.load_state_dict(model.state_dict())  # the post-load refresh quantises at the loaded scales
