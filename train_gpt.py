@@ -5063,8 +5063,8 @@ def log_header(run: Run, model: GPT):
         elif precisions[name] == "bf16" and getattr(args, flag) == "auto":
             precisions[name] += " (this GPU has no FP8 tensor cores)"
     compiled = "per layer" if args.compile else ("FlexAttention only" if attention_kind == "flex" else "off")
-    down = next((b.mlp for b in model.blocks), None)
-    down = "fp8 (delayed scaling)" if down is not None and down.down_fp8 else PRECISION_NAMES[model.numerics.compute]
+    down_fp8 = any(block.mlp.down_fp8 for block in model.blocks)
+    down = "fp8 (delayed scaling)" if down_fp8 else PRECISION_NAMES[model.numerics.compute]
     log(f"attention: {attention_kind}  lm_head: {precisions['lm_head']}  mlp up-projection: {precisions['mlp']}  "
         f"mlp down-projection: {down}  compile: {compiled}")
     log(f"recipe: {RECIPES.get(args.preset, RECIPES['speedrun'])}: {args.num_iterations} steps in "
