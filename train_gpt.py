@@ -35,6 +35,7 @@ import gc
 import glob
 import hashlib
 import io
+import itertools
 import json
 import math
 import os
@@ -96,8 +97,8 @@ def _help(text: str, default):
 
 @dataclass(frozen=True)  # the config never changes after parsing: a resolved one is a copy (dataclasses.replace)
 class Hyperparameters:
-    preset: str = _help("named set of values: speedrun (record #89's algorithm, 8xH100), record85 (record #85 v3's) "
-                        "or smoke (CPU, bundled corpus)", "speedrun")
+    preset: str = _help("named set of values: speedrun (record #89's algorithm, 8xH100), record89 (the same, named), "
+                        "record85 (record #85 v3's) or smoke (CPU, bundled corpus)", "speedrun")
     # data
     train_files: str = _help("glob of training shards", "data/fineweb10B/fineweb_train_*.bin")
     val_files: str = _help("glob of validation shards", "data/fineweb10B/fineweb_val_*.bin")
@@ -113,8 +114,15 @@ class Hyperparameters:
     # the schedule: three stages of equal length, then the extension (lists hold one value per stage)
     num_iterations: int = _help("optimizer steps in all: the scheduled ones, then the extension", 1285)
     extension_steps: int = _help("last steps, run at the final lr and windows of the extension", 15)
+    stage_fractions: str = _help("per stage: its share of the scheduled steps less --grown_steps, the shares "
+                                 "summing to 1 and used as written (a stage ends at round(sum of the shares so "
+                                 "far * steps)); empty: stages of equal length", "")
+    grown_steps: int = _help("scheduled steps added to stage --grown_stage after the shares have cut the rest "
+                             "(record #92 grows stage 2 by 52); the cooldown spans all scheduled steps", 0)
+    grown_stage: int = _help("the stage --grown_steps lengthens (0-based)", 0)
     stage_batch_tokens: str = _help("tokens per optimizer step in each stage, over all ranks (the extension keeps "
-                                    "the last)", "131072,262144,393216")
+                                    "the last, unless --extension_batch_tokens)", "131072,262144,393216")
+    extension_batch_tokens: int = _help("tokens per optimizer step in the extension (0: the last stage's)", 0)
     micro_batches: str = _help("micro-batches per step, dealt out over the ranks; each holds batch/micro_batches "
                                "tokens, so every world size trains on the same tokens. One count, one per stage "
                                "(the extension keeps the last), or auto: per stage, the fewest (the largest "
@@ -134,13 +142,14 @@ class Hyperparameters:
                                    "stage; the extension keeps the last", "1,0.5,0.25>1,0.5,0/1,0.5>1,0/1>1")
     stage_prefix_weights: str = _help("per stage: weight of the prefix-token loss (record #88: each row also "
                                       "predicts the longest proper byte prefix of its next token that is a token), "
-                                      "moving linearly from the value before '>' to the one after it over the stage; "
-                                      "the extension keeps the last; all 0: no prefix term", "0.25,0.25>0,0")
+                                      "moving linearly from the value before '>' to the one after it over the stage, "
+                                      "or a|b|c...: a over the stage's first equal part, b over the next (record "
+                                      "#92); the extension keeps the last; all 0: no prefix term", "0.25,0.25>0,0")
     cooldown_frac: float = _help("the lr multiplier moves linearly to final_lr_frac over this last fraction of the "
                                  "scheduled steps", 0.6)
     final_lr_frac: float = _help("lr multiplier at the end of the cooldown and in the extension", 0.15)
     untie_stage: int = _help("the embedding is tied to the lm_head until the first Adam step of this stage "
-                             "(0-based; >= the number of stages: never untied)", 2)
+                             "(0-based; the number of stages: the extension; more: never untied)", 2)
     # model
     vocab_size: int = _help("GPT-2 vocabulary; the embedding is padded to a multiple of 128", 50_257)
     num_layers: int = _help("transformer layers", 11)
@@ -216,6 +225,9 @@ PRESETS: dict[str, dict] = {
     # The 8xH100 record configuration, record #89's algorithm (the dataclass defaults): record #85 v3's, with
     # #88's prefix-token loss, #89's FP8 down-projection and 1,270 + 15 steps (notes/recipe.md).
     "speedrun": {},
+    # Record #89's algorithm: the speedrun preset's until record #92's is ported (issue 52); then it keeps #89's
+    # values, so that a record claim can run the prior record on the same machine.
+    "record89": {},
     # Record #85 v3's algorithm, as its logs ran it: 1,275 + 15 steps, no prefix term, the down-projection in bf16.
     "record85": dict(num_iterations=1290, stage_prefix_weights="0,0,0", mlp_down_fp8=False),
     # A small model on the bundled Shakespeare shards: a CPU check of the whole pipeline with the
@@ -239,6 +251,23 @@ PRESETS: dict[str, dict] = {
         compile=False, warmup_steps=0, val_loss_every=10, train_loss_every=10,  # on CPU nothing compiles
     ),
 }
+
+# Record #92's schedule (modded-nanogpt 2026-09-28, "ANVIL2"; notes/recipe.md): three stages of batch 8, 16 and 24
+# x 128Ki tokens over shares 0.2854 : 0.3209 : 0.3931 of 1,122 steps (normalised, the third less the taper's 0.06;
+# written out as the record's floats, which the stage ends depend on), the third grown by 52 steps, a batch-20
+# taper at the third's lr times sqrt(20 / 24), then 20 extension steps at batch 8; the cooldown over the last 80%
+# of the 1,174 scheduled steps to 0.3; the prefix-token weight 0.25, then 0.2, 0.15, 0.1, 0.05 over stage 1's
+# quarters; the embedding untied at the extension's first Adam step. The rest of record #92's algorithm (model,
+# loss, optimizer) is being ported (issue 52): until it is, no preset uses these values.
+RECORD92_SCHEDULE = dict(
+    num_iterations=1194, extension_steps=20, grown_steps=52, grown_stage=2,
+    stage_fractions="0.28557134280568336,0.32109265559335604,0.33333600160096055,0.06",
+    stage_batch_tokens="131072,262144,393216,327680", extension_batch_tokens=131072,
+    stage_max_seq_len="896,2048,3072,3072", stage_windows="1:3,3:7,5:11,5:11", extension_windows="6:13",
+    final_val_window=20, stage_lr=f"1.0,1.52,1.73,{1.73 * (20 / 24) ** 0.5!r}",
+    stage_mtp_weights="1,0.5,0.25>1,0.5,0/1,0.5>1,0/1>1/1>1", stage_prefix_weights="0.25,0.2|0.15|0.1|0.05,0,0",
+    cooldown_frac=0.8, final_lr_frac=0.3, untie_stage=4,
+)
 
 # Fields that steer one run without changing what it computes: a checkpoint may be
 # resumed with different values of these.
@@ -290,8 +319,8 @@ class Stage:
     lr: float
     mtp_start: tuple[float, ...]
     mtp_end: tuple[float, ...]
-    prefix_start: float
-    prefix_end: float
+    prefix: tuple[float, ...]  # the prefix-token weight: (start, end), linear over the stage, or its equal parts'
+    prefix_parts: bool  # prefix holds one weight per equal part of the stage, not (start, end)
     micro_batches: int | None  # None: --micro_batches=auto, not yet chosen (plan_memory)
 
     @property
@@ -302,9 +331,10 @@ class Stage:
 
 
 class Schedule:
-    """Record #85's schedule, derived from the config in one place: three stages of (nearly) equal length
-    over the scheduled steps, then the extension, which keeps the last stage's batch, sequence length and
-    multi-token weights with its own windows. Everything a step uses comes from here."""
+    """The records' schedule, derived from the config in one place: stages over the scheduled steps (record
+    #85's three of (nearly) equal length; record #92's three of given shares, the third grown by 52 steps, and a
+    taper), then the extension, which keeps the last stage's sequence length and multi-token weights, and its batch
+    unless --extension_batch_tokens, with its own windows. Everything a step uses comes from here."""
 
     def __init__(self, args: Hyperparameters):
         batches = int_list(args, "stage_batch_tokens")
@@ -319,14 +349,7 @@ class Schedule:
                 raise ConfigError(f"--stage_mtp_weights={args.stage_mtp_weights}: each stage needs as many weights "
                                   f"after '>' as before it")
             mtp.append(pair)
-        prefix = []
-        for part in args.stage_prefix_weights.split(","):
-            start, arrow, end = part.partition(">")
-            pair = [number_list(args, "stage_prefix_weights", text) for text in (start, end or start)]
-            if any(len(p) != 1 for p in pair):
-                raise ConfigError(f"--stage_prefix_weights={args.stage_prefix_weights}: expected one weight per "
-                                  f"stage, or two as start>end")
-            prefix.append((pair[0][0], pair[1][0]))
+        prefix = [stage_weight(args, "stage_prefix_weights", part) for part in args.stage_prefix_weights.split(",")]
         counts = {len(batches), len(lengths), len(windows), len(lrs), len(mtp), len(prefix)}
         if len(counts) != 1:
             raise ConfigError(f"--stage_batch_tokens, --stage_max_seq_len, --stage_windows, --stage_lr, "
@@ -335,24 +358,24 @@ class Schedule:
         self.scheduled = args.num_iterations - args.extension_steps
         self.total = args.num_iterations
         n = len(batches)
-        # the record's boundaries: round(i/n * scheduled)
-        ends = [round(self.scheduled * (i + 1) / n) for i in range(n)]
+        ends = stage_ends(args, n, self.scheduled)
         starts = [0, *ends[:-1]]
         counts = stage_micro_batches(args, n)
         self.stages = [Stage(s, e, batches[i], lengths[i], windows[i], lrs[i], *mtp[i], *prefix[i], counts[i])
                        for i, (s, e) in enumerate(zip(starts, ends))]
-        self.stages.append(Stage(self.scheduled, self.total, batches[-1], lengths[-1],
+        last_prefix = prefix[-1][0][-1]
+        self.stages.append(Stage(self.scheduled, self.total, args.extension_batch_tokens or batches[-1], lengths[-1],
                                  window_pair(args, "extension_windows", args.extension_windows), lrs[-1],
-                                 mtp[-1][1], mtp[-1][1], prefix[-1][1], prefix[-1][1], counts[-1]))
-        self.prefix_term = any(w > 0 for pair in prefix for w in pair)
+                                 mtp[-1][1], mtp[-1][1], (last_prefix, last_prefix), False, counts[-1]))
+        self.prefix_term = any(w > 0 for weights, _ in prefix for w in weights)
         self.final_val_windows = (self.stages[-1].windows[0], args.final_val_window)
         self.cooldown_start = int(self.scheduled * (1 - args.cooldown_frac))
         self.final_lr_frac = args.final_lr_frac
         self.momentum_range = (args.muon_momentum_start, args.muon_momentum_end)
         self.momentum_warmup, self.momentum_cooldown = args.muon_momentum_warmup, args.muon_momentum_cooldown
         self.adam_every, self.val_loss_every = args.adam_every, args.val_loss_every
-        # the first Adam step (the record: an odd step) of the untie stage; None: never
-        untie_start = self.stages[args.untie_stage].start if args.untie_stage < n else None
+        # the first Adam step (the record: an odd step) of the untie stage (n: the extension); None: never
+        untie_start = self.stages[args.untie_stage].start if args.untie_stage <= n else None
         self.untie_step = None
         if untie_start is not None:
             self.untie_step = next(s for s in range(untie_start, untie_start + args.adam_every) if self.adam_steps(s))
@@ -385,12 +408,17 @@ class Schedule:
         return tuple(a + (b - a) * t for a, b in zip(stage.mtp_start, stage.mtp_end))
 
     def prefix_weight(self, step: int) -> float | None:
-        """The prefix-token loss's weight at a step; None where its stage has none (the loss then has no prefix
-        column at all)."""
-        stage, t = self.stage(step), self.stage_fraction(step)
-        if stage.prefix_start == 0 and stage.prefix_end == 0:
+        """The prefix-token loss's weight at a step: linear over its stage, or the weight of the stage's equal part
+        it is in (part k of n holds the steps whose (step - start) * n // length is k); None where its stage has
+        none (the loss then has no prefix column at all)."""
+        stage = self.stage(step)
+        if not any(stage.prefix):
             return None
-        return stage.prefix_start + (stage.prefix_end - stage.prefix_start) * t
+        if stage.prefix_parts:
+            parts = len(stage.prefix)
+            return stage.prefix[min(parts - 1, (step - stage.start) * parts // (stage.end - stage.start))]
+        start, end = stage.prefix
+        return start + (end - start) * self.stage_fraction(step)
 
     def momentum(self, step: int) -> float:
         """NorMuon's momentum: rises linearly from start to end over the warmup, falls back to start over the
@@ -423,6 +451,39 @@ class Schedule:
 
     def max_micro_tokens(self) -> int:
         return max(stage.micro_tokens for stage in self.stages)
+
+
+def stage_weight(args: Hyperparameters, name: str, text: str) -> tuple[tuple[float, ...], bool]:
+    """One stage's entry of a per-stage weight: a constant, start>end (linear over the stage) or a|b|c (one weight
+    per equal part of it); (the weights, whether they are parts)."""
+    if "|" in text:
+        parts = [number_list(args, name, part) for part in text.split("|")]
+        if any(len(p) != 1 for p in parts):
+            raise ConfigError(f"--{name}={getattr(args, name)}: expected one weight per part, as a|b|c")
+        return tuple(p[0] for p in parts), True
+    start, arrow, end = text.partition(">")
+    pair = [number_list(args, name, part) for part in (start, end or start)]
+    if any(len(p) != 1 for p in pair):
+        raise ConfigError(f"--{name}={getattr(args, name)}: expected one weight per stage, two as start>end, or "
+                          f"one per equal part as a|b|c")
+    return (pair[0][0], pair[1][0]), False
+
+
+def stage_ends(args: Hyperparameters, stages: int, scheduled: int) -> list[int]:
+    """Where each stage ends. The scheduled steps less the grown ones are cut at round(s * steps), s the shares
+    summed so far (record #92's rule; record #85's: equal thirds, round(steps * (i + 1) / n)); then the grown stage
+    and every stage after it end --grown_steps later."""
+    base = scheduled - args.grown_steps
+    shares = number_list(args, "stage_fractions") if args.stage_fractions.strip() else None
+    if shares is None:
+        ends = [round(base * (i + 1) / stages) for i in range(stages)]
+    else:
+        if len(shares) != stages or min(shares) <= 0 or abs(sum(shares) - 1) > 1e-9:
+            raise ConfigError(f"--stage_fractions={args.stage_fractions}: one share per stage ({stages}), each "
+                              f"positive, summing to 1")
+        ends = [round(total * base) for total in itertools.accumulate(shares)]
+        ends[-1] = base  # the record's shares sum to 1 in floating point; others within 1e-9 end where they must
+    return [end + (args.grown_steps if i >= args.grown_stage else 0) for i, end in enumerate(ends)]
 
 
 def stage_micro_batches(args: Hyperparameters, stages: int) -> tuple[int | None, ...]:
@@ -2617,7 +2678,7 @@ def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:
 
 
 def usage() -> str:
-    lines = ["usage: train_gpt.py [--preset=speedrun|record85|smoke] [--field=value ...]", "",
+    lines = ["usage: train_gpt.py [--preset=speedrun|record89|record85|smoke] [--field=value ...]", "",
              "fields (speedrun default):"]
     for f in dataclasses.fields(Hyperparameters):
         lines.append(f"  --{f.name}={f.default!s:<40} {f.metadata['help']}")
@@ -2703,7 +2764,8 @@ def validate_config(args: Hyperparameters):
             raise ConfigError(f"--{name}={getattr(args, name)}: must be positive")
     check_sizes(args)
     for name in ["val_loss_every", "train_loss_every", "save_every", "warmup_steps", "extension_steps",
-                 "muon_momentum_warmup", "muon_momentum_cooldown", "untie_stage"]:
+                 "muon_momentum_warmup", "muon_momentum_cooldown", "untie_stage", "grown_steps", "grown_stage",
+                 "extension_batch_tokens"]:
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name}={getattr(args, name)}: must be zero or positive")
     # Values outside these ranges cannot be meant: they would train (and "succeed") on nonsense, or fail
@@ -2739,6 +2801,12 @@ def validate_config(args: Hyperparameters):
     if args.extension_steps >= args.num_iterations:
         raise ConfigError(f"--extension_steps={args.extension_steps} must be less than "
                           f"--num_iterations={args.num_iterations}")
+    stages = len(int_list(args, "stage_batch_tokens"))
+    if args.grown_stage >= stages:
+        raise ConfigError(f"--grown_stage={args.grown_stage}: a stage, 0..{stages - 1}")
+    if args.grown_steps >= args.num_iterations - args.extension_steps:
+        raise ConfigError(f"--grown_steps={args.grown_steps} must be less than the scheduled steps "
+                          f"({args.num_iterations - args.extension_steps})")
     schedule = Schedule(args)  # a run shorter than the stages skips some of them (tests, quick checks)
     for stage in schedule.stages:
         count = stage.micro_batches or 1  # auto chooses among the counts that split the batch
@@ -2809,8 +2877,8 @@ def validate_layer_plan(args: Hyperparameters):
         raise ConfigError(f"--skip_layers={args.skip_layers}: the source must be a layer with attention")
     if args.dc_window > args.window_block:  # dc_correction's blocks see their own and the previous block's keys
         raise ConfigError(f"--dc_window={args.dc_window}: at most --window_block={args.window_block}")
-    if args.untie_stage > len(int_list(args, "stage_batch_tokens")):
-        raise ConfigError(f"--untie_stage={args.untie_stage}: at most the number of stages")
+    if args.untie_stage > len(int_list(args, "stage_batch_tokens")) + 1:
+        raise ConfigError(f"--untie_stage={args.untie_stage}: at most the number of stages + 1 (never)")
 
 
 def min_micro_tokens(args: Hyperparameters) -> int | None:
@@ -5042,6 +5110,7 @@ RECIPES = {
                 "#88's prefix-token loss and #89's FP8 down-projection)",
     "record85": "record #85 v3 (modded-nanogpt, 2026-05-27, MUDD gates and lightweight DC)",
 }
+RECIPES["record89"] = RECIPES["speedrun"]
 RECORD_PRESETS = tuple(RECIPES)
 
 

@@ -111,7 +111,9 @@ def test_untie_adam_and_validation_steps():
     assert [s for s in range(6) if schedule.adam_steps(s)] == [1, 3, 5]
     assert [s for s in range(1291) if schedule.validates(s)] == [0, 250, 500, 750, 1000, 1250, 1290]
     assert SCHEDULE.windows(1290, final_validation=True) == (6, 20)
-    assert T.Schedule(T.parse_args(["--preset=record85", "--untie_stage=3"], True)).untie_step is None
+    # the untie stage counts the extension as stage 3; past it, never
+    assert T.Schedule(T.parse_args(["--preset=record85", "--untie_stage=3"], True)).untie_step == 1275
+    assert T.Schedule(T.parse_args(["--preset=record85", "--untie_stage=4"], True)).untie_step is None
 
 
 def test_yarn_follows_the_window_changes_and_stays_for_the_final_validation():
@@ -257,3 +259,48 @@ def test_synthetic_batches_are_packed_like_real_ones():
             assert inputs[0] == T.BOS_ID and len(inputs) == schedule.micro_tokens(step)
             bos = torch.nonzero(inputs == T.BOS_ID).flatten().tolist() + [len(inputs)]
             assert max(b - a for a, b in zip(bos, bos[1:])) <= schedule.stage(step).max_seq_len
+
+
+# Record #92's schedule (its TrainingSchedule, TRAINING_STAGES and _ptp_w_at, read from its run log's source), written
+# out by hand: stage ends 0, 320, 681, 1107 (1055 + 52 grown), 1174 and 1194; the split (untie) step 1174 | 1; the
+# cooldown from int(1174 * 0.2) = 234 to 0.3; the prefix weight by stage 1's quarters of 361 steps.
+RECORD92 = T.parse_args([f"--{k}={v}" for k, v in T.RECORD92_SCHEDULE.items()], True)
+
+
+def test_record_92s_schedule():
+    schedule = T.Schedule(RECORD92)
+    assert [(s.start, s.end) for s in schedule.stages] == [(0, 320), (320, 681), (681, 1107), (1107, 1174),
+                                                           (1174, 1194)]
+    assert [s.batch_tokens for s in schedule.stages] == [131_072, 262_144, 393_216, 327_680, 131_072]
+    assert [s.max_seq_len for s in schedule.stages] == [896, 2048, 3072, 3072, 3072]
+    assert [s.windows for s in schedule.stages] == [(1, 3), (3, 7), (5, 11), (5, 11), (6, 13)]
+    assert schedule.final_val_windows == (6, 20)
+    assert schedule.untie_step == 1175 and schedule.cooldown_start == 234
+    taper = 1.73 * (20 / 24) ** 0.5
+    assert [schedule.lr(s) for s in (0, 234)] == [1.0, 1.0]
+    assert schedule.lr(319) == pytest.approx(1.0 * (1 - 85 / 940) + 0.3 * 85 / 940, rel=1e-15)
+    assert schedule.lr(320) == pytest.approx(1.52 * (1 - 86 / 940) + 0.3 * 86 / 940, rel=1e-15)
+    assert schedule.lr(700) == pytest.approx(1.73 * (1 - 466 / 940) + 0.3 * 466 / 940, rel=1e-15)
+    assert schedule.lr(1107) == pytest.approx(taper * (1 - 873 / 940) + 0.3 * 873 / 940, rel=1e-15)
+    assert [schedule.lr(s) for s in (1174, 1193)] == [0.3, 0.3]
+    # 0.25 through stage 0; stage 1's quarters: steps 320-410, 411-500, 501-590, 591-680
+    quarters = {0: 0.25, 319: 0.25, 320: 0.2, 410: 0.2, 411: 0.15, 500: 0.15, 501: 0.1, 590: 0.1, 591: 0.05, 680: 0.05}
+    assert {s: schedule.prefix_weight(s) for s in quarters} == quarters
+    assert all(schedule.prefix_weight(s) is None for s in (681, 1107, 1174, 1194))
+    assert [schedule.mtp_weights(s) for s in (0, 320, 681, 1107, 1193)] == [
+        (1, 0.5, 0.25), (1, 0.5), (1,), (1,), (1,)]
+    assert sum(schedule.stage(s).batch_tokens for s in range(1194)) == 328_663_040
+
+
+@pytest.mark.parametrize("flag", ["--stage_fractions=0.5,0.5", "--stage_fractions=0.5,0.25,0.2",
+                                  "--stage_fractions=1,0,0", "--grown_stage=3", "--grown_steps=1270",
+                                  "--stage_prefix_weights=0.25,0.2|x,0", "--stage_prefix_weights=0.25,0.2|0.1>0,0"])
+def test_bad_stage_shares_growth_and_parts_are_refused(flag):
+    with pytest.raises(T.ConfigError, match=flag.split("=")[0]):
+        T.validate_config(T.parse_args(["--preset=speedrun", flag], True))
+
+
+def test_record89_preset_is_the_speedrun_until_record_92s_port_lands():
+    record89 = T.parse_args(["--preset=record89"], True)
+    assert T.dataclasses.replace(record89, preset="speedrun") == SPEEDRUN
+    assert T.RECIPES["record89"].startswith("record #89")
