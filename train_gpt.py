@@ -148,6 +148,8 @@ class Hyperparameters:
     cooldown_frac: float = _help("the lr multiplier moves linearly to final_lr_frac over this last fraction of the "
                                  "scheduled steps", 0.6)
     final_lr_frac: float = _help("lr multiplier at the end of the cooldown and in the extension", 0.15)
+    tail_ships: bool = _help("record #92's terminal ships: the run ends with blends of averages of its weights over "
+                             "its last steps (TailShips)", False)
     untie_stage: int = _help("the embedding is tied to the lm_head until the first Adam step of this stage "
                              "(0-based; the number of stages: the extension; more: never untied)", 2)
     # model
@@ -434,6 +436,10 @@ class Schedule:
     def adam_steps(self, step: int) -> bool:
         """Adam steps at the last of every adam_every steps (the record: the odd ones)."""
         return (step + 1) % self.adam_every == 0
+
+    def embedding_adam_steps(self, step: int) -> bool:
+        """Whether the value-embedding table's Adam steps at `step`: at every Adam step."""
+        return self.adam_steps(step)
 
     def validates(self, step: int) -> bool:
         """A validation before `step` (and after the last step)."""
@@ -2628,6 +2634,155 @@ def evaluate(model: GPT, tokens: Tensor, windows: tuple[int, int], args: Hyperpa
 
 
 # -----------------------------------------------------------------------------
+# Record #92's terminal ships: a run ends with blends of its weights' averages over the last steps, not with the last
+# iterate. Each ship keeps an fp32 accumulator of some weights over a window of the last steps; after the last step
+# (on the clock, before the final validation) the weights take it. Every rank keeps the same 1/world slice of each
+# accumulated tensor's elements (the math is element-wise), and one all-gather per tensor reassembles the shipped
+# weights. The last step is the run's (num_iterations), so a shorter test run ships over its own tail.
+
+TAIL_EMA_WINDOW, TAIL_EMA_BLEND = 298, 0.65  # the embedding and lm_head: an EMA at 2 / (298 + 1) per step
+TAIL_AVG_WINDOW, TAIL_AVG_PERIOD, TAIL_AVG_RATE = 250, 4, 4 / 53  # V/O and MLP matrices: every 4th step to the last
+VE_AVG_RATE = 4 / 53  # the value embeddings: at each of their Adam steps in the last TAIL_AVG_WINDOW steps
+BANK_BLEND_WINDOW, BANK_BLEND_PERIOD = 298, 4  # every matrix, at steps 1 mod 4 and the last two, 2 / (298 // 4 + 1)
+RICHARDSON = 0.2007  # the V/O and MLP blends correct their averages' lag: (1-B) A + B X + w (A - X) = lerp(A, X, B - w)
+BANK_BLEND = {"qk": 0.55, "vo": 0.55 - RICHARDSON, "mlp": 0.55 - RICHARDSON}
+DECONTRACTED = ("embed", "lm_head", "mlp", "qk", "vo")  # renormed after the ships to their norms before them
+# Which parameters each kind names (by name, or the end of it).
+SHIP_KINDS = {"embed": ("embed.weight",), "lm_head": ("lm_head",), "value_embeds": ("value_embeds",),
+              "qk": (".attn.qk",), "vo": (".attn.vo",), "mlp": (".mlp.fc", ".mlp.proj")}
+
+
+def ship_kinds(model: nn.Module) -> dict[str, list[Tensor]]:
+    return {kind: [p for name, p in model.named_parameters() if any(name == e or name.endswith(e) for e in ends)]
+            for kind, ends in SHIP_KINDS.items()}
+
+
+class Ship(NamedTuple):
+    """One accumulator over `kinds`: at each of the last `window` steps where rate(step) is not None,
+    acc <- lerp(acc, weights, rate) (its first such step copies the weights); shipped, the weights become
+    lerp(weights, acc, blend[kind]), or acc where blend is None."""
+    name: str
+    kinds: tuple[str, ...]
+    window: int
+    rate: Callable[[int], float | None]
+    blend: dict | None
+
+
+def record92_ships(schedule: Schedule) -> list[Ship]:
+    """Record #92's four ships, in the order they ship (the bank blend last: it blends into what the tail average
+    shipped). The EMA of the embedding and lm_head, which change only at Adam steps, takes each run of steps over
+    which they stay as one tick of the compounded rate 1 - (1 - r)^k (the record folds pairs of steps)."""
+    last = schedule.total - 1
+    r = 2 / (TAIL_EMA_WINDOW + 1)
+
+    def ema_rate(step: int) -> float | None:
+        if step != schedule.total - TAIL_EMA_WINDOW and not schedule.adam_steps(step):
+            return None  # the weights have not moved since the last tick
+        k = next((s for s in range(step + 1, last + 1) if schedule.adam_steps(s)), schedule.total) - step
+        return r if k == 1 else -math.expm1(k * math.log1p(-r))
+
+    return [
+        Ship("tail-ema", ("lm_head", "embed"), TAIL_EMA_WINDOW, ema_rate, {"lm_head": TAIL_EMA_BLEND,
+                                                                            "embed": TAIL_EMA_BLEND}),
+        Ship("tail-avg", ("vo", "mlp"), TAIL_AVG_WINDOW,
+             lambda step: TAIL_AVG_RATE if (last - step) % TAIL_AVG_PERIOD == 0 else None, None),
+        Ship("value-embed", ("value_embeds",), TAIL_AVG_WINDOW,
+             lambda step: VE_AVG_RATE if schedule.embedding_adam_steps(step) else None, None),
+        Ship("bank-blend", ("qk", "vo", "mlp"), BANK_BLEND_WINDOW,
+             lambda step: 2 / (BANK_BLEND_WINDOW // BANK_BLEND_PERIOD + 1)
+             if step % BANK_BLEND_PERIOD == 1 or step >= last - 1 else None, BANK_BLEND),
+    ]
+
+
+class TailShips:
+    """The ships' accumulators (this rank's slices) and their two moments: tick() after each optimizer step, ship()
+    after the last. Their state is run state: a checkpoint inside a window holds each rank's slices."""
+
+    def __init__(self, model: nn.Module, ships: list[Ship], total_steps: int, world_size: int, rank: int):
+        self.kinds, self.ships, self.total = ship_kinds(model), ships, total_steps
+        self.world_size, self.rank = world_size, rank
+        self.acc: list[dict[int, Tensor]] = [{} for _ in ships]  # per ship: index in its tensors -> accumulator
+
+    def tensors(self, ship: Ship) -> list[tuple[str, Tensor]]:
+        return [(kind, p) for kind in ship.kinds for p in self.kinds[kind]]
+
+    def own(self, p: Tensor) -> Tensor:
+        """This rank's slice of p's elements, a view."""
+        chunk = -(-p.numel() // self.world_size)
+        return p.data.view(-1)[self.rank * chunk:(self.rank + 1) * chunk]
+
+    @torch.no_grad()
+    def tick(self, step: int):
+        for ship, acc in zip(self.ships, self.acc):
+            rate = ship.rate(step) if step >= self.total - ship.window else None
+            if rate is None:
+                continue
+            for i, (_, p) in enumerate(self.tensors(ship)):
+                mine = self.own(p).float()
+                if i in acc:
+                    acc[i].lerp_(mine, rate)
+                else:
+                    acc[i] = mine.clone()
+
+    @torch.no_grad()
+    def ship(self):
+        """Every ship in order into this rank's slices, one all-gather per shipped tensor, then the decontraction:
+        each kind of DECONTRACTED back to the Frobenius norm it had before the ships (one ratio per kind, a Python
+        float, so that the product rounds once)."""
+        kinds = [kind for kind in DECONTRACTED if self.kinds[kind]]
+        reference = torch.stack([kind_norm(self.kinds[kind]) for kind in kinds])
+        shipped = {}
+        for ship, acc in zip(self.ships, self.acc):
+            for i, (kind, p) in enumerate(self.tensors(ship)):
+                if i in acc:
+                    mine = self.own(p)
+                    blend = ship.blend[kind] if ship.blend is not None else None
+                    mine.copy_(acc[i] if blend is None else torch.lerp(mine.float(), acc[i], blend))
+                    shipped[id(p)] = p
+            acc.clear()
+        for p in shipped.values():
+            gather_slices(p, self.world_size)
+        current = torch.stack([kind_norm(self.kinds[kind]) for kind in kinds])
+        ratios = torch.where(current > 0, reference / current, torch.ones_like(current)).tolist()  # one sync
+        for kind, ratio in zip(kinds, ratios):
+            for p in self.kinds[kind]:
+                p.data.mul_(ratio)
+
+    def state_dict(self) -> list[dict[int, Tensor]]:
+        return [{i: t.clone() for i, t in acc.items()} for acc in self.acc]
+
+    def load_state_dict(self, state: list):
+        if len(state) != len(self.ships):
+            raise ValueError(f"{len(state)} ship accumulators saved, {len(self.ships)} ships")
+        device = next(iter(self.kinds.values()))[0].device
+        self.acc = [{int(i): t.to(device, torch.float32, copy=True) for i, t in saved.items()} for saved in state]
+
+
+def ship_bytes(model: nn.Module, ships: list[Ship], world_size: int) -> int:
+    """The ships' fp32 accumulators one rank holds: its slice of each shipped tensor, once per ship."""
+    kinds = ship_kinds(model)
+    return sum(4 * -(-p.numel() // world_size) for ship in ships for kind in ship.kinds for p in kinds[kind])
+
+
+def kind_norm(tensors: list[Tensor]) -> Tensor:
+    """The Frobenius norm of the tensors as one (the record's banks), in fp32."""
+    return torch.stack([t.float().norm() for t in tensors]).norm()
+
+
+def gather_slices(p: Tensor, world_size: int):
+    """Each rank's slice of p's elements (TailShips.own) to every rank."""
+    if world_size == 1:
+        return
+    chunk = -(-p.numel() // world_size)
+    flat = torch.zeros(chunk * world_size, dtype=p.dtype, device=p.device)
+    mine = p.data.view(-1)[dist.get_rank() * chunk:][:chunk]
+    padded = flat[:chunk].clone()
+    padded[:mine.numel()] = mine
+    all_gather_async(flat, padded).wait()
+    p.data.view(-1).copy_(flat[:p.numel()])
+
+
+# -----------------------------------------------------------------------------
 # Command line and config checks: every flag parsed and checked once, before anything is created
 
 def _parse_value(name: str, text: str, typ: type):
@@ -3856,13 +4011,15 @@ class MemoryModel:
         self.buffers = tensor_bytes(self.model.buffers())
         self.muon_state, self.muon_buffers = normuon_bytes(self.muon, world_size)
         self.adam_state = dist_adam_bytes(self.adam, world_size, self.model.bigram_embed.weight, 0)[0]
+        self.ship_state = ship_bytes(self.model, record92_ships(Schedule(args)), world_size) if args.tail_ships else 0
         self.counted: dict = {}  # (micro_tokens, micro-batches per rank), or the validation's length -> its rows
         # what a forward pass keeps depends on none of the world size, the micro-batch counts or the run's controls
         self.forward_key = (config_fields(args, ignored=("micro_batches",)), device.type, numerics, attention_kind)
 
     def state(self) -> int:
-        """What a training rank holds whatever the phase: weights, buffers, gradients, optimizer state."""
-        return 2 * self.weights + self.buffers + self.muon_state + self.adam_state
+        """What a training rank holds whatever the phase: weights, buffers, gradients, optimizer state, the ships'
+        accumulators (held from the first tick to the end: counted throughout)."""
+        return 2 * self.weights + self.buffers + self.muon_state + self.adam_state + self.ship_state
 
     def _tokens(self, length: int) -> Tensor:
         tokens = torch.randint(0, BOS_ID, (length,))
@@ -4320,9 +4477,10 @@ def remove_unfinished(tmp: Path, what: str = "folder") -> str:
 
 
 def save_checkpoint(step: int, train_time_ms: float, model: GPT, optimizers, loader, args: Hyperparameters,
-                    env: DistEnv, source: str, run_id: str) -> Path:
-    """checkpoint_dir/<run_id>/step_NNNNNN/: model.pt (rank 0), rank_R.pt (each rank's optimizer shards
-    and RNG states, and the step), meta.json written last with every file's size and sha256 and the
+                    env: DistEnv, source: str, run_id: str, extra_state: dict | None = None) -> Path:
+    """checkpoint_dir/<run_id>/step_NNNNNN/: model.pt (rank 0), rank_R.pt (each rank's optimizer shards,
+    RNG states, the step, and the state_dict() of each object of extra_state: run state beside the optimizers,
+    such as the ships' accumulators), meta.json written last with every file's size and sha256 and the
     training shards' fingerprints. Everything goes to a temporary folder renamed at the end, so a crash
     mid-save never leaves a checkpoint that looks complete; a write that fails (a full disk), or a signal
     (Ctrl-C), removes that folder and stops every rank."""
@@ -4344,6 +4502,7 @@ def save_checkpoint(step: int, train_time_ms: float, model: GPT, optimizers, loa
         try:
             rank_state = {"step": step, "optimizers": [opt.state_dict() for opt in optimizers],
                           "rank_buffers": {name: t.clone() for name, t in rank_buffers(model).items()},
+                          "extra_state": {name: part.state_dict() for name, part in (extra_state or {}).items()},
                           "cpu_rng": torch.get_rng_state(),
                           "cuda_rng": torch.cuda.get_rng_state() if env.device.type == "cuda" else torch.empty(0)}
             files[f"rank_{env.rank}.pt"] = write_file(tmp / f"rank_{env.rank}.pt", rank_state,
@@ -5005,7 +5164,8 @@ def rank_buffers(model: GPT) -> dict[str, Tensor]:
     return {name: t for name, t in model.named_buffers() if name.endswith(".down_act_scale")}
 
 
-def load_checkpoint(resume: Resume, model: GPT, optimizers, loader, env: DistEnv) -> tuple[int, float]:
+def load_checkpoint(resume: Resume, model: GPT, optimizers, loader, env: DistEnv,
+                    extra_state: dict | None = None) -> tuple[int, float]:
     try:
         model.load_state_dict(resume.model_state)
         own, saved = rank_buffers(model), resume.rank_state.get("rank_buffers", {})
@@ -5016,6 +5176,8 @@ def load_checkpoint(resume: Resume, model: GPT, optimizers, loader, env: DistEnv
             t.copy_(saved[name])
         for opt, state in zip(optimizers, resume.rank_state["optimizers"], strict=True):
             opt.load_state_dict(state)
+        for name, part in (extra_state or {}).items():
+            part.load_state_dict(resume.rank_state["extra_state"][name])
         loader.load_state_dict(resume.meta.loader)
         torch.set_rng_state(resume.rank_state["cpu_rng"].cpu())
         if env.device.type == "cuda" and resume.rank_state["cuda_rng"].numel():
@@ -5376,7 +5538,11 @@ def run_training(run: Run, model: GPT, loader, val_tokens: Tensor, resume: Resum
     if args.warmup_steps:
         untimed_warmup(run, model, optimizers, loader, val_tokens, use_flex)
     perf = Performance.measure(run, model, loader)  # before the clock starts
-    start_step, train_time_ms = resume_run(run, resume, model, optimizers, loader) if resume else (0, 0.0)
+    ships = TailShips(model, record92_ships(schedule), schedule.total, env.world_size, env.rank) \
+        if args.tail_ships else None
+    extra_state = {"ships": ships} if ships is not None else {}
+    start_step, train_time_ms = resume_run(run, resume, model, optimizers, loader, extra_state) if resume \
+        else (0, 0.0)
 
     # The host runs ahead of the device: the loop synchronises only where the clock stops (validation,
     # checkpoints, the end) and where the train loss is logged (every train_loss_every steps).
@@ -5385,6 +5551,8 @@ def run_training(run: Run, model: GPT, loader, val_tokens: Tensor, resume: Resum
     for step in range(start_step, args.num_iterations + 1):
         last_step = step == args.num_iterations
         model.rotary.set_window(schedule.windows(step)[1])  # YaRN, when the long window grows
+        if last_step and ships is not None:
+            ships.ship()  # on the clock, as the record's
 
         # VALIDATION (and checkpoints): the clock stops
         if schedule.validates(step):
@@ -5396,7 +5564,7 @@ def run_training(run: Run, model: GPT, loader, val_tokens: Tensor, resume: Resum
         if args.save_every and step > start_step and step % args.save_every == 0:
             with clock.paused():
                 path = save_checkpoint(step, clock.elapsed_ms, model, optimizers, loader, args, env, run.source,
-                                       run.run_id)
+                                       run.run_id, extra_state)
                 log(f"checkpoint: {path}", console=False)
         if last_step:
             break
@@ -5408,6 +5576,8 @@ def run_training(run: Run, model: GPT, loader, val_tokens: Tensor, resume: Resum
             log(f"data: the training shards are used up after {step} steps; step {step + 1} starts over from the "
                 f"first shard (--repeat_data=true)")
         loss = train_step(model, optimizers, batch, step, schedule, args, use_flex)
+        if ships is not None:
+            ships.tick(step)
         train_loss.add(loss, schedule.stage(step).batch_tokens)
         clock.step_done(schedule.stage(step).batch_tokens)
         now_ms = clock.host_ms()  # on CUDA the host's clock, which runs ahead of the device
@@ -5456,12 +5626,12 @@ def untimed_warmup(run: Run, model: GPT, optimizers, loader, val_tokens: Tensor,
     loader.load_state_dict(initial_loader)
 
 
-def resume_run(run: Run, resume: Resume, model: GPT, optimizers, loader) -> tuple[int, float]:
+def resume_run(run: Run, resume: Resume, model: GPT, optimizers, loader, extra_state: dict) -> tuple[int, float]:
     """The checkpoint's weights, optimizer state, data position and RNG: (its step, its train time so far).
     One rank's bad file stops them all."""
     error, start_step, train_time_ms = None, 0, 0.0
     try:
-        start_step, train_time_ms = load_checkpoint(resume, model, optimizers, loader, run.env)
+        start_step, train_time_ms = load_checkpoint(resume, model, optimizers, loader, run.env, extra_state)
         refresh_fp8(model)
     except TrainingError as e:
         error = e

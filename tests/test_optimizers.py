@@ -40,6 +40,14 @@ def test_dist_adam_matches_record_85s_adam(gloo_runs, world_size):
     assert gloo_runs[world_size][0].count("DistAdam matched record #85's Adam") == world_size
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_tail_ships_at_several_ranks_ship_what_one_rank_ships(gloo_runs, world_size):
+    # tests/workers/ships_worker.py: each rank keeps a slice of every accumulator and the shipped weights are
+    # all-gathered; bit for bit the weights one process ships (test_ships.py checks those against the formulas)
+    assert gloo_runs[world_size][0].count("TailShips matched world size 1") == world_size
+
+
 def test_a_tied_pair_sums_gradients_moves_together_and_unties_with_the_targets_state():
     torch.manual_seed(0)
     target = torch.nn.Parameter(torch.randn(3, 5))
