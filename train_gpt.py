@@ -566,9 +566,11 @@ VE_GATE_CHANNELS = 6  # a value-embedding gate reads this many channels of the a
 ATTN_SCALE = 0.1  # attention logit scale at the first window (record #85); YaRN raises it
 ROPE_MIN_FREQ = 1 / 1024  # rotary frequencies run from 1 down to this, over a quarter of each head's dims
 YARN_ALPHA, YARN_BETA = 1, 32  # frequencies turning fewer/more times than this over a window are fully/not rescaled
-# F.rms_norm's default eps is the dtype's machine epsilon: the record's bf16 activations get 2**-7. Fixed here so
-# that fp32 (CPU) runs compute the same function.
-NORM_EPS = 2 ** -7
+# F.rms_norm's default eps, which the records leave it at: since PyTorch 2.7 (pytorch#142848) fp32's machine epsilon
+# for fp32, bf16 and fp16 inputs alike (the epsilon of the type it computes in). Fixed here so that every dtype
+# computes the same function. (Until 2026-11-29 this was bf16's epsilon, 2**-7: a misreading that the comparisons
+# with the records' code shared, patched into their side; PyTorch 2.10's bf16 runs never used it.)
+NORM_EPS = torch.finfo(torch.float32).eps
 XSA_EPS = 1e-4  # the record's F.normalize eps for the value direction XSA subtracts along
 DC_NORM_EPS = 1e-6  # the DC query-side weights are RMS-normalised over heads with this eps
 SKIP_GATE_INIT = -1.5  # the skip weight starts at sigmoid(-1.5) = 0.18

@@ -142,7 +142,7 @@ def reference_attention_layer(layer, plan, x, lambdas, aux_v, docs, freq, scale,
     H, D = layer.num_heads, layer.head_dim
     w = torch.cat([layer.qk.flatten(0, 1), layer.vo[0]])
     q, k, v = (lambdas[0] * (x @ w.T)).view(T_, 3, H, D).unbind(1)
-    q, k = (F.rms_norm(t, (D,), eps=2 ** -7) for t in (q, k))
+    q, k = (F.rms_norm(t, (D,)) for t in (q, k))  # PyTorch's default eps, as the record's
     t_idx = torch.arange(T_)
     if aux_v is not None:
         v = v + aux_v.view(T_, H, D)
@@ -1134,3 +1134,12 @@ def test_world_size_that_cannot_split_the_batch_is_an_error():
         T.check_world_size(per_stage, 4)
     # auto chooses at start-up, among multiples of the world size
     assert T.check_world_size(T.parse_args(["--preset=speedrun", "--micro_batches=auto"], True), 8) == (None,) * 3
+
+
+def test_norm_is_pytorchs_default_rms_norm_in_every_dtype():
+    """The records call F.rms_norm with no eps; since PyTorch 2.7 that is fp32's epsilon for bf16 inputs too (it
+    once read as 2**-7 here). Small activations (the embedding's, std 0.005 at init) show the difference."""
+    x = torch.randn(8, 64) * 5e-3
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(T.norm(x.to(dtype)), F.rms_norm(x.to(dtype), (64,)))
+    assert T.norm(x).pow(2).mean().item() == pytest.approx(1, rel=1e-2)  # 2**-7 made it 3e-3
