@@ -3392,6 +3392,10 @@ class CandidateSampler:
                                 f"(--stage_softmax_candidates)") from None
         return Candidates(*found)
 
+    def for_step(self, step: int) -> Callable:
+        """micro_batch at `step`: what rank_micro_batches asks for each micro-batch's set."""
+        return functools.partial(self.micro_batch, step)
+
     def offsets_problem(self, offsets) -> str | None:
         """What is wrong with offsets read from a checkpoint, or None: one int in [0, V) per stream."""
         if not (isinstance(offsets, list) and len(offsets) == len(self.offsets)
@@ -3703,10 +3707,8 @@ class TrainLoader:
             self.file_index, self.piece, self.pieces = (self.file_index + 1) % len(self.scans), 0, None
             self.started_over = self.file_index == 0
         micro_batches, self.piece = taken
-        return rank_micro_batches(micro_batches, self.env, self.bigram_buckets, self.candidates(step))
-
-    def candidates(self, step: int) -> Callable | None:
-        return functools.partial(self.sampler.micro_batch, step) if self.sampler is not None else None
+        return rank_micro_batches(micro_batches, self.env, self.bigram_buckets,
+                                  self.sampler and self.sampler.for_step(step))
 
 
 class SyntheticLoader:
@@ -3731,9 +3733,6 @@ class SyntheticLoader:
         self.step = int(state.get("step", 0))
         load_candidate_offsets(state, self.sampler)
 
-    def candidates(self, step: int) -> Callable | None:
-        return functools.partial(self.sampler.micro_batch, step) if self.sampler is not None else None
-
     def next_batch(self, step: int) -> list[tuple[Tensor, Tensor]]:
         rng = np.random.default_rng([self.seed, self.step])
         self.step += 1
@@ -3748,7 +3747,8 @@ class SyntheticLoader:
             tokens[np.cumsum(lengths) - lengths] = BOS_ID
             taken = DocumentPieces(tokens).take_step(0, self.schedule.micro_batches(step), micro, max_len)
             if taken is not None:
-                return rank_micro_batches(taken[0], self.env, self.bigram_buckets, self.candidates(step))
+                return rank_micro_batches(taken[0], self.env, self.bigram_buckets,
+                                          self.sampler and self.sampler.for_step(step))
             lengths = np.append(lengths, rng.exponential(1000, 256).astype(np.int64) + 1)
 
 
