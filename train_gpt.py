@@ -1453,7 +1453,12 @@ def prefix_token_table(vocab: int) -> Tensor:
     """(vocab,) int64: for each GPT-2 token id below vocab, the id of the longest proper (shorter, non-empty) prefix
     of its bytes that is itself such a token; -1 for the 256 single bytes, <|endoftext|> and the padded ids. (A
     vocabulary cut below GPT-2's, as small test runs use, keeps only the prefixes it has.)"""
-    return torch.tensor(gpt2_prefixes(min(vocab, GPT2_VOCAB)) + [-1] * max(vocab - GPT2_VOCAB, 0), dtype=torch.int64)
+    return torch.tensor(prefix_token_ids(vocab), dtype=torch.int64)
+
+
+def prefix_token_ids(vocab: int) -> list[int]:
+    """prefix_token_table's entries (the host's copy: CandidateSampler's)."""
+    return gpt2_prefixes(min(vocab, GPT2_VOCAB)) + [-1] * max(vocab - GPT2_VOCAB, 0)
 
 
 @functools.lru_cache(maxsize=4)
@@ -3410,7 +3415,7 @@ def candidate_sampler(args: Hyperparameters, schedule: Schedule) -> CandidateSam
     if not schedule.sampled:
         return None
     vocab = padded_vocab(args.vocab_size)
-    return CandidateSampler(schedule, vocab, prefix_token_table(vocab).numpy() if schedule.prefix_term else None)
+    return CandidateSampler(schedule, vocab, np.array(prefix_token_ids(vocab)) if schedule.prefix_term else None)
 
 
 def with_candidate_offsets(state: dict, sampler: CandidateSampler | None) -> dict:
