@@ -145,6 +145,14 @@ class Hyperparameters:
                                       "moving linearly from the value before '>' to the one after it over the stage, "
                                       "or a|b|c...: a over the stage's first equal part, b over the next (record "
                                       "#92); the extension keeps the last; all 0: no prefix term", "0.25,0.25>0,0")
+    stage_softmax_candidates: str = _help("per stage: the training loss's softmax over this many candidate classes "
+                                          "(record #92's sampled softmax: each micro-batch's targets, then "
+                                          "deterministic negatives; the lm_head learns on those columns only), a "
+                                          "multiple of 16; 0: the whole vocabulary. A stage of several counts joined "
+                                          "by '/' runs them in equal parts of it (record #92's third stage: "
+                                          "14336/14336/24576); one entry for every stage or one per stage; the "
+                                          "extension keeps the last. Validation always uses the whole vocabulary",
+                                          "0")
     cooldown_frac: float = _help("the lr multiplier moves linearly to final_lr_frac over this last fraction of the "
                                  "scheduled steps", 0.6)
     final_lr_frac: float = _help("lr multiplier at the end of the cooldown and in the extension", 0.15)
@@ -370,6 +378,9 @@ class Schedule:
                                  window_pair(args, "extension_windows", args.extension_windows), lrs[-1],
                                  mtp[-1][1], mtp[-1][1], (last_prefix, last_prefix), False, counts[-1]))
         self.prefix_term = any(w > 0 for weights, _ in prefix for w in weights)
+        parts = stage_candidates(args, n)
+        self.candidate_parts = [*parts, parts[-1][-1:]]  # the extension keeps the last stage's last count
+        self.sampled = any(any(p) for p in parts)
         self.final_val_windows = (self.stages[-1].windows[0], args.final_val_window)
         self.cooldown_start = int(self.scheduled * (1 - args.cooldown_frac))
         self.final_lr_frac = args.final_lr_frac
@@ -421,6 +432,16 @@ class Schedule:
             return stage.prefix[min(parts - 1, (step - stage.start) * parts // (stage.end - stage.start))]
         start, end = stage.prefix
         return start + (end - start) * self.stage_fraction(step)
+
+    def candidates(self, step: int) -> int:
+        """Record #92's sampled softmax: how many candidate classes the training loss's softmax runs over at a
+        step (0: the whole vocabulary). A stage of n counts runs count floor(n (step - start) / (end - start)),
+        in equal parts of it, as the record's ramp."""
+        i = self.stage_index(step)
+        stage, parts = self.stages[i], self.candidate_parts[i]
+        if step >= stage.end:  # the end of the run
+            return parts[-1]
+        return parts[(step - stage.start) * len(parts) // (stage.end - stage.start)]
 
     def momentum(self, step: int) -> float:
         """NorMuon's momentum: rises linearly from start to end over the warmup, falls back to start over the
@@ -509,6 +530,24 @@ def stage_micro_batches(args: Hyperparameters, stages: int) -> tuple[int | None,
     if min(counts) <= 0:
         raise ConfigError(f"--micro_batches={text}: must be positive")
     return counts
+
+
+def stage_candidates(args: Hyperparameters, stages: int) -> tuple[tuple[int, ...], ...]:
+    """--stage_softmax_candidates for each of the stages: its candidate counts, run in equal parts of the stage
+    (one count: the whole stage; 0: the whole vocabulary). One entry for all stages, or one per stage."""
+    text = args.stage_softmax_candidates.strip()
+    try:
+        entries = tuple(tuple(int(part) for part in entry.split("/")) for entry in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--stage_softmax_candidates={text}: expected counts, one per stage, a stage's parts joined "
+                          f"by '/', e.g. 10240,10240,14336/14336/24576") from None
+    if len(entries) == 1:
+        entries *= stages
+    if len(entries) != stages:
+        raise ConfigError(f"--stage_softmax_candidates={text}: one entry for every stage, or one per stage ({stages})")
+    if min(min(entry) for entry in entries) < 0:
+        raise ConfigError(f"--stage_softmax_candidates={text}: counts must be 0 (the whole vocabulary) or positive")
+    return entries
 
 
 @dataclass(frozen=True)
@@ -1309,6 +1348,20 @@ class HeadLoss(NamedTuple):
     fn: Callable
 
 
+class Candidates(NamedTuple):
+    """Record #92's sampled softmax, one micro-batch's: the candidate classes C, ascending (P,), and the position
+    in C of each row's target (T,) and of its prefix target (T,; -1 where the row has none or C does not hold
+    it; None where the step has no prefix term). CandidateSampler makes them on the host (numpy), to_device
+    copies them (int64 tensors)."""
+    columns: Tensor
+    target_positions: Tensor
+    prefix_positions: Tensor | None
+
+    def to_device(self, device: torch.device) -> "Candidates":
+        """The host's numpy arrays as int64 tensors on the device, copied without a host sync."""
+        return Candidates(*(None if a is None else host_to_device(torch.from_numpy(a), device) for a in self))
+
+
 class SoftcappedMTPLoss(torch.autograd.Function):
     """Record #85's training loss and its gradient, without a full logits tensor. Logits u = x @ W (FP8 or
     not), z = cap * sigmoid((u + shift) / width); the loss is sum_t sum_k w_k (lse_t - z_t[y_{t+k}]) over the
@@ -1385,6 +1438,17 @@ def head_loss(x: Tensor, weight: Tensor, targets: Tensor, mtp_weights: Tensor, c
     return total * loss_scale, grad_x, grad_w
 
 
+def candidate_columns(lm_head: Tensor, fp8_weights: tuple | None, columns: Tensor) -> tuple[Tensor, tuple | None]:
+    """The lm_head's candidate columns (dim, P), taken with index_select, whose backward puts their gradient in
+    those columns of the lm_head's and 0 in every other; and the same columns of its FP8 copies ((dim, P) and
+    (P, dim)), taken as bytes: at one fixed scale per tensor they are the e4m3 copies of the columns taken."""
+    if fp8_weights is not None:
+        w8, w8_t = fp8_weights
+        fp8_weights = (w8.view(torch.uint8).index_select(1, columns).view(w8.dtype),
+                       w8_t.view(torch.uint8).index_select(0, columns).view(w8_t.dtype))
+    return lm_head.index_select(1, columns), fp8_weights
+
+
 def head_fp8(lm_head: Tensor) -> tuple[Tensor, Tensor]:
     """The lm_head's e4m3 copies at its fixed scale (the division in fp32, as the record's compiled code does),
     (dim, vocab) and (vocab, dim)."""
@@ -1458,7 +1522,12 @@ def prefix_token_table(vocab: int) -> Tensor:
     """(vocab,) int64: for each GPT-2 token id below vocab, the id of the longest proper (shorter, non-empty) prefix
     of its bytes that is itself such a token; -1 for the 256 single bytes, <|endoftext|> and the padded ids. (A
     vocabulary cut below GPT-2's, as small test runs use, keeps only the prefixes it has.)"""
-    return torch.tensor(gpt2_prefixes(min(vocab, GPT2_VOCAB)) + [-1] * max(vocab - GPT2_VOCAB, 0), dtype=torch.int64)
+    return torch.tensor(prefix_token_ids(vocab), dtype=torch.int64)
+
+
+def prefix_token_ids(vocab: int) -> list[int]:
+    """prefix_token_table's entries (the host's copy: CandidateSampler's)."""
+    return gpt2_prefixes(min(vocab, GPT2_VOCAB)) + [-1] * max(vocab - GPT2_VOCAB, 0)
 
 
 @functools.lru_cache(maxsize=4)
@@ -1712,19 +1781,25 @@ class GPT(nn.Module):
         return A * torch.sigmoid((u + shift) / width)
 
     def forward(self, input_ids: Tensor, target_ids: Tensor, masks: Masks, mtp_weights: Tensor | None = None,
-                loss_scale: float = 1.0, prefix_weight: Tensor | None = None) -> Tensor:
+                loss_scale: float = 1.0, prefix_weight: Tensor | None = None,
+                candidates: Candidates | None = None) -> Tensor:
         """Training: record #85's multi-token loss of one packed sequence (with prefix_weight, a (1,) tensor, record
-        #88's prefix-token term too), summed over tokens and times loss_scale. Evaluation: the next-token
-        cross-entropy, summed over tokens."""
+        #88's prefix-token term too), summed over tokens and times loss_scale; with candidates, record #92's
+        sampled softmax: the same loss over the lm_head's columns C alone, each target its position in C.
+        Evaluation: the next-token cross-entropy over the whole vocabulary, summed over tokens."""
         x = self.hidden(input_ids, masks)[0]
         if self.training:
+            weight = self.lm_head
             fp8 = (self.lm_head_f8, self.lm_head_f8_t) if self.numerics.head == "fp8" else None
+            prefix_targets = None
+            if candidates is not None:
+                weight, fp8 = candidate_columns(weight, fp8, candidates.columns)
+                target_ids, prefix_targets = candidates.target_positions, candidates.prefix_positions
+            elif prefix_weight is not None:
+                prefix_targets = torch.where(target_ids >= 0, self.prefix_table[target_ids.clamp(min=0)], -1)
             head = HeadLoss(self.cap, LOSS_CHUNK, fp8, self.head_loss)
-            prefix = None
-            if prefix_weight is not None:
-                targets = torch.where(target_ids >= 0, self.prefix_table[target_ids.clamp(min=0)], -1)
-                prefix = (targets, prefix_weight)
-            return SoftcappedMTPLoss.apply(x, self.lm_head, target_ids, mtp_weights, loss_scale, head, prefix)
+            prefix = (prefix_targets, prefix_weight) if prefix_weight is not None else None
+            return SoftcappedMTPLoss.apply(x, weight, target_ids, mtp_weights, loss_scale, head, prefix)
         return torch.stack(self.cross_entropy_chunks(x, target_ids, "sum")).sum()
 
     def token_losses(self, input_ids: Tensor, target_ids: Tensor, masks: Masks,
@@ -2584,7 +2659,8 @@ def train_step(model: GPT, optimizers, batch, step: int, schedule: Schedule, arg
                use_flex: bool) -> Tensor:
     """Forward/backward over this rank's micro-batches, NorMuon's step, and Adam's every adam_every
     steps on the gradients of all of them (its reduce-scatters start in the backward that completes
-    them); at the untie step the embedding leaves the lm_head. Returns the summed training loss (the
+    them); at the untie step the embedding leaves the lm_head. Where the step samples, each micro-batch's
+    loss runs over its candidates (the batch's, from the loader). Returns the summed training loss (the
     multi-token objective) of this rank's tokens. No host sync."""
     muon, adam = optimizers
     adam_now = schedule.adam_steps(step)
@@ -2602,7 +2678,8 @@ def train_step(model: GPT, optimizers, batch, step: int, schedule: Schedule, arg
         with contextlib.nullcontext() if reduce_now else adam.no_sync():
             # Summed over tokens, averaged over micro-batches and ranks (the record's gradient scale).
             masks = build_masks(inputs, model.plans, windows, args.window_block, use_flex, model.mask_parts)
-            loss = model(inputs, targets, masks, mtp, loss_scale=1 / len(batch), prefix_weight=prefix)
+            loss = model(inputs, targets, masks, mtp, loss_scale=1 / len(batch), prefix_weight=prefix,
+                         candidates=batch.candidates[i] if isinstance(batch, Batch) else None)
             loss.backward()
         loss_sum += loss.detach() * len(batch)
     muon.step()
@@ -2973,6 +3050,13 @@ def validate_config(args: Hyperparameters):
                               f"--window_block={args.window_block} tokens")
         if stage.max_seq_len <= 0:
             raise ConfigError(f"--stage_max_seq_len={args.stage_max_seq_len}: must be positive")
+    vocab, counts = padded_vocab(args.vocab_size), {c for parts in schedule.candidate_parts for c in parts if c}
+    if counts and (max(counts) > vocab or any(c % CANDIDATE_MULTIPLE for c in counts)):
+        raise ConfigError(f"--stage_softmax_candidates={args.stage_softmax_candidates}: each count must be a multiple "
+                          f"of {CANDIDATE_MULTIPLE} and at most the padded vocabulary, {vocab}")
+    if counts and math.gcd(CANDIDATE_STRIDE, vocab) != 1:
+        raise ConfigError(f"--vocab_size={args.vocab_size}: --stage_softmax_candidates sweeps the padded vocabulary "
+                          f"({vocab}) in steps of {CANDIDATE_STRIDE}, which must not divide it")
     if args.val_seq_len % args.window_block:
         raise ConfigError(f"--val_seq_len={args.val_seq_len} must be a multiple of --window_block={args.window_block}")
     if args.val_tokens % args.val_seq_len:
@@ -3449,12 +3533,14 @@ def packed(packing: str, tokens: np.ndarray, starts: np.ndarray) -> DocumentPiec
 
 
 class Batch(list):
-    """This rank's micro-batches of a step, (inputs, targets) each, and the bigram rows each one reads,
-    found on the host (for DistAdam's sparse exchange of the bigram table's gradient)."""
+    """This rank's micro-batches of a step, (inputs, targets) each, and what the host finds in each: the bigram
+    rows it reads (for DistAdam's sparse exchange of the bigram table's gradient) and its candidate set (record
+    #92's sampled softmax: Candidates on the device, or None where the step uses the whole vocabulary)."""
 
-    def __init__(self, micro_batches, bigram_rows):
+    def __init__(self, micro_batches, bigram_rows, candidates=None):
         super().__init__(micro_batches)
         self.bigram_rows = bigram_rows
+        self.candidates = candidates or [None] * len(micro_batches)
 
 
 def host_bigram_rows(chunk: np.ndarray, buckets: int) -> np.ndarray:
@@ -3463,14 +3549,136 @@ def host_bigram_rows(chunk: np.ndarray, buckets: int) -> np.ndarray:
     return np.unique(bigram_hash(ids, torch.cat([ids[:1], ids[:-1]]), torch.arange(len(ids)), buckets).numpy())
 
 
-def rank_micro_batches(micro_batches: list[np.ndarray], env: DistEnv, bigram_buckets: int) -> Batch:
-    """This rank's (inputs, targets): micro-batch m goes to rank m % world_size (the record's dealing)."""
-    batch, rows = [], []
-    for chunk in micro_batches[env.rank::env.world_size]:
+# Record #92's negatives: a sweep through the vocabulary in steps of this prime (so that, coprime with the padded
+# vocabulary V, which validate_config checks, the sweep k * stride mod V visits every class once in V draws),
+# drawn in windows of floor(1.7 * need) + 256 classes, for `need` of them that are not targets: wide enough that
+# the targets in a window rarely leave too few.
+CANDIDATE_STRIDE = 20011
+CANDIDATE_WINDOW = (1.7, 256)
+CANDIDATE_MULTIPLE = 16  # candidate counts are widths of the FP8 head's matmuls, which torch._scaled_mm takes in 16s
+
+
+def candidate_set(targets: np.ndarray, count: int, sweep: np.ndarray, offset: int,
+                  prefix_targets: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
+    """Record #92's candidate set C of one micro-batch, from the host's copy of its targets (T,), for P = count:
+    C holds its U distinct targets and P - U negatives, the classes of the window w = sweep[offset : offset + d],
+    d = min(V, floor(1.7 (P - U)) + 256), that are not targets, in the sweep's order; where w holds fewer than
+    P - U of them, every class that is not a target at an even step instead: free[::max(1, |free| // (P - U))]
+    (free ascending), the first P - U. C is ascending. Prefix targets are not put in C: a row whose prefix target
+    C lacks drops that term. (sweep: k * CANDIDATE_STRIDE mod V for k < V, twice, so a window is one slice.)
+
+    Returns C (P,), each target's position in C (T,), each prefix target's (T,; -1 where it is -1 or not in C),
+    and the stream's next offset, (offset + d) mod V (the offset stays where U = P). Raises TrainingError where
+    U > P."""
+    vocab = len(sweep) // 2
+    taken = np.zeros(vocab + 1, dtype=bool)  # (entry V stays False: the position map's -1 for a prefix of -1)
+    taken[targets] = True
+    distinct = int(np.count_nonzero(taken))
+    if distinct > count:
+        raise TrainingError(f"{distinct} distinct targets, more than the {count} candidates")
+    need = count - distinct
+    if need:
+        drawn = min(vocab, int(need * CANDIDATE_WINDOW[0]) + CANDIDATE_WINDOW[1])
+        window = sweep[offset:offset + drawn]
+        offset = (offset + drawn) % vocab
+        negatives = window[~taken[window]]
+        if negatives.size < need:
+            free = np.flatnonzero(~taken[:vocab])
+            negatives = free[::max(1, free.size // need)]
+        taken[negatives[:need]] = True
+    columns = np.flatnonzero(taken[:vocab])
+    position = np.full(vocab + 1, -1, dtype=np.int64)  # position[-1] = position[V] = -1
+    position[columns] = np.arange(count)
+    return columns, position[targets], None if prefix_targets is None else position[prefix_targets], offset
+
+
+class CandidateSampler:
+    """The host's half of record #92's sampled softmax: each micro-batch's candidate set (candidate_set) on the
+    steps that sample (Schedule.candidates), each micro-batch with a stream of negatives of its own. Micro-batch
+    g of a step (0..M-1 over all ranks, M the most micro-batches a step has) draws from stream g, which starts at
+    offset floor(V g / M) of the sweep and moves on with every set it gives. At 8 GPUs with 8 micro-batches these
+    are the record's streams (rank r starts at floor(V r / 8)); at any world size the sets are the same, since
+    micro-batch g holds the same tokens wherever it runs. Only the rank that trains micro-batch g (rank g mod
+    world_size) moves stream g: the offsets are run state, which the loader's state holds and a checkpoint
+    takes from every rank (loader_state_of_ranks)."""
+
+    def __init__(self, schedule: Schedule, vocab: int, prefix_table: np.ndarray | None):
+        self.schedule, self.prefix_table = schedule, prefix_table
+        self.sweep = np.tile(CANDIDATE_STRIDE * np.arange(vocab, dtype=np.int64) % vocab, 2)
+        streams = max(stage.batch_tokens // stage.micro_tokens for stage in schedule.stages)
+        self.offsets = [vocab * g // streams for g in range(streams)]
+
+    def micro_batch(self, step: int, g: int, targets: np.ndarray) -> Candidates | None:
+        """Micro-batch g's candidate set at `step` (numpy arrays), or None where the step uses the whole
+        vocabulary; stream g moves on."""
+        count = self.schedule.candidates(step)
+        if not count:
+            return None
+        prefix = self.prefix_table[targets] if self.schedule.prefix_weight(step) is not None else None
+        try:
+            *found, self.offsets[g] = candidate_set(targets, count, self.sweep, self.offsets[g], prefix)
+        except TrainingError as e:
+            raise TrainingError(f"step {step}, micro-batch {g}: {e}; give the stage more "
+                                f"(--stage_softmax_candidates)") from None
+        return Candidates(*found)
+
+    def for_step(self, step: int) -> Callable:
+        """micro_batch at `step`: what rank_micro_batches asks for each micro-batch's set."""
+        return functools.partial(self.micro_batch, step)
+
+    def offsets_problem(self, offsets) -> str | None:
+        """What is wrong with offsets read from a checkpoint, or None: one int in [0, V) per stream."""
+        if not (isinstance(offsets, list) and len(offsets) == len(self.offsets)
+                and all(type(o) is int and 0 <= o < len(self.sweep) // 2 for o in offsets)):
+            return (f"its candidate streams' offsets are {brief(offsets)}, not {len(self.offsets)} positions in a "
+                    f"vocabulary of {len(self.sweep) // 2}")
+        return None
+
+
+def candidate_sampler(args: Hyperparameters, schedule: Schedule) -> CandidateSampler | None:
+    """The loaders' CandidateSampler, where a stage samples (--stage_softmax_candidates)."""
+    if not schedule.sampled:
+        return None
+    vocab = padded_vocab(args.vocab_size)
+    return CandidateSampler(schedule, vocab, np.array(prefix_token_ids(vocab)) if schedule.prefix_term else None)
+
+
+def with_candidate_offsets(state: dict, sampler: CandidateSampler | None) -> dict:
+    """A loader's state with its candidate streams' offsets (none without sampling: as before it existed)."""
+    return state if sampler is None else {**state, "candidate_offsets": list(sampler.offsets)}
+
+
+def load_candidate_offsets(state: dict, sampler: CandidateSampler | None):
+    """The offsets of with_candidate_offsets back (a state without them, from a run that did not sample, leaves
+    the streams as they are)."""
+    if sampler is not None and "candidate_offsets" in state:
+        sampler.offsets = list(state["candidate_offsets"])
+
+
+def loader_state_of_ranks(states: list[dict]) -> dict:
+    """The loader's state as a checkpoint keeps it, from every rank's (in rank order): the position, the same on
+    every rank, and each candidate stream's offset from the rank that moves it (stream g: rank g mod world_size)."""
+    state = dict(states[0])
+    if "candidate_offsets" in state:
+        world = len(states)
+        state["candidate_offsets"] = [states[g % world]["candidate_offsets"][g]
+                                      for g in range(len(state["candidate_offsets"]))]
+    return state
+
+
+def rank_micro_batches(micro_batches: list[np.ndarray], env: DistEnv, bigram_buckets: int,
+                       candidates: Callable | None = None) -> Batch:
+    """This rank's (inputs, targets): micro-batch g goes to rank g % world_size (the record's dealing); with
+    candidates(g, targets on the host), each one's candidate set (CandidateSampler.micro_batch)."""
+    batch, rows, sets = [], [], []
+    for g in range(env.rank, len(micro_batches), env.world_size):
+        chunk = micro_batches[g]
         buf = to_device(torch.from_numpy(chunk), env.device)
         batch.append((buf[:-1], buf[1:]))
         rows.append(host_bigram_rows(chunk, bigram_buckets) if env.world_size > 1 else None)
-    return Batch(batch, rows)
+        found = candidates(g, chunk[1:]) if candidates is not None else None
+        sets.append(found.to_device(env.device) if found is not None else None)
+    return Batch(batch, rows, sets)
 
 
 def to_device(tokens: Tensor, device: torch.device) -> Tensor:
@@ -3639,6 +3847,7 @@ class TrainLoader:
                             f"data/tokenize_text.py's shards ask for)")
         self.env, self.bigram_buckets, self.packing_flag = env, args.bigram_vocab_size, args.packing
         self.vocab_size = args.vocab_size
+        self.sampler = candidate_sampler(args, self.schedule)
         self.file_index, self.piece = 0, 0
         self.pieces: DocumentPieces | TokenStream | None = None
         self.started_over = False  # whether the last batch was the first of another pass over the shards
@@ -3680,7 +3889,8 @@ class TrainLoader:
 
     def state_dict(self) -> dict:
         # piece: the next piece of the shard (documents) or its next token (stream)
-        return {"file_index": self.file_index, "piece": self.piece, "packing": [scan.packing for scan in self.scans]}
+        state = {"file_index": self.file_index, "piece": self.piece, "packing": [scan.packing for scan in self.scans]}
+        return with_candidate_offsets(state, self.sampler)
 
     def check_packing(self, state: dict):
         packing = state.get("packing", ["documents"] * len(self.scans))  # checkpoints from before --packing
@@ -3695,6 +3905,7 @@ class TrainLoader:
     def load_state_dict(self, state: dict):
         self.check_packing(state)
         self.file_index, self.piece, self.pieces = int(state["file_index"]), int(state["piece"]), None
+        load_candidate_offsets(state, self.sampler)
 
     def _index(self, file_index: int) -> DocumentPieces | TokenStream:
         scan = self.scans[file_index]
@@ -3726,7 +3937,8 @@ class TrainLoader:
             self.file_index, self.piece, self.pieces = (self.file_index + 1) % len(self.scans), 0, None
             self.started_over = self.file_index == 0
         micro_batches, self.piece = taken
-        return rank_micro_batches(micro_batches, self.env, self.bigram_buckets)
+        return rank_micro_batches(micro_batches, self.env, self.bigram_buckets,
+                                  self.sampler and self.sampler.for_step(step))
 
 
 class SyntheticLoader:
@@ -3739,15 +3951,17 @@ class SyntheticLoader:
         self.schedule, self.env, self.seed = schedule or Schedule(args), env, args.seed
         self.bigram_buckets = args.bigram_vocab_size
         self.step = 0
+        self.sampler = candidate_sampler(args, self.schedule)
 
     def report(self) -> list[str]:
         return ["data: synthetic tokens (--synthetic=true), new ones every step; no shards are read"]
 
     def state_dict(self) -> dict:
-        return {"step": self.step}
+        return with_candidate_offsets({"step": self.step}, self.sampler)
 
     def load_state_dict(self, state: dict):
         self.step = int(state.get("step", 0))
+        load_candidate_offsets(state, self.sampler)
 
     def next_batch(self, step: int) -> list[tuple[Tensor, Tensor]]:
         rng = np.random.default_rng([self.seed, self.step])
@@ -3763,7 +3977,8 @@ class SyntheticLoader:
             tokens[np.cumsum(lengths) - lengths] = BOS_ID
             taken = DocumentPieces(tokens).take_step(0, self.schedule.micro_batches(step), micro, max_len)
             if taken is not None:
-                return rank_micro_batches(taken[0], self.env, self.bigram_buckets)
+                return rank_micro_batches(taken[0], self.env, self.bigram_buckets,
+                                          self.sampler and self.sampler.for_step(step))
             lengths = np.append(lengths, rng.exponential(1000, 256).astype(np.int64) + 1)
 
 
@@ -3964,20 +4179,23 @@ def mask_bytes(masks: Masks) -> int:
     return total
 
 
-def loss_chunk_bytes(args: Hyperparameters, tokens: int, device_type: str, head: str) -> int:
+def loss_chunk_bytes(args: Hyperparameters, tokens: int, device_type: str, head: str,
+                     columns: int | None = None) -> int:
     """The loss's transient: one chunk of LOSS_CHUNK rows of logits at a time (the full logits are never
-    held), and with the FP8 head (head: the lm_head's precision) the e5m2 gradient of every row's logits,
-    transposed, for the lm_head's one weight-gradient matmul (head_loss). On GPUs a chunk holds its bf16
+    held), each row `columns` wide (the padded vocabulary, or record #92's sampled softmax's candidates), and
+    with the FP8 head (head: the lm_head's precision) the e5m2 gradient of every row's logits, transposed, for
+    the lm_head's one weight-gradient matmul (head_loss). On GPUs a chunk holds its bf16
     logits and fp32 passes of mtp_chunk: the compiled head three at once as tools/preflight.py measures it
     (aot_eager keeps every pass; inductor fuses most: fewer), the eager one (--compile=false) two, working in
     place, and its FP8 gradient in fp32 and e5m2 besides. On CPU: fp32 logits and two passes (tests/test_memory.py
     measures it)."""
-    elements = min(LOSS_CHUNK, tokens) * padded_vocab(args.vocab_size)
+    columns = columns or padded_vocab(args.vocab_size)
+    elements = min(LOSS_CHUNK, tokens) * columns
     if device_type != "cuda":
         return elements * 3 * 4
     fp8 = head == "fp8"
     per_logit = 2 + 4 * (3 if args.compile else 2) + (1 + (0 if args.compile else 4) if fp8 else 0)
-    return elements * per_logit + (tokens * padded_vocab(args.vocab_size) if fp8 else 0)
+    return elements * per_logit + (tokens * columns if fp8 else 0)
 
 
 class MemoryModel:
@@ -4014,7 +4232,8 @@ class MemoryModel:
         self.muon_state, self.muon_buffers = normuon_bytes(self.muon, world_size)
         self.adam_state = dist_adam_bytes(self.adam, world_size, self.model.bigram_embed.weight, 0)[0]
         self.ship_state = ship_bytes(self.model, record92_ships(Schedule(args)), world_size) if args.tail_ships else 0
-        self.counted: dict = {}  # (micro_tokens, micro-batches per rank), or the validation's length -> its rows
+        # (micro_tokens, micro-batches per rank, candidates or None), or the validation's length -> its rows
+        self.counted: dict = {}
         # what a forward pass keeps depends on none of the world size, the micro-batch counts or the run's controls
         self.forward_key = (config_fields(args, ignored=("micro_batches",)), device.type, numerics, attention_kind)
 
@@ -4038,8 +4257,10 @@ class MemoryModel:
         and the counts --micro_batches=auto tries share them."""
         return kept(FORWARD_COUNTS, (self.forward_key, what), count, 256)
 
-    def _saved_by_forward(self, micro_tokens: int, windows: tuple[int, int]) -> tuple[int, int]:
-        """(bytes the forward keeps for backward, bytes of the block masks) for one micro-batch."""
+    def _saved_by_forward(self, micro_tokens: int, windows: tuple[int, int],
+                          columns: int | None = None) -> tuple[int, int]:
+        """(bytes the forward keeps for backward, bytes of the block masks) for one micro-batch; with columns,
+        its loss over that many candidates (record #92's sampled softmax)."""
         with self.fake, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             x = self._tokens(micro_tokens + 1)
@@ -4053,8 +4274,12 @@ class MemoryModel:
             schedule = Schedule(self.args)
             mtp = torch.ones(len(schedule.mtp_weights(0)))
             prefix = torch.ones(1) if schedule.prefix_weight(0) is not None else None
+            candidates = None
+            if columns:
+                positions = torch.zeros(micro_tokens, dtype=torch.int64)
+                candidates = Candidates(torch.arange(columns), positions, positions if prefix is not None else None)
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-                self.model(x[:-1], x[1:], masks, mtp, loss_scale=1.0, prefix_weight=prefix)
+                self.model(x[:-1], x[1:], masks, mtp, loss_scale=1.0, prefix_weight=prefix, candidates=candidates)
         return sum(saved.values()), masks_size
 
     def _live_in_forward(self, seq_len: int, windows: tuple[int, int]) -> tuple[int, int]:
@@ -4073,14 +4298,17 @@ class MemoryModel:
             self.model.train()
         return live.peak - base, masks_size
 
-    def training(self, micro_tokens: int, windows: tuple[int, int], micro_per_rank: int) -> dict[str, int]:
-        """The rows of a training phase whose micro-batches hold micro_tokens tokens."""
+    def training(self, micro_tokens: int, windows: tuple[int, int], micro_per_rank: int,
+                 columns: int | None = None) -> dict[str, int]:
+        """The rows of a training phase whose micro-batches hold micro_tokens tokens (and whose loss runs over
+        `columns` candidates: record #92's sampled softmax; None: the whole vocabulary)."""
         args = self.args
-        activations, masks_size = self._shared_count(("training", micro_tokens),
-                                                     lambda: self._saved_by_forward(micro_tokens, windows))
+        activations, masks_size = self._shared_count(
+            ("training", micro_tokens, columns),
+            lambda: self._saved_by_forward(micro_tokens, windows, columns))
         touched = min(self.model.bigram_embed.num_embeddings, args.adam_every * micro_tokens * micro_per_rank)
         adam_buffers = dist_adam_bytes(self.adam, self.world_size, self.model.bigram_embed.weight, touched)[1]
-        chunk = loss_chunk_bytes(args, micro_tokens, self.device_type, self.model.numerics.head)
+        chunk = loss_chunk_bytes(args, micro_tokens, self.device_type, self.model.numerics.head, columns)
         tables = (self.model.value_embeds, self.model.embed.weight, self.model.bigram_embed.weight)
         embedding_backward = 2 * max(tensor_bytes([table]) for table in tables)
         step_buffers = self.muon_buffers + adam_buffers
@@ -4109,9 +4337,12 @@ class MemoryModel:
             name = f"stage {i + 1}" if i < len(schedule.stages) - 1 else "extension"
             # The windows change no tensor's size (block masks hold every block pair; attention keeps q, k, v,
             # its output and log-sum-exp): phases of the same micro-batches share one count.
-            key = (stage.micro_tokens, stage.micro_batches // self.world_size)
+            # A stage that samples (--stage_softmax_candidates) holds the logits of its most candidates.
+            parts = schedule.candidate_parts[i]
+            columns = None if 0 in parts else max(parts)
+            key = (stage.micro_tokens, stage.micro_batches // self.world_size, columns)
             if key not in self.counted:
-                self.counted[key] = self.training(stage.micro_tokens, stage.windows, key[1])
+                self.counted[key] = self.training(stage.micro_tokens, stage.windows, key[1], columns)
             rows[name] = self.counted[key]
         if validation:
             if self.args.val_seq_len not in self.counted:
@@ -4514,11 +4745,12 @@ def save_checkpoint(step: int, train_time_ms: float, model: GPT, optimizers, loa
         except TrainingError as e:
             error = e
         every_rank = gather_from_ranks(None if error else files)
+        loader_state = loader_state_of_ranks(gather_from_ranks(loader.state_dict()))
         failed = [rank for rank, written in enumerate(every_rank) if written is None]
         if env.is_main and not failed:
             shard_record = loader.shard_record() if hasattr(loader, "shard_record") else []  # none: synthetic data
             meta = {"step": step, "train_time_ms": train_time_ms, "world_size": env.world_size,
-                    "loader": loader.state_dict(), "config": config_for_checkpoint(args),
+                    "loader": loader_state, "config": config_for_checkpoint(args),
                     "code_sha256": code_hash(source), "shards": shard_record,
                     "files": {name: written[name] for written in every_rank for name in sorted(written)}}
             try:
@@ -5119,9 +5351,15 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
 def check_resume_shards(resume: Resume, loader, args: Hyperparameters):
     """The training shards this run reads must be the ones the checkpoint's run read, where both read them
     (in order, by size and fingerprint; a folder moved elsewhere is the same data): other data would not
-    continue that run. --force_resume=true goes on anyway, from the same shard index and position."""
+    continue that run. --force_resume=true goes on anyway, from the same shard index and position. The
+    candidate streams' offsets (record #92's sampled softmax) must be positions in the vocabulary."""
     recorded = resume.meta.shards
     scans = getattr(loader, "scans", [])
+    sampler = getattr(loader, "sampler", None)
+    if sampler is not None and "candidate_offsets" in resume.meta.loader:
+        problem = sampler.offsets_problem(resume.meta.loader["candidate_offsets"])
+        if problem:
+            raise TrainingError(f"--resume={resume.path}: meta.json's loader: {problem} (edited?)")
     if bool(recorded) != bool(scans):
         raise TrainingError(f"--resume={resume.path}: the checkpoint was trained on "
                             f"{'shards' if recorded else 'synthetic tokens'}, this run reads "
@@ -5302,6 +5540,10 @@ def log_header(run: Run, model: GPT):
         f"mlp down-projection: {down}  compile: {compiled}")
     log(f"recipe: {RECIPES.get(args.preset, RECIPES['speedrun'])}: {args.num_iterations} steps in "
         f"{len(run.schedule.stages) - 1} stages and an extension", console=False)
+    if run.schedule.sampled:
+        log(f"training loss: sampled softmax (record #92) over --stage_softmax_candidates="
+            f"{args.stage_softmax_candidates} candidate classes a stage (0: the whole vocabulary); validation over "
+            f"the whole vocabulary")
     smi = nvidia_smi()
     if smi:
         log(smi, console=False, verbatim=True)
@@ -5514,11 +5756,15 @@ def prepare_training(model: GPT, args: Hyperparameters, env: DistEnv, backend="i
 
 
 def warmup_steps(args: Hyperparameters, schedule: Schedule) -> list[int]:
-    """The steps the untimed warmup runs: the first warmup_steps of every stage (an Adam step among them
-    when warmup_steps >= adam_every), so that every stage's shapes are compiled, the untie step included
-    when it is one of them."""
-    return sorted({s for stage in schedule.stages for s in range(stage.start, min(stage.start + args.warmup_steps,
-                                                                                   stage.end))})
+    """The steps the untimed warmup runs: the first warmup_steps of every stage and of every part of a stage
+    with another candidate count (--stage_softmax_candidates: the loss's width is a shape), an Adam step among
+    them when warmup_steps >= adam_every, so that every shape is compiled, the untie step included when it is
+    one of them."""
+    starts = {stage.start for stage in schedule.stages}
+    starts |= {s for s in range(1, schedule.total) if schedule.candidates(s) != schedule.candidates(s - 1)}
+    bounds = sorted(starts | {schedule.total})
+    return sorted({s for start, end in zip(bounds, bounds[1:]) for s in range(start, min(start + args.warmup_steps,
+                                                                                          end))})
 
 
 @dataclass

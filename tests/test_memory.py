@@ -190,7 +190,8 @@ def test_memory_models_of_one_configuration_share_their_forward_passes(monkeypat
     T.FORWARD_COUNTS.clear()
     passes, forward = [], T.MemoryModel._saved_by_forward
     monkeypatch.setattr(T.MemoryModel, "_saved_by_forward",
-                        lambda self, micro_tokens, windows: passes.append(micro_tokens) or forward(self, micro_tokens, windows))
+                        lambda self, micro_tokens, windows, columns: passes.append(micro_tokens)
+                        or forward(self, micro_tokens, windows, columns))
     shared = {world_size: T.MemoryModel(args, world_size, CPU, T.Numerics(), "sdpa").phases({0}) for world_size in (1, 2)}
     assert shared == alone
     assert passes == [T.Schedule(args).stages[0].micro_tokens]  # once for both

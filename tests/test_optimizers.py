@@ -94,6 +94,14 @@ def test_sparse_row_exchange_equals_the_dense_reduce_scatter(gloo_runs, world_si
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_world_size_builds_the_candidate_sets_of_world_size_1(gloo_runs, world_size):
+    # Record #92's sampled softmax: each rank's sets of its micro-batches, gathered, are world size 1's sets of the
+    # same micro-batches, and the streams' offsets a checkpoint keeps (gathered from their ranks) are world size 1's.
+    assert gloo_runs[world_size][0].count("candidate sets and the streams' offsets are world size 1's") == world_size
+
+
+@pytest.mark.slow
 def test_every_dist_adam_bucket_is_reduced_from_its_hook_during_backward(gloo_runs):
     # The smoke model at world size 2: no bucket may be reduced late, from step(); the worker also shows,
     # with a parameter that gets no gradient, that such a late reduction is detected.

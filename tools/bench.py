@@ -308,6 +308,7 @@ class Bench:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.world_size = options.world_size
         self.schedule = T.Schedule(args)
+        self.sampler = T.candidate_sampler(args, self.schedule)  # record #92's sampled softmax, where on
         self.env1 = T.DistEnv(0, 0, 1, self.device)
         self.env_rank0 = T.DistEnv(0, 0, self.world_size, self.device)
         self.counter = GraphCounter("inductor" if self.device.type == "cuda" else "eager")
@@ -339,7 +340,9 @@ class Bench:
         if stage_index not in self.batches:
             stage = self.schedule.stages[stage_index]
             micro_batches = self.corpus.step(stage.micro_batches, stage.micro_tokens, stage.max_seq_len)
-            self.batches[stage_index] = T.rank_micro_batches(micro_batches, self.env_rank0, self.args.bigram_vocab_size)
+            candidates = self.sampler and self.sampler.for_step(stage.start)
+            self.batches[stage_index] = T.rank_micro_batches(micro_batches, self.env_rank0, self.args.bigram_vocab_size,
+                                                             candidates)
         return self.batches[stage_index]
 
     def fit_rotary(self, step: int):
@@ -892,7 +895,8 @@ def run_training(bench: Bench, row: dict, flush):
             T.set_schedules(step, optimizers, schedule, args)
             micro_batches = bench.corpus.step(schedule.micro_batches(step), schedule.micro_tokens(step),
                                               schedule.stage(step).max_seq_len)
-            batch = T.rank_micro_batches(micro_batches, bench.env1, args.bigram_vocab_size)
+            batch = T.rank_micro_batches(micro_batches, bench.env1, args.bigram_vocab_size,
+                                         bench.sampler and bench.sampler.for_step(step))
             with timer.region():
                 losses.append(T.train_step(bench.model, optimizers, batch, step, schedule, args, bench.use_flex))
     values = [float(loss) / schedule.stage(step).batch_tokens for loss, step in zip(losses, steps)]

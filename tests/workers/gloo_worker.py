@@ -1,5 +1,5 @@
-"""Run under torchrun (gloo): every optimizer check that needs real collectives, in one process group per
-launch (starting torchrun and its processes costs more than the checks). Rank 0 saves NorMuon's final
+"""Run under torchrun (gloo): every optimizer check that needs real collectives, and the sampled softmax's
+candidate sets at this world size, in one process group per launch (starting torchrun and its processes costs more than the checks). Rank 0 saves NorMuon's final
 parameters to the path given, for the test to compare with a single-process run.
 
     torchrun --standalone --nproc_per_node=N tests/workers/gloo_worker.py OUT
@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from candidates_worker import check_candidates  # noqa: E402
 from dist_adam_worker import check_dist_adam, check_sparse_rows  # noqa: E402
 from hook_worker import check_hooks  # noqa: E402
 from muon_worker import run_normuon  # noqa: E402
@@ -52,6 +53,7 @@ def main(out_path: str):
     check_dist_adam(rank, world)
     check_sparse_rows(rank, world)
     check_ships(rank, world)
+    check_candidates(rank, world)
     if SMOKE_MICRO_BATCHES % world == 0:
         check_hooks(rank, world)
     dist.destroy_process_group()
