@@ -188,9 +188,9 @@ class Hyperparameters:
     muon_momentum_end: float = _help("NorMuon momentum between warmup and cooldown", 0.95)
     muon_momentum_warmup: int = _help("steps over which NorMuon momentum rises", 300)
     muon_momentum_cooldown: int = _help("last steps over which NorMuon momentum falls back", 50)
-    matrix_optimizer: str = _help("the attention and MLP matrices' optimizer: normuon (record #89; the muon_* flags) or "
-                                  "anvil (record #92: twin-rail velocity, six quintic maps, per-lane equalizer; the "
-                                  "anvil_* flags)", "normuon")
+    matrix_optimizer: str = _help("the attention and MLP matrices' optimizer: normuon (record #89; the muon_* "
+                                  "flags) or anvil (record #92: twin-rail velocity, six quintic maps, per-lane "
+                                  "equalizer; the anvil_* flags)", "normuon")
     anvil_lr: float = _help("ANVIL lr for the attention and MLP matrices", 0.023)
     anvil_beta2: float = _help("ANVIL's per-lane energy decay", 0.9)
     anvil_weight_decay: float = _help("ANVIL's cautious weight decay (gated on the slow rail), scaled by lr^2", 2.25)
@@ -2101,8 +2101,8 @@ ANVIL_MAPS = (
     (2.245503932403, -2.443826979899, 0.963091710461),
     (2.256537145403, -2.166840097229, 0.929501253245),
 )
-# The cascade's input is divided by this times its Frobenius norm, which bounds its largest singular value: the
-# maps then start from singular values below 1 / 1.05, the range they were fitted for, bf16's rounding included.
+# The cascade's input is divided by this times its Frobenius norm (the root of its Gram matrix's trace, an upper
+# bound of its largest singular value): the maps start from singular values of at most 1 / 1.05 (record #92's margin).
 ANVIL_GRAM_SCALE = 1.05
 ANVIL_SLOW_BETA = 0.98  # the slow rail's beta, from step 0: a ~50-step mean of the gradient, the decay gate's sign
 ANVIL_FAST_BETA = 0.85  # the fast rail's beta from the engage step (--anvil_engage_step): record #92's tuned value
@@ -2110,7 +2110,7 @@ ANVIL_BLEND = 0.4385  # the fast rail's share of the velocity from the engage st
 
 
 def anvil_maps(g: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """About U V^T of g = U S V^T for each matrix of g (..., rows, cols), by record #92's cascade, in `dtype`
+    """About U V^T of g = U S V^T for each matrix of g (k, rows, cols), by record #92's cascade, in `dtype`
     (bf16 on GPUs: each product accumulates in fp32 and is stored in bf16, as the record's kernels do). On the
     wide side (a tall g is iterated as its transpose, so that A is the smaller Gram matrix):
         x = g / d,   d = 1.05 sqrt(tr(g g^T)) + 1e-6   (1.05 ||g||_F)
