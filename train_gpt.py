@@ -13,7 +13,7 @@ on CPU (gloo, the `smoke` preset on the bundled corpus).
     python train_gpt.py --preset=smoke                                # CPU, ~2 minutes
 
 Read top to bottom. The math first: the settings and what they derive (the stage schedule, the layer plan);
-the model; the optimizers (NorMuon, DistAdam); one training step and evaluation. Then what keeps a run safe
+the model; the optimizers (NorMuon or ANVIL, DistAdam); one training step and evaluation. Then what keeps a run safe
 and measured: command-line and config checks, distributed setup, data, performance accounting, the memory
 model, checkpoints, logging, main(). Importing this file has no side effects.
 """
@@ -207,6 +207,20 @@ class Hyperparameters:
     muon_momentum_end: float = _help("NorMuon momentum between warmup and cooldown", 0.95)
     muon_momentum_warmup: int = _help("steps over which NorMuon momentum rises", 300)
     muon_momentum_cooldown: int = _help("last steps over which NorMuon momentum falls back", 50)
+    matrix_optimizer: str = _help("the attention and MLP matrices' optimizer: normuon (record #89; the muon_* "
+                                  "flags) or anvil (record #92: twin-rail velocity, six quintic maps, per-lane "
+                                  "equalizer; the anvil_* flags)", "normuon")
+    anvil_lr: float = _help("ANVIL lr for the attention and MLP matrices", 0.023)
+    anvil_beta2: float = _help("ANVIL's per-lane energy decay", 0.9)
+    anvil_weight_decay: float = _help("ANVIL's cautious weight decay (gated on the slow rail), scaled by lr^2", 2.25)
+    anvil_beta_start: float = _help("ANVIL's rail beta (its Nesterov lookahead, and its fast rail's beta until "
+                                    "--anvil_engage_step) at step 0 and at the end", 0.85)
+    anvil_beta_end: float = _help("ANVIL's rail beta between warmup and cooldown", 0.93)
+    anvil_beta_warmup: int = _help("steps over which ANVIL's rail beta rises", 240)
+    anvil_beta_cooldown: int = _help("last steps over which ANVIL's rail beta falls back", 50)
+    anvil_engage_step: int = _help("from this step ANVIL's fast rail runs at ANVIL_FAST_BETA and its velocity blends "
+                                   "in the slow rail (ANVIL_BLEND); before it, the fast rail alone, on the rail beta",
+                                   514)
     # run control
     seed: int = _help("seed for the initial weights (identical on every rank)", 1337)
     device: str = _help("auto, cuda or cpu", "auto")
@@ -384,8 +398,13 @@ class Schedule:
         self.final_val_windows = (self.stages[-1].windows[0], args.final_val_window)
         self.cooldown_start = int(self.scheduled * (1 - args.cooldown_frac))
         self.final_lr_frac = args.final_lr_frac
-        self.momentum_range = (args.muon_momentum_start, args.muon_momentum_end)
-        self.momentum_warmup, self.momentum_cooldown = args.muon_momentum_warmup, args.muon_momentum_cooldown
+        if args.matrix_optimizer == "anvil":
+            self.momentum_range = (args.anvil_beta_start, args.anvil_beta_end)
+            self.momentum_warmup, self.momentum_cooldown = args.anvil_beta_warmup, args.anvil_beta_cooldown
+        else:
+            self.momentum_range = (args.muon_momentum_start, args.muon_momentum_end)
+            self.momentum_warmup, self.momentum_cooldown = args.muon_momentum_warmup, args.muon_momentum_cooldown
+        self.engage_step = args.anvil_engage_step
         self.adam_every, self.val_loss_every = args.adam_every, args.val_loss_every
         # the first Adam step (the record: an odd step) of the untie stage (n: the extension); None: never
         untie_start = self.stages[args.untie_stage].start if args.untie_stage <= n else None
@@ -444,8 +463,8 @@ class Schedule:
         return parts[(step - stage.start) * len(parts) // (stage.end - stage.start)]
 
     def momentum(self, step: int) -> float:
-        """NorMuon's momentum: rises linearly from start to end over the warmup, falls back to start over the
-        last cooldown steps of the run."""
+        """The matrix optimizer's momentum (NorMuon's; ANVIL's rail beta, from the anvil_beta_* flags): rises
+        linearly from start to end over the warmup, falls back to start over the last cooldown steps of the run."""
         lo, hi = self.momentum_range
         cooldown_start = self.total - self.momentum_cooldown
         if step < self.momentum_warmup:
@@ -453,6 +472,13 @@ class Schedule:
         if step > cooldown_start:
             return hi - (step - cooldown_start) / self.momentum_cooldown * (hi - lo)
         return hi
+
+    def rails(self, step: int) -> tuple[float, float]:
+        """ANVIL's (fast-rail beta, blend: the fast rail's share of the velocity) at a step: (the rail beta, 1), the
+        fast rail alone, before the engage step; (ANVIL_FAST_BETA, ANVIL_BLEND) from it."""
+        if step < self.engage_step:
+            return self.momentum(step), 1.0
+        return ANVIL_FAST_BETA, ANVIL_BLEND
 
     def adam_steps(self, step: int) -> bool:
         """Adam steps at the last of every adam_every steps (the record: the odd ones)."""
@@ -2063,6 +2089,9 @@ class NorMuon(EagerOptimizer):
     world size 1 there is no communication. The state is fp32 whatever the parameter's dtype; a matrix
     without a gradient is updated as if its gradient were zero."""
 
+    rule = staticmethod(normuon_update)  # the update of one stack; a subclass brings its own, with its Hyper
+    Hyper = NorMuonHyper
+
     def __init__(self, params, lr: float = 0.023, momentum: float = 0.95, beta2: float = 0.9,
                  weight_decay: float = 0.0, ns_dtype: torch.dtype = torch.bfloat16):
         super().__init__(params, dict(lr=lr, momentum=momentum, beta2=beta2, weight_decay=weight_decay, lr_mul=1.0))
@@ -2081,7 +2110,7 @@ class NorMuon(EagerOptimizer):
         self.stacks = [_MatrixStack(members, self.world_size, rank) for members in by_shape.values()]
         # each matrix's state, as views of its stack's (empty: not this rank's, or no step yet)
         self.matrix_state: list[dict] = [{} for _ in self.matrices]
-        self.update = normuon_update  # compile_optimizers puts a compiled one here
+        self.update = self.rule  # compile_optimizers puts a compiled one here
 
     def _view(self, t: Tensor, m: int) -> Tensor:
         _, j, _ = self.matrices[m]
@@ -2101,13 +2130,18 @@ class NorMuon(EagerOptimizer):
         p = self.matrices[m][0]
         return self._view(p.grad, m) if p.grad is not None else None
 
+    @staticmethod
+    def _moments(shape: tuple, device) -> dict[str, Tensor]:
+        """The update rule's fp32 state for a stack of `shape` (k, rows, cols), zero."""
+        moment_shape = list(shape)
+        moment_shape[neuron_dim(shape)] = 1
+        return {"momentum_buffer": torch.zeros(shape, dtype=torch.float32, device=device),
+                "second_moment": torch.zeros(moment_shape, dtype=torch.float32, device=device)}
+
     def _make_state(self, stack: _MatrixStack):
         p = self.matrices[stack.members[0]][0]
         shape = (stack.per_rank, *p.shape[-2:])
-        moment_shape = list(shape)
-        moment_shape[neuron_dim(shape)] = 1
-        state = {"momentum_buffer": torch.zeros(shape, dtype=torch.float32, device=p.device),
-                 "second_moment": torch.zeros(moment_shape, dtype=torch.float32, device=p.device)}
+        state = self._moments(shape, p.device)
         if p.dtype == torch.bfloat16:
             state["mantissa"] = torch.zeros(shape, dtype=torch.int16, device=p.device)
         stack.state = state
@@ -2115,21 +2149,27 @@ class NorMuon(EagerOptimizer):
             if m is not None:
                 self.matrix_state[m] = {key: t[j] for key, t in state.items()}
 
-    def _hyper(self) -> list[NorMuonHyper]:
+    @staticmethod
+    def _settings(group: dict, rows: int, cols: int) -> tuple[float, ...]:
+        """One matrix's NorMuonHyper values from its group."""
+        lr = group["lr"]
+        return (group["momentum"], 1 - group["momentum"], 1 - group["beta2"],
+                lr * max(1.0, rows / cols) ** 0.5 * group["lr_mul"], group["weight_decay"] * lr)
+
+    def _hyper(self) -> list[NamedTuple]:
         """Every stack's settings for this step from its matrices' groups, in one copy to the device."""
         rows = []
         for stack in self.stacks:
             for m in stack.mine:
                 p, _, group = self.matrices[m if m is not None else stack.members[0]]
-                lr, (r, c) = group["lr"], p.shape[-2:]
-                rows.append((group["momentum"], 1 - group["momentum"], 1 - group["beta2"],
-                             lr * max(1.0, r / c) ** 0.5 * group["lr_mul"], group["weight_decay"] * lr))
+                rows.append(self._settings(group, *p.shape[-2:]))
         device = self.matrices[0][0].device
-        values = host_to_device(torch.tensor(rows, dtype=torch.float32), device).view(-1, 5, 1, 1)
+        fields = len(self.Hyper._fields)
+        values = host_to_device(torch.tensor(rows, dtype=torch.float32), device).view(-1, fields, 1, 1)
         out, start = [], 0
         for stack in self.stacks:
             part = values[start:start + stack.per_rank]
-            out.append(NorMuonHyper(*part.unbind(1)))
+            out.append(self.Hyper(*part.unbind(1)))
             start += stack.per_rank
         return out
 
@@ -2183,8 +2223,155 @@ class NorMuon(EagerOptimizer):
                 continue  # made at the next step, as at the first
             self._make_state(stack)
             for m in stack.mine:
-                for key, value in (state_dict["state"][m] if m is not None else {}).items():
+                saved = state_dict["state"][m] if m is not None else {}
+                if unknown := set(saved) - set(self.matrix_state[m]):
+                    raise ValueError(f"{type(self).__name__} keeps no {', '.join(sorted(unknown))}: the state is "
+                                     f"another matrix optimizer's (--matrix_optimizer) or another weight dtype's")
+                for key, value in saved.items():
                     self.matrix_state[m][key].copy_(value)
+
+
+# -----------------------------------------------------------------------------
+# ANVIL (record #92): NorMuon's machinery with another update rule: a twin-rail velocity, six quintic maps, a
+# per-lane energy equalizer and cautious weight decay gated on the slow rail
+
+# Six odd quintics a*x + b*x^3 + c*x^5 of the singular values, record #92's (its own fit for the velocity it feeds
+# them, not Polar Express's): each takes the singular values the previous ones leave and pushes them toward 1.
+ANVIL_MAPS = (
+    (3.923798038567, -6.095026865488, 3.905234618423),
+    (3.278126713798, -3.328923386476, 0.989127286973),
+    (3.505298394150, -5.137358782410, 1.968325560615),
+    (2.815058591845, -3.685181239622, 1.417196497642),
+    (2.245503932403, -2.443826979899, 0.963091710461),
+    (2.256537145403, -2.166840097229, 0.929501253245),
+)
+# The cascade's input is divided by this times its Frobenius norm (the root of its Gram matrix's trace, an upper
+# bound of its largest singular value): the maps start from singular values of at most 1 / 1.05 (record #92's margin).
+ANVIL_GRAM_SCALE = 1.05
+ANVIL_SLOW_BETA = 0.98  # the slow rail's beta, from step 0: a ~50-step mean of the gradient, the decay gate's sign
+ANVIL_FAST_BETA = 0.85  # the fast rail's beta from the engage step (--anvil_engage_step): record #92's tuned value
+ANVIL_BLEND = 0.4385  # the fast rail's share of the velocity from the engage step: record #92's tuned value
+
+
+def anvil_maps(g: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """About U V^T of g = U S V^T for each matrix of g (k, rows, cols), by record #92's cascade, in `dtype`
+    (bf16 on GPUs: each product accumulates in fp32 and is stored in bf16, as the record's kernels do). On the
+    wide side (a tall g is iterated as its transpose, so that A is the smaller Gram matrix):
+        x = g / d,   d = 1.05 sqrt(tr(g g^T)) + 1e-6   (1.05 ||g||_F)
+        x <- a x + (b A + c A^2) x,   A = x x^T,   for (a, b, c) in ANVIL_MAPS,
+    each map taking every singular value s to a s + b s^3 + c s^5. The first A is not recomputed: it is g's Gram
+    matrix divided by d^2 and rounded to `dtype` once more, as the record computes it."""
+    x = g.to(dtype)
+    transposed = x.size(-2) > x.size(-1)
+    if transposed:
+        x = x.mT
+    gram = x @ x.mT
+    d = gram.diagonal(dim1=-2, dim2=-1).float().sum(-1)[..., None, None].sqrt() * ANVIL_GRAM_SCALE + 1e-6
+    x = (x.float() / d).to(dtype)
+    gram = (gram.float() / d.square()).to(dtype)
+    for k, (a, b, c) in enumerate(ANVIL_MAPS):
+        if k:
+            gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if transposed else x
+
+
+def equalize_lanes(v: Tensor, lane_energy: Tensor, one_minus_beta2) -> Tensor:
+    """ANVIL's per-lane equalizer, on v (..., rows, cols) in its dtype with fp32 statistics. A lane is an index of
+    the longer side (neuron_dim: the record's lanes are the rows of a tall or square matrix, the columns of a wide
+    one); p_i is its mean square over the n entries of the shorter side, E_i its running mean, and each lane is
+    scaled by E_i^(-1/2), the whole matrix then by what restores its Frobenius norm:
+        E_i <- E_i + (1 - beta2) (p_i - E_i),   g_i = max(E_i, 1e-10)^(-1/2)
+        v_i <- v_i g_i sqrt(n sum_j p_j) / max(sqrt(n sum_j p_j g_j^2), 1e-10).
+    Both norms come from the lane powers (the record's), not from v. NorMuon's normalize_neurons is the same map,
+    its norms computed from the matrices."""
+    dim = neuron_dim(v.shape)
+    power = v.float().square().mean(dim=dim, keepdim=True)
+    n = v.size(dim)
+    norm_before = (power.sum(dim=(-2, -1), keepdim=True) * n).sqrt()
+    lane_energy.lerp_(power, one_minus_beta2)
+    gain = lane_energy.clamp_min(1e-10).rsqrt()
+    norm_after = (power * n * gain.square()).sum(dim=(-2, -1), keepdim=True).sqrt()
+    return v * (gain * (norm_before / norm_after.clamp_min(1e-10))).to(v.dtype)
+
+
+class AnvilHyper(NamedTuple):
+    """One ANVIL step's settings for a stack of k matrices, each (k, 1, 1) fp32 on the device (as NorMuonHyper)."""
+    momentum: Tensor  # the Nesterov lookahead: the rail beta
+    fast_beta: Tensor
+    blend: Tensor  # the fast rail's share of the velocity
+    one_minus_beta2: Tensor
+    step: Tensor  # lr * sqrt(max(1, rows / cols)) * lr_mul
+    decay: Tensor  # weight_decay * lr
+
+
+def anvil_update(grad: Tensor, weight: Tensor, state: dict, hyper: AnvilHyper, world_size: int,
+                 ns_dtype: torch.dtype) -> Tensor:
+    """ANVIL's step for a stack of same-shape matrices (k, rows, cols), as normuon_update's: summed gradients over
+    world_size ranks and the weights in, the new weights out; the state ("rails" (k, 2, rows, cols): the fast and
+    the slow rail, "lane_energy", and for bf16 weights "mantissa") updated in place. With G the mean gradient:
+        f <- f + (1 - beta_f) (G - f),   s <- s + (1 - 0.98) (G - s)      the rails, both zero at step 0
+        u = G + mu (w f + (1 - w) s - G)                                    the blend, Nesterov's lookahead
+        v = equalize_lanes(anvil_maps(u))
+        p <- p - lr * r * (v + lr * wd * [s * p >= 0] * p),   r = sqrt(max(1, rows / cols)) * lr_mul,
+    mu the rail beta; beta_f and w the schedule's (Schedule.rails). The decay's gate reads the slow rail, the
+    denoised gradient, where NorMuon's reads the update. bf16 weights: p is the fp32 master (bf16_with_mantissa),
+    stored truncated (split_mantissa)."""
+    grad = grad.float().div_(world_size)
+    rails = state["rails"]
+    fast, slow = rails[:, 0], rails[:, 1]
+    fast.lerp_(grad, 1 - hyper.fast_beta)
+    slow.lerp_(grad, 1 - ANVIL_SLOW_BETA)
+    velocity = hyper.blend * fast + (1 - hyper.blend) * slow
+    v = anvil_maps(grad.lerp(velocity, hyper.momentum), ns_dtype)
+    v = equalize_lanes(v, state["lane_energy"], hyper.one_minus_beta2).float()
+    mantissa = state.get("mantissa")
+    precise = bf16_with_mantissa(weight, mantissa) if mantissa is not None else weight
+    cautious = (slow * precise) >= 0
+    new = precise - precise * cautious * hyper.decay * hyper.step - v * hyper.step
+    return split_mantissa(new, mantissa) if mantissa is not None else new
+
+
+class Anvil(NorMuon):
+    """ANVIL (record #92: "Averaged, Normalized Velocity with Isotropic Lanes") on NorMuon's machinery: the same
+    stacks dealt out round robin, reduce-scatter and all-gather, mantissas, state_dict and compiled update; its
+    own rule (anvil_update) and state. Each matrix keeps "rails" [2, rows, cols] fp32 (the fast rail, then the
+    slow one), "lane_energy" (one fp32 value per lane) and, for bf16 weights, "mantissa".
+
+    A group's settings: lr, lr_mul, weight_decay, beta2 (the lane energies'), momentum (the rail beta, the
+    Nesterov lookahead), fast_beta and blend; set_schedules moves the last three each step (Schedule.momentum,
+    Schedule.rails)."""
+
+    rule = staticmethod(anvil_update)
+    Hyper = AnvilHyper
+
+    def __init__(self, params, lr: float = 0.023, momentum: float = 0.85, beta2: float = 0.9,
+                 weight_decay: float = 0.0, ns_dtype: torch.dtype = torch.bfloat16):
+        super().__init__(params, lr=lr, momentum=momentum, beta2=beta2, weight_decay=weight_decay, ns_dtype=ns_dtype)
+        self.defaults.update(fast_beta=momentum, blend=1.0)
+        for group in self.param_groups:
+            group.setdefault("fast_beta", momentum)
+            group.setdefault("blend", 1.0)
+
+    @staticmethod
+    def _moments(shape: tuple, device) -> dict[str, Tensor]:
+        lane_shape = list(shape)
+        lane_shape[neuron_dim(shape)] = 1
+        return {"rails": torch.zeros((shape[0], 2, *shape[1:]), dtype=torch.float32, device=device),
+                "lane_energy": torch.zeros(lane_shape, dtype=torch.float32, device=device)}
+
+    @staticmethod
+    def _settings(group: dict, rows: int, cols: int) -> tuple[float, ...]:
+        lr = group["lr"]
+        return (group["momentum"], group["fast_beta"], group["blend"], 1 - group["beta2"],
+                max(1.0, rows / cols) ** 0.5 * group["lr_mul"] * lr, group["weight_decay"] * lr)
+
+
+MATRIX_OPTIMIZERS = {  # --matrix_optimizer's choices, as the log header names them
+    "normuon": "NorMuon (record #89's: momentum, Polar Express, per-neuron normalisation, cautious decay)",
+    "anvil": "ANVIL (record #92's: twin-rail velocity, six quintic maps, per-lane equalizer, decay gated on the "
+             "slow rail)",
+}
 
 
 def group_settings(opt: torch.optim.Optimizer) -> list[dict]:
@@ -2580,10 +2767,12 @@ MUON_TABLE = {"attn.qk": 1.0, "attn.vo": 1.0, "mlp.fc": 1.0, "mlp.proj": 2.0}
 
 
 def build_optimizers(model: GPT, args: Hyperparameters) -> tuple[NorMuon, DistAdam]:
-    """NorMuon for the attention and MLP matrices; Adam, with the record's table, for the rest. The
-    embedding starts tied to the lm_head (untie_step unties it)."""
+    """NorMuon (or ANVIL, --matrix_optimizer) for the attention and MLP matrices; Adam, with the record's table,
+    for the rest. The embedding starts tied to the lm_head (untie_step unties it)."""
     named = dict(model.named_parameters())
-    muon_groups = [dict(params=[p for name, p in named.items() if name.endswith(kind)], lr=args.muon_lr, lr_mul=mul)
+    anvil = args.matrix_optimizer == "anvil"
+    matrix_lr = args.anvil_lr if anvil else args.muon_lr
+    muon_groups = [dict(params=[p for name, p in named.items() if name.endswith(kind)], lr=matrix_lr, lr_mul=mul)
                    for kind, mul in MUON_TABLE.items()]
     adam_groups = [dict(params=[named[name]], lr=args.adam_lr * lr_mul, betas=betas,
                         weight_decay=args.adam_weight_decay * wd_mul)
@@ -2595,8 +2784,12 @@ def build_optimizers(model: GPT, args: Hyperparameters) -> tuple[NorMuon, DistAd
     if not args.init_from or torch.equal(model.embed.weight, model.lm_head.T):
         adam.tie(model.embed.weight, model.lm_head)
     ns_dtype = model.numerics.compute
-    muon = NorMuon(muon_groups, lr=args.muon_lr, momentum=args.muon_momentum_start, beta2=args.muon_beta2,
-                   weight_decay=args.muon_weight_decay, ns_dtype=ns_dtype)
+    if anvil:
+        muon = Anvil(muon_groups, lr=args.anvil_lr, momentum=args.anvil_beta_start, beta2=args.anvil_beta2,
+                     weight_decay=args.anvil_weight_decay, ns_dtype=ns_dtype)
+    else:
+        muon = NorMuon(muon_groups, lr=args.muon_lr, momentum=args.muon_momentum_start, beta2=args.muon_beta2,
+                       weight_decay=args.muon_weight_decay, ns_dtype=ns_dtype)
     for opt in (adam, muon):
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
@@ -2608,12 +2801,12 @@ def build_optimizers(model: GPT, args: Hyperparameters) -> tuple[NorMuon, DistAd
 
 def compile_optimizers(optimizers, backend="inductor"):
     """The optimizers' arithmetic compiled, so that a step is a few graph calls rather than thousands of small
-    kernels launched one by one from Python: NorMuon's update once per shape of stack, DistAdam's once per kind
-    of bucket (betas, eps and dtype; any size) and the tied embedding's transposes (tiled kernels). Their
-    settings reach them as tensors, so nothing recompiles as the schedule moves."""
+    kernels launched one by one from Python: the matrices' update (NorMuon's or ANVIL's rule) once per shape of
+    stack, DistAdam's once per kind of bucket (betas, eps and dtype; any size) and the tied embedding's transposes
+    (tiled kernels). Their settings reach them as tensors, so nothing recompiles as the schedule moves."""
     muon, adam = optimizers
     options = dict(backend=backend, fullgraph=True)
-    muon.update = torch.compile(normuon_update, dynamic=False, **options)
+    muon.update = torch.compile(muon.rule, dynamic=False, **options)
     adam.update = torch.compile(adam_update, dynamic=True, **options)
     adam.add_transposed = torch.compile(add_transposed, dynamic=False, **options)
     adam.copy_transposed = torch.compile(copy_transposed, dynamic=False, **options)
@@ -2624,8 +2817,11 @@ def set_schedules(step: int, optimizers, schedule: Schedule, args: Hyperparamete
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * multiplier
+    matrix = {"momentum": schedule.momentum(step)}
+    if args.matrix_optimizer == "anvil":
+        matrix["fast_beta"], matrix["blend"] = schedule.rails(step)
     for group in optimizers[0].param_groups:
-        group["momentum"] = schedule.momentum(step)
+        group.update(matrix)
 
 
 @torch.no_grad()
@@ -2998,16 +3194,17 @@ def validate_config(args: Hyperparameters):
             raise ConfigError(f"--{name}={getattr(args, name)}: must be positive")
     check_sizes(args)
     for name in ["val_loss_every", "train_loss_every", "save_every", "warmup_steps", "extension_steps",
-                 "muon_momentum_warmup", "muon_momentum_cooldown", "untie_stage", "grown_steps", "grown_stage",
-                 "extension_batch_tokens"]:
+                 "muon_momentum_warmup", "muon_momentum_cooldown", "anvil_beta_warmup", "anvil_beta_cooldown",
+                 "anvil_engage_step", "untie_stage", "grown_steps", "grown_stage", "extension_batch_tokens"]:
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name}={getattr(args, name)}: must be zero or positive")
     # Values outside these ranges cannot be meant: they would train (and "succeed") on nonsense, or fail
     # deep inside PyTorch. Written so that NaN fails every test.
     ranges = [
-        (("adam_lr", "muon_lr", "muon_weight_decay", "adam_weight_decay", "final_lr_frac"),
-         lambda v: 0 <= v < math.inf, "a finite number >= 0"),
-        (("muon_beta2", "muon_momentum_start", "muon_momentum_end"), lambda v: 0 <= v < 1, "in [0, 1)"),
+        (("adam_lr", "muon_lr", "muon_weight_decay", "adam_weight_decay", "final_lr_frac", "anvil_lr",
+          "anvil_weight_decay"), lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+        (("muon_beta2", "muon_momentum_start", "muon_momentum_end", "anvil_beta2", "anvil_beta_start",
+          "anvil_beta_end"), lambda v: 0 <= v < 1, "in [0, 1)"),
         (("adam_eps", "logit_cap", "logit_cap_width"), lambda v: 0 < v < math.inf, "a finite number > 0"),
         (("logit_cap_shift",), lambda v: -math.inf < v < math.inf, "a finite number"),
         (("cooldown_frac",), lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -3070,7 +3267,8 @@ def validate_config(args: Hyperparameters):
     for name, choices in (("device", ("auto", "cuda", "cpu")), ("attention", ("auto", "flex", "sdpa")),
                           ("packing", ("auto", *SHARD_PACKINGS)),
                           ("lm_head_precision", ("auto", "fp8", "bf16", "fp32")),
-                          ("mlp_precision", ("auto", "fp8", "bf16", "fp32"))):
+                          ("mlp_precision", ("auto", "fp8", "bf16", "fp32")),
+                          ("matrix_optimizer", tuple(MATRIX_OPTIMIZERS))):
         if getattr(args, name) not in choices:
             raise ConfigError(f"--{name}={getattr(args, name)}: choose {', '.join(choices)}")
     validate_layer_plan(args)
@@ -4136,19 +4334,21 @@ def tensor_bytes(tensors) -> int:
 
 
 def normuon_bytes(muon: NorMuon, world_size: int) -> tuple[int, int]:
-    """(state bytes rank 0 keeps, buffer bytes of one step) for NorMuon at world_size. Each shape's matrices are
-    one stack (_MatrixStack), ceil(n / world_size) of them rank 0's. The step holds every shape's stacked
-    gradients at once (the reduce-scatters fly together) with, at world size > 1, the owned sums and the
-    gathered weights, and the largest stack's update in flight: its fp32 gradient, momentum lerp, Polar
-    Express iterates and normalised update, about six fp32 copies, and its weights in and out."""
+    """(state bytes rank 0 keeps, buffer bytes of one step) for NorMuon (or ANVIL) at world_size. Each shape's
+    matrices are one stack (_MatrixStack), ceil(n / world_size) of them rank 0's; ANVIL keeps two fp32 rails
+    where NorMuon keeps one momentum. The step holds every shape's stacked gradients at once (the
+    reduce-scatters fly together) with, at world size > 1, the owned sums and the gathered weights, and the
+    largest stack's update in flight: its fp32 gradient, momentum lerp, Polar Express iterates and normalised
+    update, about six fp32 copies (seven for ANVIL: the rails' blend), and its weights in and out."""
+    rails, copies = (2, 7) if isinstance(muon, Anvil) else (1, 6)
     shapes = collections.Counter((tuple(p.shape[-2:]), p.dtype) for p, _, _ in muon.matrices)
     state = buffers = largest = 0
     for ((rows, cols), dtype), count in shapes.items():
         n, size, per_rank = rows * cols, dtype.itemsize, math.ceil(count / world_size)
-        state += per_rank * (4 * (n + max(rows, cols)) + (2 * n if dtype == torch.bfloat16 else 0))
+        state += per_rank * (4 * (rails * n + max(rows, cols)) + (2 * n if dtype == torch.bfloat16 else 0))
         buffers += world_size * per_rank * n * size * (2 if world_size > 1 else 1) + \
             (per_rank * n * size if world_size > 1 else 0)
-        largest = max(largest, per_rank * n * (6 * 4 + 2 * size))
+        largest = max(largest, per_rank * n * (copies * 4 + 2 * size))
     return state, buffers + largest
 
 
@@ -5538,6 +5738,7 @@ def log_header(run: Run, model: GPT):
     down = "fp8 (delayed scaling)" if down_fp8 else PRECISION_NAMES[model.numerics.compute]
     log(f"attention: {attention_kind}  lm_head: {precisions['lm_head']}  mlp up-projection: {precisions['mlp']}  "
         f"mlp down-projection: {down}  compile: {compiled}")
+    log(f"matrix optimizer: {MATRIX_OPTIMIZERS[args.matrix_optimizer]}")
     log(f"recipe: {RECIPES.get(args.preset, RECIPES['speedrun'])}: {args.num_iterations} steps in "
         f"{len(run.schedule.stages) - 1} stages and an extension", console=False)
     if run.schedule.sampled:

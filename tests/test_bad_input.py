@@ -87,6 +87,10 @@ FLAG_CASES = [
     (["--memory_limit_gib=nan"], ["--memory_limit_gib=nan"]),
     (["--preset=nope"], ["--preset=nope: unknown preset"]),
     (["--packing=bos"], ["--packing=bos: choose auto, documents, stream"]),
+    (["--matrix_optimizer=adamw"], ["--matrix_optimizer=adamw: choose normuon, anvil"]),
+    (["--anvil_beta_end=1"], ["--anvil_beta_end=1.0: must be in [0, 1)"]),
+    (["--anvil_weight_decay=-1"], ["--anvil_weight_decay=-1.0: must be a finite number >= 0"]),
+    (["--anvil_engage_step=-1"], ["--anvil_engage_step=-1: must be zero or positive"]),
     (["--val_seq_len=1048576", "--val_tokens=1048576"], ["--attention=sdpa: the dense attention mask of a "
                                                          "2,097,152-position sequence takes at least 36,864 GiB to "
                                                          "build"]),

@@ -1,6 +1,8 @@
-"""NorMuon and DistAdam: distributed runs (gloo, several processes) against single-process references,
-and each part of NorMuon against its definition."""
+"""NorMuon, ANVIL and DistAdam: distributed runs (gloo, several processes) against single-process references,
+and each part of NorMuon and ANVIL against its definition."""
 
+import io
+import math
 import sys
 
 import pytest
@@ -11,7 +13,7 @@ import train_gpt as T
 from conftest import REPO, torchrun
 
 sys.path.insert(0, str(REPO / "tests" / "workers"))
-from muon_worker import run_normuon  # noqa: E402
+from muon_worker import run_anvil, run_normuon  # noqa: E402
 
 WORKERS = REPO / "tests" / "workers"
 NO_FUTURE_WARNINGS = {"PYTHONWARNINGS": "error::FutureWarning"}  # 2.13 deprecates the old collective names
@@ -19,8 +21,8 @@ NO_FUTURE_WARNINGS = {"PYTHONWARNINGS": "error::FutureWarning"}  # 2.13 deprecat
 
 @pytest.fixture(scope="module")
 def gloo_runs(tmp_path_factory):
-    """tests/workers/gloo_worker.py under torchrun at world sizes 2 and 3: {world size: (stdout, NorMuon's
-    final parameters)}. One launch per world size runs every check; a failed check fails the launch."""
+    """tests/workers/gloo_worker.py under torchrun at world sizes 2 and 3: {world size: (stdout, {"normuon",
+    "anvil": the final parameters})}. One launch per world size runs every check; a failed check fails the launch."""
     runs = {}
     for world_size in (2, 3):
         out = tmp_path_factory.mktemp("gloo") / f"normuon_{world_size}.pt"
@@ -115,7 +117,17 @@ def test_distributed_normuon_equals_single_process(gloo_runs):
     single = run_normuon(rank=0, world=1)
     assert not torch.equal(single, torch.zeros_like(single))
     for world_size in (2, 3):
-        assert torch.equal(gloo_runs[world_size][1], single), world_size
+        assert torch.equal(gloo_runs[world_size][1]["normuon"], single), world_size
+
+
+@pytest.mark.slow
+def test_distributed_anvil_equals_single_process(gloo_runs):
+    # The same for ANVIL on bf16 weights, its rails engaging at the last step: the fp32 masters (bf16 weights
+    # and the mantissas their owning ranks keep) bit-identical at world sizes 1, 2 and 3.
+    single = run_anvil(rank=0, world=1)
+    assert (single.view(torch.int32) & 0xFFFF).any()  # the masters carry mantissas: bf16 alone would not show them
+    for world_size in (2, 3):
+        assert torch.equal(gloo_runs[world_size][1]["anvil"], single), world_size
 
 
 def spread_matrix(rows, cols, decades, seed=0, dtype=torch.float32):
@@ -267,3 +279,210 @@ def test_normuon_state_round_trips_in_fp32_for_bf16_parameters():
 def test_normuon_rejects_vectors():
     with pytest.raises(ValueError, match="matrices or stacks"):
         T.NorMuon([torch.nn.Parameter(torch.zeros(3))])
+
+
+# -----------------------------------------------------------------------------
+# ANVIL (record #92), against an fp64 evaluation of its formulas written out here from the singular values
+
+ANVIL_PUBLISHED_MAPS = [  # record #92's ANVIL_MAPS
+    (3.923798038567, -6.095026865488, 3.905234618423),
+    (3.278126713798, -3.328923386476, 0.989127286973),
+    (3.505298394150, -5.137358782410, 1.968325560615),
+    (2.815058591845, -3.685181239622, 1.417196497642),
+    (2.245503932403, -2.443826979899, 0.963091710461),
+    (2.256537145403, -2.166840097229, 0.929501253245),
+]
+
+
+class AnvilReference:
+    """One matrix's ANVIL in fp64, from the formulas: rails f, s (zero at the start), lane energies E.
+        f <- f + (1 - beta_f)(G - f),  s <- s + 0.02 (G - s),  u = G + mu (w f + (1 - w) s - G)
+        u = U S V^T:  v = U p6(...p1(S / (1.05 ||u||_F + 1e-6))) V^T,   p(x) = a x + b x^3 + c x^5
+        lanes: the indices of the longer side (rows when rows >= cols), P_i their mean squares over the other side,
+        E <- E + (1 - beta2)(P - E),  v_i <- v_i E_i^(-1/2), then v rescaled to its norm before
+        W <- W - lr r (v + lr wd [s W >= 0] W),   r = sqrt(max(1, rows / cols)) lr_mul"""
+
+    def __init__(self, weight: torch.Tensor, lr_mul: float, beta2: float, weight_decay: float):
+        self.w = weight.double().clone()
+        self.f, self.s = torch.zeros_like(self.w), torch.zeros_like(self.w)
+        rows, cols = weight.shape
+        self.lane_dim = 1 if rows >= cols else 0  # the dimension a lane's mean runs over
+        self.energy = torch.zeros(rows if rows >= cols else cols, dtype=torch.float64)
+        self.r = max(1.0, rows / cols) ** 0.5 * lr_mul
+        self.beta2, self.wd = beta2, weight_decay
+
+    def step(self, grad, lr, momentum, fast_beta, blend):
+        g = grad.double()
+        self.f += (1 - fast_beta) * (g - self.f)
+        self.s += (1 - 0.98) * (g - self.s)
+        u = g + momentum * (blend * self.f + (1 - blend) * self.s - g)
+        U, S, Vh = torch.linalg.svd(u, full_matrices=False)
+        x = S / (1.05 * u.norm() + 1e-6)
+        for a, b, c in ANVIL_PUBLISHED_MAPS:
+            x = a * x + b * x ** 3 + c * x ** 5
+        v = U @ torch.diag(x) @ Vh
+        power = v.square().mean(dim=self.lane_dim)
+        self.energy += (1 - self.beta2) * (power - self.energy)
+        gain = self.energy.rsqrt()
+        scaled = v * (gain[:, None] if self.lane_dim == 1 else gain[None, :])
+        v = scaled * v.norm() / scaled.norm()
+        self.w -= lr * self.r * (v + lr * self.wd * ((self.s * self.w) >= 0) * self.w)
+
+
+# (lr, momentum = the rail beta, fast-rail beta, blend): the fast rail alone, then engaged, then cooling down
+ANVIL_STEPS = [(0.05, 0.85, 0.85, 1.0), (0.05, 0.9, 0.9, 1.0), (0.04, 0.93, 0.85, 0.4385), (0.03, 0.91, 0.85, 0.4385)]
+
+
+def test_anvil_steps_equal_an_fp64_evaluation_of_their_formulas():
+    # Wide, tall and square matrices (lanes along the longer side), a stack of two and a lone one of its shape
+    # sharing a stack with different lr multipliers (MUON_TABLE's kinds), badly conditioned gradients (the maps
+    # matter over a range of singular values), weights large enough that the gated decay moves them visibly.
+    assert T.ANVIL_MAPS == tuple(ANVIL_PUBLISHED_MAPS)
+    torch.manual_seed(4)
+    stacked, lone, tall, square = (torch.randn(2, 16, 40), torch.randn(16, 40), torch.randn(48, 16),
+                                   torch.randn(24, 24))
+    params = [torch.nn.Parameter(t.clone()) for t in (stacked, lone, tall, square)]
+    lr_muls = [1.0, 2.0, 2.0, 1.0]
+    opt = T.Anvil([dict(params=[p], lr_mul=m) for p, m in zip(params, lr_muls)], lr=0.05, momentum=0.85,
+                  beta2=0.9, weight_decay=2.25, ns_dtype=torch.float32)
+    matrices = [stacked[0], stacked[1], lone, tall, square]
+    refs = [AnvilReference(w, m, 0.9, 2.25) for w, m in zip(matrices, [1.0, 1.0, 2.0, 2.0, 1.0])]
+    for step, (lr, momentum, fast_beta, blend) in enumerate(ANVIL_STEPS):
+        grads = [spread_matrix(*w.shape, decades=2, seed=10 * step + i) for i, w in enumerate(matrices)]
+        params[0].grad = torch.stack(grads[:2])
+        for p, g in zip(params[1:], grads[2:]):
+            p.grad = g.clone()
+        for group in opt.param_groups:
+            group.update(lr=lr, momentum=momentum, fast_beta=fast_beta, blend=blend)
+        opt.step()
+        for ref, g in zip(refs, grads):
+            ref.step(g, lr, momentum, fast_beta, blend)
+    ours = [params[0].data[0], params[0].data[1], *[p.data for p in params[1:]]]
+    for i, (w, ref, start) in enumerate(zip(ours, refs, matrices)):
+        moved, expected = w.double() - start.double(), ref.w - start.double()
+        assert (moved - expected).norm() < 1e-5 * expected.norm(), i
+        state = opt.matrix_state[i]
+        assert_close(state["rails"][0].double(), ref.f, rtol=1e-6, atol=1e-7)
+        assert_close(state["rails"][1].double(), ref.s, rtol=1e-6, atol=1e-7)
+        assert_close(state["lane_energy"].double().flatten(), ref.energy, rtol=1e-4, atol=0)
+
+
+def test_anvil_maps_iterate_record_92s_polynomials_on_the_singular_values():
+    # The cascade alone, in fp64 (its trace and scale run in fp32, as the record's): U p(S / d) V^T, wide and tall.
+    g = spread_matrix(24, 64, decades=3, dtype=torch.float64)
+    u, sv, vh = torch.linalg.svd(g, full_matrices=False)
+    s = sv / (1.05 * g.norm() + 1e-6)
+    for a, b, c in ANVIL_PUBLISHED_MAPS:
+        s = a * s + b * s ** 3 + c * s ** 5
+    expected = u @ torch.diag(s) @ vh
+    assert_close(T.anvil_maps(g[None], torch.float64)[0], expected, rtol=0, atol=1e-6)
+    assert_close(T.anvil_maps(g.T[None], torch.float64)[0], expected.T, rtol=0, atol=1e-6)
+    assert 0.99 < s[0] < 1.01 and s[-1] < 0.5  # the largest near 1; a singular value 1e-3 down is not yet
+
+
+def test_anvil_decay_is_gated_on_the_slow_rail_not_on_the_update():
+    # Weights equal to minus the slow rail's sign where the update's sign agrees with them: NorMuon's gate would
+    # decay there, ANVIL's (the slow rail's sign) must not. One step from zero state: s = 0.02 G, u = G.
+    torch.manual_seed(5)
+    grad = torch.randn(20, 30)
+    weights = torch.randn(20, 30).abs() * -grad.sign()  # s * W < 0 everywhere: no decay
+    a, b = torch.nn.Parameter(weights.clone()), torch.nn.Parameter(weights.clone())
+    for p, wd in ((a, 0.0), (b, 5.0)):
+        p.grad = grad.clone()
+        T.Anvil([p], lr=0.05, momentum=0.9, weight_decay=wd, ns_dtype=torch.float32).step()
+    assert torch.equal(a.data, b.data)
+    c = torch.nn.Parameter(-weights)  # s * W > 0 everywhere: decay on every weight
+    c.grad = grad.clone()
+    T.Anvil([c], lr=0.05, momentum=0.9, weight_decay=5.0, ns_dtype=torch.float32).step()
+    d = torch.nn.Parameter(-weights)
+    d.grad = grad.clone()
+    T.Anvil([d], lr=0.05, momentum=0.9, weight_decay=0.0, ns_dtype=torch.float32).step()
+    assert_close(d.data - c.data, 0.05 * 1.0 * 0.05 * 5.0 * -weights, rtol=1e-4, atol=1e-7)
+
+
+def anvil_run(params, steps, opt=None):
+    """ANVIL_STEPS[steps] on bf16 params with fixed gradients; the optimizer (made if None)."""
+    opt = opt or T.Anvil(params, lr=0.05, momentum=0.85, beta2=0.9, weight_decay=2.25, ns_dtype=torch.float32)
+    for step in steps:
+        lr, momentum, fast_beta, blend = ANVIL_STEPS[step]
+        for group in opt.param_groups:
+            group.update(lr=lr, momentum=momentum, fast_beta=fast_beta, blend=blend)
+        g = torch.Generator().manual_seed(step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        opt.step()
+    return opt
+
+
+def test_anvil_state_resumes_exactly_and_a_restored_initial_state_starts_over():
+    # Both rails, the lane energies and the mantissas are run state: four steps straight equal two, a save
+    # (through torch.save, as a checkpoint), a fresh optimizer that loads it, and two more: bit for bit.
+    start = [torch.randn(2, 8, 24).bfloat16(), torch.randn(24, 8).bfloat16()]
+    straight = [torch.nn.Parameter(t.clone()) for t in start]
+    opt = anvil_run(straight, range(4))
+    first = [torch.nn.Parameter(t.clone()) for t in start]
+    buffer = io.BytesIO()
+    torch.save(anvil_run(first, range(2)).state_dict(), buffer)
+    buffer.seek(0)
+    resumed = [torch.nn.Parameter(p.data.clone()) for p in first]
+    fresh = T.Anvil(resumed, lr=0.5, momentum=0.5, ns_dtype=torch.float32)
+    fresh.load_state_dict(torch.load(buffer, weights_only=True))
+    assert fresh.param_groups[0]["blend"] == 1.0 and fresh.param_groups[0]["weight_decay"] == 2.25
+    anvil_run(resumed, range(2, 4), fresh)
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a.data, b.data)
+    for a, b in zip(opt.matrix_state, fresh.matrix_state):
+        assert a.keys() == b.keys() == {"rails", "lane_energy", "mantissa"}
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    # The untimed warmup restores the state it saved before its steps (none yet): rails, lane energies and
+    # mantissas start from zero again, as the record's reset() zeroes them.
+    again = [torch.nn.Parameter(t.clone()) for t in start]
+    warm = T.Anvil(again, lr=0.05, momentum=0.85, beta2=0.9, weight_decay=2.25, ns_dtype=torch.float32)
+    initial = warm.state_dict()
+    anvil_run(again, range(3), warm)
+    for p, t in zip(again, start):
+        p.data.copy_(t)
+    warm.load_state_dict(initial)
+    anvil_run(again, range(4), warm)
+    for a, b in zip(straight, again):
+        assert torch.equal(a.data, b.data)
+
+
+def test_anvil_and_normuon_refuse_each_others_state():
+    p = torch.nn.Parameter(torch.randn(8, 24))
+    normuon = normuon_step(p, torch.randn(8, 24), lr=0.1)
+    with pytest.raises(ValueError, match="matrix_optimizer"):
+        T.Anvil([p]).load_state_dict(normuon.state_dict())
+    anvil = anvil_run([p], range(1))
+    with pytest.raises(ValueError, match="matrix_optimizer"):
+        T.NorMuon([p]).load_state_dict(anvil.state_dict())
+
+
+def test_the_memory_model_counts_anvils_second_rail():
+    params = [torch.nn.Parameter(torch.zeros(3, 16, 40, dtype=torch.bfloat16)), torch.nn.Parameter(torch.zeros(48, 16))]
+    for world_size in (1, 2):
+        normuon, _ = T.normuon_bytes(T.NorMuon(params), world_size)
+        anvil, _ = T.normuon_bytes(T.Anvil(params), world_size)
+        assert anvil - normuon == 4 * (math.ceil(3 / world_size) * 16 * 40 + 48 * 16)  # one more fp32 rail a matrix
+
+
+RECORD92 = T.parse_args(["--preset=speedrun", "--matrix_optimizer=anvil", "--num_iterations=1194"], True)
+
+
+# Record #92's rail beta (get_rail_beta: 0.85 -> 0.93 over 240 steps, back over the last 50 of 1,194), the
+# Nesterov lookahead at every step; the fast rail runs on it until step 514, then at 0.85 blended 0.4385 : 0.5615
+# with the slow rail.
+@pytest.mark.parametrize("step, momentum, fast_beta, blend", [
+    (0, 0.85, 0.85, 1.0), (120, 0.89, 0.89, 1.0), (239, 0.85 + 0.08 * 239 / 240, 0.85 + 0.08 * 239 / 240, 1.0),
+    (240, 0.93, 0.93, 1.0), (513, 0.93, 0.93, 1.0), (514, 0.93, 0.85, 0.4385), (1144, 0.93, 0.85, 0.4385),
+    (1145, 0.93 - 0.08 / 50, 0.85, 0.4385), (1193, 0.93 - 0.08 * 49 / 50, 0.85, 0.4385)])
+def test_anvil_rail_schedule(step, momentum, fast_beta, blend):
+    schedule = T.Schedule(RECORD92)
+    assert schedule.momentum(step) == pytest.approx(momentum, rel=1e-12)
+    assert schedule.rails(step) == (pytest.approx(fast_beta, rel=1e-12), blend)
+    # set_schedules hands them to the optimizer's groups
+    opt = T.Anvil([torch.nn.Parameter(torch.zeros(4, 8))])
+    opt.param_groups[0]["initial_lr"] = 0.023
+    T.set_schedules(step, (opt,), schedule, RECORD92)
+    group = opt.param_groups[0]
+    assert (group["momentum"], group["fast_beta"], group["blend"]) == (schedule.momentum(step), *schedule.rails(step))

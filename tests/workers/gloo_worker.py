@@ -1,6 +1,7 @@
-"""Run under torchrun (gloo): every optimizer check that needs real collectives, and the sampled softmax's
-candidate sets at this world size, in one process group per launch (starting torchrun and its processes costs more than the checks). Rank 0 saves NorMuon's final
-parameters to the path given, for the test to compare with a single-process run.
+"""Run under torchrun (gloo): every optimizer check that needs real collectives, the tail ships' and the sampled
+softmax's candidate sets' at this world size, in one process group per launch (starting torchrun and its processes
+costs more than the checks). Rank 0 saves NorMuon's and ANVIL's final parameters to the path given, for the test to
+compare with a single-process run.
 
     torchrun --standalone --nproc_per_node=N tests/workers/gloo_worker.py OUT
 """
@@ -16,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from candidates_worker import check_candidates  # noqa: E402
 from dist_adam_worker import check_dist_adam, check_sparse_rows  # noqa: E402
 from hook_worker import check_hooks  # noqa: E402
-from muon_worker import run_normuon  # noqa: E402
+from muon_worker import run_anvil, run_normuon  # noqa: E402
 from ships_worker import check_ships  # noqa: E402
 
 SMOKE_MICRO_BATCHES = 4  # the hook check trains the smoke preset, whose step is 4 micro-batches
@@ -49,7 +50,7 @@ def gloo_threads_after(seconds: float) -> int:
 def main(out_path: str):
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    flat = run_normuon(rank, world)
+    final = {"normuon": run_normuon(rank, world), "anvil": run_anvil(rank, world)}
     check_dist_adam(rank, world)
     check_sparse_rows(rank, world)
     check_ships(rank, world)
@@ -62,7 +63,7 @@ def main(out_path: str):
     left = gloo_threads_after(10.0)
     assert left == 0, f"{left} gloo threads outlive destroy_process_group by 10 s"
     if rank == 0:
-        torch.save(flat, out_path)
+        torch.save(final, out_path)
 
 
 if __name__ == "__main__":
