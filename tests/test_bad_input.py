@@ -1084,7 +1084,7 @@ def records_main(capsys, *argv):
 
 def test_records_table_on_a_full_disk(small_disk, capsys):
     proc = records_main(capsys, "table", "--records-dir", small_disk.root)
-    one_line(proc, 1, f"error: {small_disk.root}/RECORDS.md: cannot write (the disk is full: No space left on device)")
+    one_line(proc, 1, f"error: cannot write {small_disk.root}/RECORDS.md: the disk is full (No space left on device)")
     assert list(small_disk.root.iterdir()) == []  # no temporary file left
 
 
@@ -1092,7 +1092,7 @@ def test_records_new_on_a_full_disk(small_disk, capsys):
     small_disk.room = sum(p.stat().st_size for p in HANDMADE) + 10  # the logs fit, record.json does not
     proc = records_main(capsys, "new", "x", *HANDMADE, "--records-dir", small_disk.root, "--target", "7.5",
                         "--track", "CPU smoke")
-    one_line(proc, 1, "x/record.json: cannot write (the disk is full")
+    one_line(proc, 1, "x/record.json: the disk is full (")
     assert list(small_disk.root.iterdir()) == []  # neither the record nor its temporary folder
 
 
@@ -1104,7 +1104,7 @@ def test_records_new_says_that_table_completes_a_record_the_disk_left_out(small_
     small_disk.room = sum(p.stat().st_size for p in (tmp_path / "scratch/2026-01-01_x").iterdir()) + 10
     proc = records_main(capsys, "new", "x", *HANDMADE, "--records-dir", small_disk.root, "--target", "7.5",
                         "--date", "2026-01-01")
-    one_line(proc, 1, f"error: {small_disk.root}/RECORDS.md: cannot write (the disk is full",
+    one_line(proc, 1, f"error: cannot write {small_disk.root}/RECORDS.md: the disk is full (",
              f"; the record {small_disk.root}/2026-01-01_x is filed, but the tables do not show it yet: run "
              f"`python records/records.py table` once this is fixed")
     assert sorted(p.name for p in small_disk.root.iterdir()) == ["2026-01-01_x"]  # the record, whole; no temporary
@@ -1117,5 +1117,5 @@ def test_records_plot_on_a_full_disk(small_disk, capsys):
     pytest.importorskip("matplotlib")
     png = small_disk.root / "curves.png"
     proc = records_main(capsys, "plot", *HANDMADE, "-o", png)
-    one_line(proc, 1, f"error: {png}: cannot write (the disk is full")
+    one_line(proc, 1, f"error: cannot write {png}: the disk is full (")
     assert list(small_disk.root.iterdir()) == []
