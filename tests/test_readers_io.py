@@ -286,12 +286,13 @@ def with_zeros(state: dict) -> dict:
 
 def run_reader(reader: str, small_final: Path, tmp_path: Path, state):
     """The weights reader named, on a copy of small_final whose model.pt is `state` deflated (the record's layout for
-    to-ours): (exit code 0 or 2, the one error line or ''). In this process, so that the budget set applies."""
+    to-ours; for --resume, state is a checkpoint folder, copied): (exit code 0 or 2, the one error line or ''). In
+    this process, so that the budget host_of sets applies."""
     if reader == "to-ours":
         (tmp_path / "record.pt").write_bytes(deflated(state))
         proc = in_process(W.main, "to-ours", tmp_path / "record.pt", tmp_path / "out", "--", *SMALL_FLAGS)
     elif reader == "--resume":
-        folder = copy_checkpoint(state, tmp_path / "step_000002")  # (state: the checkpoint, its model.pt edited)
+        folder = copy_checkpoint(state, tmp_path / "step_000002")
         try:
             check(folder)
         except T.TrainingError as e:
@@ -305,9 +306,10 @@ def run_reader(reader: str, small_final: Path, tmp_path: Path, state):
             except T.DataError as e:
                 return 2, f"error: {e}"
             return 0, ""
-        argv = (folder, "--prompt=x", "--max_new_tokens=2") if reader == "sample.py" else (folder, tmp_path / "o.pt")
-        proc = in_process(sample.main if reader == "sample.py" else W.main,
-                          *(argv if reader == "sample.py" else ("to-record", *argv)))
+        if reader == "sample.py":
+            proc = in_process(sample.main, folder, "--prompt=x", "--max_new_tokens=2")
+        else:
+            proc = in_process(W.main, "to-record", folder, tmp_path / "o.pt")
     lines = proc.stderr.strip().splitlines()
     return proc.returncode, lines[0] if len(lines) == 1 else proc.stderr
 
@@ -364,7 +366,7 @@ def test_a_compressed_file_within_the_host_loads(small_final, checkpoint, tmp_pa
     assert code == 0, line
 
 
-@PROPERTY
+@settings(PROPERTY, max_examples=25)  # each saves, and may compress, a file
 @given(sizes=st.lists(st.integers(0, 3000), max_size=4), compress=st.booleans(), spare=st.integers(0, 40_000))
 def test_property_a_load_is_bounded_by_what_its_archive_holds(sizes, compress, spare):
     """Any tensors, stored or deflated: archive_bytes is the sum of the entries' sizes once inflated, and load_weights
