@@ -228,7 +228,8 @@ RESUME_CASES = [
     ("file not listed", edit_meta(with_key("files", {})), ["meta.json does not list model.pt"], []),
     ("model.pt replaced", flip_a_byte("model.pt"), ["model.pt is not the file saved with this meta.json"], []),
     ("rank file truncated", truncate("rank_0.pt"), ["rank_0.pt has 1000 bytes, meta.json recorded"], []),
-    ("rank file missing", lambda folder: (folder / "rank_0.pt").unlink(), ["cannot read rank_0.pt"], []),
+    ("rank file missing", lambda folder: (folder / "rank_0.pt").unlink(),
+     ["rank_0.pt: cannot read (No such file or directory)"], []),
     # the training shards the checkpoint's run read, recorded in meta.json, are not this run's
     ("no shard list (older format)", edit_meta(without_key("shards")), ["meta.json has no valid 'shards'"], []),
     ("shard record not a list of records", edit_meta(with_key("shards", [5])), ["meta.json has no valid 'shards'"], []),
