@@ -13,9 +13,9 @@ on CPU (gloo, the `smoke` preset on the bundled corpus).
     python train_gpt.py --preset=smoke                                # CPU, ~2 minutes
 
 Read top to bottom. The math first: the settings and what they derive (the stage schedule, the layer plan);
-the model; the optimizers (NorMuon or ANVIL, DistAdam); one training step and evaluation. Then what keeps a run safe
-and measured: command-line and config checks, distributed setup, data, performance accounting, the memory
-model, checkpoints, logging, main(). Importing this file has no side effects.
+the model; the optimizers (NorMuon or ANVIL, DistAdam); one training step and evaluation. Then what keeps a run
+safe and measured: command-line and config checks, distributed setup, files (one reader and one writer), data,
+performance accounting, the memory model, checkpoints, logging, main(). Importing this file has no side effects.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import itertools
 import json
 import math
 import os
+import pickle
 import platform
 import re
 import resource
@@ -47,10 +48,12 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 import warnings
+import zipfile
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
@@ -1542,6 +1545,7 @@ def padded_vocab(vocab_size: int) -> int:
 # Record #88's prefix-token targets, from the bundled GPT-2 ranks (the file data/tokenize_text.py checks too)
 GPT2_VOCAB = BOS_ID + 1
 GPT2_BPE_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+GPT2_BPE_BYTES = 835_554  # that file's size: a larger one is not it, and is not read
 
 
 def prefix_token_table(vocab: int) -> Tensor:
@@ -1560,9 +1564,9 @@ def prefix_token_ids(vocab: int) -> list[int]:
 def gpt2_prefixes(vocab: int) -> list[int]:
     path = REPO_DIR / "data" / "gpt2.tiktoken"  # lines of "base64 bytes, rank"
     try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read the GPT-2 ranks the prefix-token loss needs ({e.strerror})") from None
+        raw = read_regular(path, "the bundled GPT-2 ranks", GPT2_BPE_BYTES)
+    except FileRefused as e:
+        raise ConfigError(f"{path}: cannot read the GPT-2 ranks the prefix-token loss needs ({e.why})") from None
     if hashlib.sha256(raw).hexdigest() != GPT2_BPE_SHA256:
         raise ConfigError(f"{path}: not the bundled GPT-2 ranks (its sha256 differs); restore it with "
                           f"`git checkout -- data/gpt2.tiktoken`")
@@ -3500,6 +3504,235 @@ def gather_from_ranks(obj) -> list:
 
 
 # -----------------------------------------------------------------------------
+# Files: one reader and one writer for every file the trainer, sample.py and tools/ open or write
+
+# The reader (open_regular, read_regular, read_json) opens without blocking and checks with fstat what it opened: a
+# regular file, its size bounded before it is read. A FIFO once blocked a resume forever, a model.pt linked to
+# /dev/zero was read until memory ran out. The writer (write_file) writes only where output_problem finds nothing
+# or a regular file, through a temporary unique to the call (mkstemp), and names the output asked for when it fails.
+# data/safe_write.py is their stdlib-only twin for the scripts that do without torch (records.py, data/, the cost
+# model); tests/test_readers_io.py runs the same properties against both.
+
+class FileRefused(DataError):
+    """A path that is not what a reader or writer takes: one line, `PATH: why` (why alone in .why, for a caller that
+    names the file its own way)."""
+
+    def __init__(self, path, why: str):
+        super().__init__(f"{path}: {why}")
+        self.path, self.why = path, why
+
+
+def file_kind(mode: int) -> str:
+    """What a path that is not a regular file is, in words."""
+    kinds = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device",
+             stat.S_IFBLK: "a device", stat.S_IFLNK: "a symbolic link"}
+    return kinds.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def open_regular(path, what: str = "a regular file", limit: int | None = None) -> io.BufferedReader:
+    """path opened for reading (binary), refused (FileRefused) unless it is a regular file of at most `limit` bytes;
+    a link is followed. stat first, so that a device is never opened (opening one can act: a tape rewinds); then an
+    open that does not wait (a FIFO swapped in meanwhile opens at once) and fstat, so that what is read is what
+    was checked."""
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise FileRefused(path, f"{file_kind(mode)}, not {what}")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as e:
+        raise FileRefused(path, f"cannot read ({e.strerror or e})") from None
+    f = os.fdopen(fd, "rb")
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileRefused(path, f"{file_kind(st.st_mode)}, not {what}")
+        if limit is not None and st.st_size > limit:
+            raise FileRefused(path, f"{st.st_size:,} bytes, more than {what} holds (at most {limit:,})")
+        os.set_blocking(fd, True)
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def read_regular(path, what: str = "a regular file", limit: int | None = None) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes (open_regular), read through the one checked open; a
+    file that grew past the limit since its size was read is refused too."""
+    with open_regular(path, what, limit) as f:
+        try:
+            data = f.read() if limit is None else f.read(limit + 1)
+        except OSError as e:
+            raise FileRefused(path, f"cannot read ({e.strerror or e})") from None
+    if limit is not None and len(data) > limit:
+        raise FileRefused(path, f"more than {what} holds (at most {limit:,} bytes)")
+    return data
+
+
+def read_json(path, what: str = "a JSON file", limit: int | None = None):
+    """The JSON value a regular file of at most `limit` bytes holds (read_regular); FileRefused says why it is not
+    one: not UTF-8, not JSON, or nested too deeply for the parser (its RecursionError was a traceback)."""
+    data = read_regular(path, what, limit)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise FileRefused(path, "not UTF-8 text") from None
+    except RecursionError:
+        raise FileRefused(path, "nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, and ints of thousands of digits
+        raise FileRefused(path, first_line(e)) from None
+
+
+def output_problem(path) -> str | None:
+    """Why path cannot be an output, or None: an output is absent or a regular file. A FIFO, a device, a socket or
+    a folder there would be replaced by the rename (as root, `-o /dev/null` replaced the system's device); a
+    symbolic link would be replaced by a file too, the file it names left as it was, so a link is refused
+    whatever it names (name the file itself)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # a component that is not a folder: the write fails with the same words
+        return f"cannot write there ({e.strerror or e})"
+    if stat.S_ISREG(st.st_mode):
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        target = os.readlink(path)
+        return f"a symbolic link (to {visible(target[:200])}{'...' if len(target) > 200 else ''}), not a regular " \
+               f"file: refused, nothing written (name the file itself, or a new one)"
+    return f"{file_kind(st.st_mode)}, not a regular file: refused, nothing written (name a new file)"
+
+
+def check_output(path, shown=None) -> None:
+    """FileRefused naming `shown` (or path) unless path can be an output (output_problem)."""
+    problem = output_problem(path)
+    if problem is not None:
+        raise FileRefused(shown or path, problem)
+
+
+def write_error(path, error: OSError) -> TrainingError:
+    """One line for a write that failed: which file, and why in plain words."""
+    full = error.errno in (errno.ENOSPC, errno.EDQUOT)
+    why = f"the disk is full ({error.strerror})" if full else (error.strerror or str(error))
+    return TrainingError(f"cannot write {path}: {why}")
+
+
+def write_all(fd: int, data) -> None:
+    """os.write until every byte is out: a short write is continued, and the write that cannot go on
+    raises the OSError that says why (ENOSPC: the disk is full)."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
+
+
+class _RecordingWriter:
+    """The file object torch.save writes through. Every byte goes out with write_all, so a full disk
+    raises ENOSPC here (torch.save to a path reports it as a zip-format error), and the file's size
+    and sha256 are known as soon as it is complete."""
+
+    def __init__(self, fd: int):
+        self.fd, self.size, self.sha256, self.error = fd, 0, hashlib.sha256(), None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        try:
+            write_all(self.fd, view)
+        except OSError as e:
+            self.error = e
+            raise
+        self.sha256.update(view)
+        self.size += view.nbytes
+        return view.nbytes
+
+    def flush(self):
+        pass
+
+
+# A file name may have 255 bytes, and a temporary adds to its name: NAME is kept whole in a temporary's name only up
+# to this many bytes (mkstemp and mkdtemp add their random part). Cut by characters, a legal 251-byte name of 4-byte
+# characters once got a 265-byte temporary ("File name too long"); bytes are what the file system counts.
+TEMPORARY_NAME_BYTES = 100
+
+
+def cut_to_bytes(name: str, limit: int) -> str:
+    """name's longest start that takes at most limit bytes as the file system stores it (UTF-8; bytes that are not
+    UTF-8 stay as they are, os.fsencode's way), never ending in part of a character."""
+    raw = os.fsencode(name)
+    if len(raw) <= limit:
+        return name
+    cut = limit
+    while cut > max(limit - 3, 0) and raw[cut] & 0xC0 == 0x80:  # a UTF-8 continuation byte: inside a character
+        cut -= 1
+    return os.fsdecode(raw[:cut])
+
+
+def temporary_prefix(name: str) -> str:
+    """`.NAME.`, how a hidden temporary beside the file or folder NAME starts (mkstemp and mkdtemp add a random part
+    unique to the call), NAME cut to TEMPORARY_NAME_BYTES bytes."""
+    return f".{cut_to_bytes(name, TEMPORARY_NAME_BYTES)}."
+
+
+def write_file(path: Path, content, shown: Path | None = None) -> dict:
+    """Writes a file atomically: into a temporary file beside it (mkstemp: unique to the call), fsynced, then
+    renamed over `path`, so that no reader ever sees part of one and a failure (a full disk, an error, a signal)
+    leaves no temporary behind. A path that cannot be an output (output_problem: a FIFO, a device, a link) is
+    refused first (FileRefused), before anything is made. Bytes as they are, anything else with torch.save.
+    Returns its size and sha256 (for meta.json); a failed write raises a TrainingError that names the file and the
+    cause: `shown`, the name the user knows it by, for a file written into a folder renamed whole later (a
+    checkpoint's), never a temporary. Every file the trainer, sample.py and tools/ write goes through here (the
+    log, written line by line, excepted)."""
+    path = Path(path)
+    check_output(path, shown)
+    writer, tmp = None, None
+    try:
+        with terminate_as_exception():
+            fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(path.name), suffix=".tmp", dir=path.parent)
+            try:
+                os.fchmod(fd, 0o644)  # mkstemp makes it private; what the trainer writes is ordinary data
+                writer = _RecordingWriter(fd)
+                if isinstance(content, bytes):
+                    writer.write(content)
+                else:
+                    torch.save(content, writer)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            check_output(path, shown)  # again, just before the rename: made since the first check
+            os.replace(tmp, path)
+    except BaseException as e:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        cause = writer.error if writer is not None and writer.error is not None else e
+        if isinstance(cause, OSError):
+            raise write_error(shown or path, cause) from None
+        stop = e
+        while stop is not None and not isinstance(stop, (SystemExit, KeyboardInterrupt)):
+            stop = stop.__context__  # torch.save's zip writer reports an exit raised inside it as a RuntimeError
+        raise stop or e
+    return {"bytes": writer.size, "sha256": writer.sha256.hexdigest()}
+
+
+@contextlib.contextmanager
+def terminate_as_exception():
+    """SIGTERM raised as SystemExit(143) for the duration, where nothing else handles it (a tool, not the
+    trainer, whose main() turns signals into exceptions itself): its default would end the process on the
+    spot, before a write could remove its temporary file."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# -----------------------------------------------------------------------------
 # Data: token shards, BOS-aligned packing and the distributed loader
 
 SHARD_MAGIC = 20240520
@@ -3523,34 +3756,17 @@ class ShardHeader(NamedTuple):
     packing: int  # header[SHARD_PACKING_INDEX], as stored (shard_packing names it)
 
 
-def file_kind(mode: int) -> str:
-    """What a path that is not a regular file is, in words."""
-    kinds = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device",
-             stat.S_IFBLK: "a device"}
-    return kinds.get(stat.S_IFMT(mode), "not a regular file")
-
-
 def open_shard(path) -> tuple[io.BufferedReader, ShardHeader]:
-    """A shard opened for reading and its checked header. Only a regular file is opened: a FIFO matched by a glob
-    once blocked the run forever before its log (stat, then an open that does not wait, then fstat, so that a file
-    swapped between the two is caught too). The header must be ours and agree with the file's size."""
+    """A shard opened for reading and its checked header. Only a regular file is opened (open_regular): a FIFO
+    matched by a glob once blocked the run forever before its log. The header must be ours and agree with the
+    file's size, which bounds what is read (the count is an int32)."""
     path = Path(path)
+    f = open_regular(path, "a token shard (a shard is a regular file)")
     try:
-        mode = os.stat(path).st_mode
-        if not stat.S_ISREG(mode):
-            raise DataError(f"{path}: {file_kind(mode)}, not a token shard (a shard is a regular file)")
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise DataError(f"{path}: cannot read shard ({e.strerror})") from None
-    f = os.fdopen(fd, "rb")
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise DataError(f"{path}: {file_kind(st.st_mode)}, not a token shard (a shard is a regular file)")
-        os.set_blocking(fd, True)
+        size = os.fstat(f.fileno()).st_size
         raw = f.read(SHARD_HEADER_BYTES)
         if len(raw) < SHARD_HEADER_BYTES:
-            raise DataError(f"{path}: {'empty' if st.st_size == 0 else 'truncated'} shard ({st.st_size} bytes, "
+            raise DataError(f"{path}: {'empty' if size == 0 else 'truncated'} shard ({size} bytes, "
                             f"the header alone is {SHARD_HEADER_BYTES})")
         header = np.frombuffer(raw, dtype="<i4")
         if header[0] != SHARD_MAGIC:
@@ -3559,9 +3775,9 @@ def open_shard(path) -> tuple[io.BufferedReader, ShardHeader]:
             raise DataError(f"{path}: unsupported shard version {header[1]} (expected {SHARD_VERSION})")
         num_tokens = int(header[2])
         expected = SHARD_HEADER_BYTES + 2 * num_tokens
-        if num_tokens < 0 or st.st_size != expected:
+        if num_tokens < 0 or size != expected:
             raise DataError(f"{path}: header says {num_tokens} tokens ({expected} bytes) but the file has "
-                            f"{st.st_size} bytes{' (truncated?)' if st.st_size < expected else ''}")
+                            f"{size} bytes{' (truncated?)' if size < expected else ''}")
     except OSError as e:
         f.close()
         raise DataError(f"{path}: cannot read shard ({e.strerror})") from None
@@ -4775,128 +4991,6 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def write_error(path, error: OSError) -> TrainingError:
-    """One line for a write that failed: which file, and why in plain words."""
-    full = error.errno in (errno.ENOSPC, errno.EDQUOT)
-    why = f"the disk is full ({error.strerror})" if full else (error.strerror or str(error))
-    return TrainingError(f"cannot write {path}: {why}")
-
-
-def write_all(fd: int, data) -> None:
-    """os.write until every byte is out: a short write is continued, and the write that cannot go on
-    raises the OSError that says why (ENOSPC: the disk is full)."""
-    view = memoryview(data).cast("B")
-    while view:
-        view = view[os.write(fd, view):]
-
-
-class _RecordingWriter:
-    """The file object torch.save writes through. Every byte goes out with write_all, so a full disk
-    raises ENOSPC here (torch.save to a path reports it as a zip-format error), and the file's size
-    and sha256 are known as soon as it is complete."""
-
-    def __init__(self, fd: int):
-        self.fd, self.size, self.sha256, self.error = fd, 0, hashlib.sha256(), None
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        try:
-            write_all(self.fd, view)
-        except OSError as e:
-            self.error = e
-            raise
-        self.sha256.update(view)
-        self.size += view.nbytes
-        return view.nbytes
-
-    def flush(self):
-        pass
-
-
-# A file name may have 255 bytes, and a temporary adds to its name: NAME is kept whole in a temporary's name only up
-# to this many bytes (cut, the whole name's hash follows). Cut by characters, a legal 251-byte name of 4-byte characters
-# once got a 265-byte temporary ("File name too long"); bytes are what the file system counts.
-TEMPORARY_NAME_BYTES = 100
-
-
-def cut_to_bytes(name: str, limit: int) -> str:
-    """name's longest start that takes at most limit bytes as the file system stores it (UTF-8; bytes that are not
-    UTF-8 stay as they are, os.fsencode's way), never ending in part of a character."""
-    raw = os.fsencode(name)
-    if len(raw) <= limit:
-        return name
-    cut = limit
-    while cut > max(limit - 3, 0) and raw[cut] & 0xC0 == 0x80:  # a UTF-8 continuation byte: inside a character
-        cut -= 1
-    return os.fsdecode(raw[:cut])
-
-
-def temporary_path(path: Path, suffix: str) -> Path:
-    """A hidden name beside path for its temporary (a file, or a folder written whole): `.NAME` + suffix, with NAME
-    cut to TEMPORARY_NAME_BYTES and, when cut, a hash of the whole name so that two long names stay apart."""
-    name = path.name
-    if len(os.fsencode(name)) > TEMPORARY_NAME_BYTES:
-        whole = hashlib.sha256(os.fsencode(name)).hexdigest()[:8]
-        name = f"{cut_to_bytes(name, TEMPORARY_NAME_BYTES)}-{whole}"
-    return path.with_name(f".{name}{suffix}")
-
-
-def write_file(path: Path, content, shown: Path | None = None) -> dict:
-    """Writes a file atomically: into a temporary file beside it, fsynced, then renamed over `path`, so that no
-    reader ever sees part of one and a failure (a full disk, an error, a signal) leaves no temporary behind.
-    Bytes as they are, anything else with torch.save. Returns its size and sha256 (for meta.json); a failed
-    write raises a TrainingError that names the file and the cause: `shown`, the name the user knows it by, for
-    a file written into a folder renamed whole later (a checkpoint's), never a temporary. Every file the trainer,
-    sample.py and tools/ write goes through here (the log, written line by line, excepted)."""
-    path = Path(path)
-    tmp = temporary_path(path, f".{uuid.uuid4().hex[:8]}.tmp")
-    writer = None
-    try:
-        with terminate_as_exception():
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                writer = _RecordingWriter(fd)
-                if isinstance(content, bytes):
-                    writer.write(content)
-                else:
-                    torch.save(content, writer)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        cause = writer.error if writer is not None and writer.error is not None else e
-        if isinstance(cause, OSError):
-            raise write_error(shown or path, cause) from None
-        stop = e
-        while stop is not None and not isinstance(stop, (SystemExit, KeyboardInterrupt)):
-            stop = stop.__context__  # torch.save's zip writer reports an exit raised inside it as a RuntimeError
-        raise stop or e
-    return {"bytes": writer.size, "sha256": writer.sha256.hexdigest()}
-
-
-@contextlib.contextmanager
-def terminate_as_exception():
-    """SIGTERM raised as SystemExit(143) for the duration, where nothing else handles it (a tool, not the
-    trainer, whose main() turns signals into exceptions itself): its default would end the process on the
-    spot, before a write could remove its temporary file."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        yield
-        return
-
-    def stop(signum, frame):
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def remove_unfinished(tmp: Path, what: str = "folder") -> str:
     """Removes a folder a save left unfinished and says so truthfully, for the error line, which names the
     temporary only when the user must delete it. Tried a few times: under torchrun another rank may still be adding
@@ -4942,7 +5036,7 @@ def save_checkpoint(step: int, train_time_ms: float, model: GPT, optimizers, loa
                                                       shown=final / f"rank_{env.rank}.pt")
             if env.is_main:
                 files["model.pt"] = write_file(tmp / "model.pt", model.state_dict(), shown=final / "model.pt")
-        except TrainingError as e:
+        except (TrainingError, FileRefused) as e:
             error = e
         every_rank = gather_from_ranks(None if error else files)
         loader_state = loader_state_of_ranks(gather_from_ranks(loader.state_dict()))
@@ -4958,7 +5052,7 @@ def save_checkpoint(step: int, train_time_ms: float, model: GPT, optimizers, loa
                 publish_folder(tmp, final)
                 write_file(latest_tmp, (final.name + "\n").encode())
                 os.replace(latest_tmp, run_dir / "latest")
-            except TrainingError as e:
+            except (TrainingError, FileRefused) as e:
                 error = e
             except OSError as e:
                 error = write_error(final, e)
@@ -5058,15 +5152,21 @@ def release_folders(made: list[Path]):
 
 
 # One reader for every weights file: a final-weights folder's model.pt (sample.py, load_final_weights, to-record),
-# --init_from's, a checkpoint's model.pt (--resume), and, for the tensors themselves, the record's state dict
-# (tools/record_weights.py to-ours). Each file is checked before any model is built from it, in this order: the
-# model of the config (built on the meta device, so without memory) and the file fit this host's memory; the file
-# loads with weights_only, to the CPU; it is a dict whose keys are strings, whose tensors are dense and strided, on
-# the CPU (a tensor saved from the meta device holds no values), of a floating dtype, finite and at most MAX_WEIGHT
-# in magnitude, and whose names and shapes are the model's. What runs a final-weights folder's model (sample.py)
-# first checks its logits on a probe document (check_forward_finite); to-record only converts the weights. Before,
-# only to-ours checked: --init_from cast int64 weights in silence and tracebacked on a non-string key, a non-tensor
-# value or a meta tensor, and NaN weights (and finite ones x1e30) reached sample.py's multinomial.
+# --init_from's, a checkpoint's model.pt and rank files (--resume), and the record's state dict (tools/record_weights.py
+# to-ours): load_weights, then, for the tensors, check_weights (to-ours: the same tensor_problem, storage_problem and
+# nonfinite_problem). Each file is checked before any model is built from it, in this order: it is a regular file
+# (open_regular) and a zip archive holding data.pkl, as torch.save writes; the model of the config (built on the meta
+# device, so without memory) and what the archive's entries hold once inflated, read from its directory before
+# anything is unpickled, fit this host's memory (torch.load inflates compressed entries: an 85 MB model.pt of 3 GB of
+# zeros took 3.4 GB before a check of its size on disk); the file loads with weights_only, to the CPU; it is a dict
+# whose keys are strings, whose tensors are dense and strided, on the CPU (a tensor saved from the meta device holds
+# no values), of a floating dtype, whose names and shapes are the model's, each stored in a storage that holds its
+# every element once (no zero strides, no overlapping views: a bank of 2**24 rows broadcast from one fitted in 92 MB,
+# and the finiteness check then asked for 2.2 TB), and last finite and at most MAX_WEIGHT in magnitude. What runs a
+# final-weights folder's model (sample.py) first checks its logits on a probe document (check_forward_finite);
+# to-record only converts the weights. Before, only to-ours checked: --init_from cast int64 weights in silence and
+# tracebacked on a non-string key, a non-tensor value or a meta tensor, and NaN weights (and finite ones x1e30)
+# reached sample.py's multinomial.
 
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # cast into our parameters exactly
 # The forward multiplies weights by weights (an embedding row by a lambda by a matrix): two above 2**64 overflow fp32
@@ -5093,6 +5193,25 @@ def tensor_problem(name: str, value) -> str | None:
     if value.dtype not in WEIGHT_DTYPES:
         return f"{name!r} has dtype {str(value.dtype).removeprefix('torch.')}, expected a floating one (bfloat16, " \
                f"float16, float32 or float64)"
+    return None
+
+
+def storage_problem(name: str, value: Tensor) -> str | None:
+    """Why a tensor's storage does not hold each of its elements once, or None: a view whose strides make elements
+    overlap (a zero stride: one value broadcast; a stride shorter than the span below it) or reach past its storage.
+    Read from its sizes and strides alone, before anything computes on it (the finiteness check makes a tensor of
+    its shape)."""
+    reach = 1  # elements spanned by the dimensions of smaller stride
+    for stride, size in sorted((st, sz) for st, sz in zip(value.stride(), value.shape) if sz > 1):
+        if stride < reach:
+            return f"{name!r} has shape {tuple(value.shape)} and strides {tuple(value.stride())}: a view whose " \
+                   f"{value.numel():,} elements overlap in a storage of {value.untyped_storage().nbytes():,} bytes " \
+                   f"(stride {stride}{': one value broadcast' if stride == 0 else ''}); save it with .contiguous()"
+        reach = stride * size
+    end = (value.storage_offset() + sum((sz - 1) * st for sz, st in zip(value.shape, value.stride())) + 1) \
+        * value.element_size() if value.numel() else 0
+    if end > value.untyped_storage().nbytes():
+        return f"{name!r} reaches past its storage ({end:,} bytes of {value.untyped_storage().nbytes():,})"
     return None
 
 
@@ -5140,40 +5259,94 @@ def check_weights(state, expected: dict) -> dict:
     mismatch = state_dict_mismatch(state, expected)  # names and shapes
     if mismatch:
         raise WeightsError(mismatch)
-    refuse_first([nonfinite_problem(k, v) for k, v in state.items() if isinstance(v, Tensor)])  # reads every value:
-    # finite and within MAX_WEIGHT
+    tensors = {k: v for k, v in state.items() if isinstance(v, Tensor)}
+    refuse_first([storage_problem(k, v) for k, v in tensors.items()])  # from strides: before any value is read
+    refuse_first([nonfinite_problem(k, v) for k, v in tensors.items()])  # reads every value: finite and within
+    # MAX_WEIGHT
     return state
 
 
-def check_fits_host(expected: dict, file_bytes: int):
-    """The model of `expected` built on the host and a file of file_bytes read beside it must fit the host's memory:
-    a config describing a larger model was built, and failed in an allocation traceback, before its model.pt was
-    read."""
+def size_text(nbytes: int) -> str:
+    """A size in GiB, or in MiB below a tenth of one (a small file is not "0.0 GiB")."""
+    return f"{nbytes / 2 ** 30:,.1f} GiB" if nbytes >= 2 ** 30 / 10 else f"{nbytes / 2 ** 20:,.1f} MiB"
+
+
+def check_fits_host(expected: dict, loaded_bytes: int, on_disk: int | None = None):
+    """The model of `expected` built on the host and loaded_bytes beside it (what a file holds once loaded) must fit
+    the host's memory: a config describing a larger model was built, and failed in an allocation traceback, before
+    its model.pt was read. on_disk: the file's size, said where its entries inflate past it."""
     model = tensor_bytes(v for v in expected.values() if isinstance(v, Tensor))
     have = device_memory_bytes(torch.device("cpu"))
-    if model + file_bytes > have:
-        raise WeightsError(f"the model takes {model / 2 ** 30:,.1f} GiB and the file {file_bytes / 2 ** 30:,.1f} GiB "
-                           f"of host memory, more than this machine's {have / 2 ** 30:,.1f} GiB")
+    if model + loaded_bytes > have:
+        inflated = f" once loaded ({size_text(on_disk)} on disk: its entries are compressed)" \
+            if on_disk is not None and loaded_bytes > on_disk else ""
+        raise WeightsError(f"the model takes {size_text(model)} and the file {size_text(loaded_bytes)} of host memory"
+                           f"{inflated}, more than this machine's {size_text(have)}")
 
 
-def load_weights(source, name: str = "it") -> object:
-    """A weights file (a path or its bytes) loaded to the CPU by torch's safe loader: tensors and plain
-    containers, never code. torch's warnings (sparse layouts, old formats) are not passed on."""
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since PyTorch 1.6
+# The legacy format (a pickle) starts with torch's magic number, pickled (LONG1 of 10 bytes) after the protocol and,
+# from protocol 4, a frame header.
+LEGACY_MAGIC = b"\x8a\x0a" + torch.serialization.MAGIC_NUMBER.to_bytes(10, "little")
+
+
+def archive_bytes(f) -> int:
+    """What a torch.save file (a file object, at its start) holds once loaded: the sum of its zip entries'
+    uncompressed sizes, from the archive's directory, without inflating or unpickling anything. Refuses, in words,
+    a file that is not such an archive (torch.load's own message for a text file is `(101)`) and torch's legacy
+    format, a pickle whose sizes are known only as it is loaded."""
+    head = f.read(32)
+    f.seek(0)
+    if not head:
+        raise WeightsError("not a PyTorch file (it is empty)")
+    if not head.startswith(ZIP_MAGIC):
+        if head.startswith(b"\x80") and LEGACY_MAGIC in head:
+            raise WeightsError("a PyTorch file of the legacy format (before PyTorch 1.6), whose sizes are known only "
+                               "as it is loaded: load and save it again with torch.save")
+        raise WeightsError("not a PyTorch file (neither a zip archive, torch.save's format, nor its legacy pickle)")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return torch.load(source, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise WeightsError(f"cannot load {name} safely ({first_line(e)})") from None
+        with zipfile.ZipFile(f) as archive:  # (a file object passed in stays open)
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):  # most often a copy cut short: its directory is at
+        # the end
+        raise WeightsError("a truncated or damaged zip archive, not a complete PyTorch file; copy it again") from None
+    finally:
+        f.seek(0)
+    if not any(entry.filename.split("/")[-1] == "data.pkl" for entry in entries):
+        raise WeightsError("not a PyTorch file (a zip archive without data.pkl)")
+    return sum(entry.file_size for entry in entries)
 
 
-def read_json(path: Path):
-    """A JSON file the trainer or sample.py reads (meta.json, config.json); a ValueError says why it is not one
-    (JSON nested thousands deep raised the parser's RecursionError, a traceback). OSErrors are the caller's."""
-    try:
-        return json.loads(path.read_text())
-    except RecursionError:
-        raise ValueError("nested too deeply to be one this trainer wrote") from None
+def load_weights(source, expected: dict | None = None, held_bytes: int = 0, weights_only: bool = True) -> object:
+    """A weights file, a path (opened with open_regular) or a file object (a checkpoint's bytes, read and hashed),
+    loaded to the CPU: first its archive checked and what it holds once loaded, with held_bytes already in memory
+    beside it and the model of `expected`, fitted to the host's memory (check_fits_host); then torch.load, by
+    torch's safe loader unless weights_only=False (tools/record_weights.py --trust): tensors and plain
+    containers, never code. torch's warnings (sparse layouts, old formats) are not passed on. Raises WeightsError
+    (FileRefused for a path that is no regular file), one line that the caller prefixes with the file's name."""
+    with contextlib.ExitStack() as stack:
+        f = source if hasattr(source, "read") else stack.enter_context(open_regular(source, "a weights file (.pt)"))
+        on_disk = f.seek(0, os.SEEK_END)
+        f.seek(0)
+        check_fits_host(expected or {}, held_bytes + archive_bytes(f), on_disk)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return torch.load(f, map_location="cpu", weights_only=weights_only)
+        except Exception as e:
+            refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+            if isinstance(e, pickle.UnpicklingError) and refused:
+                raise UnsafeObject(refused[1]) from None
+            why = re.search(r"WeightsUnpickler error:\s*([^\n]+)", str(e))  # the cause, below torch's paragraph
+            raise WeightsError(f"cannot load it safely ({why[1] if why else first_line(e)})") from None
+
+
+class UnsafeObject(WeightsError):
+    """A weights file that holds a Python object beside its tensors, which the safe loader refuses to build."""
+
+    def __init__(self, name: str):
+        super().__init__(f"the safe loader refused {name}, a Python object beside the tensors")
+        self.name = name
 
 
 def model_state_shapes(args: Hyperparameters) -> dict:
@@ -5186,8 +5359,7 @@ def read_weights(path: Path, args: Hyperparameters, skip=None) -> dict:
     """A weights file of ours, checked against the model of `args` (see the block above); keys for which
     `skip(key)` holds are left out first (--init_from's run state: see init_run_state). Raises WeightsError."""
     expected = {k: v for k, v in model_state_shapes(args).items() if not (skip and skip(k))}
-    check_fits_host(expected, path.stat().st_size)
-    state = load_weights(path)
+    state = load_weights(path, expected)
     if isinstance(state, dict) and skip:
         state = {k: v for k, v in state.items() if not (isinstance(k, str) and skip(k))}
     return check_weights(state, expected)
@@ -5224,7 +5396,7 @@ def save_final_weights(model: GPT, args: Hyperparameters, source: str, run_id: s
             publish_folder(tmp, final)
         except OSError as e:
             raise write_error(final, e) from None
-    except TrainingError as e:
+    except (TrainingError, FileRefused) as e:
         raise TrainingError(f"{e}; {remove_unfinished(tmp, 'final-weights folder')}") from None
     except BaseException:  # a signal (Ctrl-C) mid-write
         remove_unfinished(tmp)
@@ -5238,10 +5410,10 @@ def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters
     path = Path(path)
     if not path.is_dir():
         raise DataError(f"{path}: no such folder (train with --save_final=true to write <checkpoint_dir>/<run_id>/final)")
-    if not (path / "config.json").is_file() or not (path / "model.pt").is_file():
+    if not os.path.lexists(path / "config.json") or not os.path.lexists(path / "model.pt"):
         raise DataError(f"{path}: not a final-weights folder of train_gpt.py (it needs config.json and model.pt)")
     try:
-        info = read_json(path / "config.json")
+        info = read_json(path / "config.json", "train_gpt.py's final-weights config.json", MAX_META_BYTES)
         if info.get("format") != FINAL_WEIGHTS_FORMAT:
             raise ValueError(f"format {info.get('format')!r}")
         names = {f.name for f in dataclasses.fields(Hyperparameters)}
@@ -5258,10 +5430,11 @@ def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters
             raise ValueError(f'"windows" must be the final (short, long) windows in blocks (1 to {MAX_POSITIONS:,}), '
                              f'got {windows!r}')
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise DataError(f"{path / 'config.json'}: not train_gpt.py's final-weights config ({e})") from None
+        why = e.why if isinstance(e, FileRefused) else e
+        raise DataError(f"{path / 'config.json'}: not train_gpt.py's final-weights config ({why})") from None
     try:
         saved = read_weights(path / "model.pt", args)
-    except (WeightsError, OSError) as e:
+    except WeightsError as e:
         raise DataError(f"{path / 'model.pt'}: cannot load these weights into the model of config.json "
                         f"({first_line(e)})") from None
     model = cast_parameters(GPT(args, Numerics.for_evaluation(device)).to(device))
@@ -5310,6 +5483,9 @@ def state_dict_mismatch(saved, expected: dict, shown: int = 3) -> str:
     return "; ".join(parts)
 
 
+MAX_POINTER_BYTES = 4096  # a `latest` pointer holds a folder's name, step_NNNNNN: more is not one a run wrote
+
+
 def resolve_checkpoint(resume: str, args: Hyperparameters) -> Path:
     """--resume as a folder: 'latest' is the newest `latest` pointer under --checkpoint_dir (that of the run
     that saved last). A damaged newest pointer is refused rather than passed over: an older run's would
@@ -5328,9 +5504,9 @@ def resolve_checkpoint(resume: str, args: Hyperparameters) -> Path:
     if not pointer.is_file():
         raise TrainingError(f"{damaged} (not a file{', a folder' if pointer.is_dir() else ''}){remedy}")
     try:
-        name = pointer.read_bytes()[:100].decode("ascii").strip()
-    except (OSError, UnicodeDecodeError) as e:
-        why = e.strerror if isinstance(e, OSError) else "not text"
+        name = read_regular(pointer, "a `latest` pointer", MAX_POINTER_BYTES).decode("ascii").strip()
+    except (FileRefused, UnicodeDecodeError) as e:
+        why = e.why if isinstance(e, FileRefused) else "not text"
         raise TrainingError(f"{damaged} ({why}){remedy}") from None
     if not re.fullmatch(r"step_\d{6,}", name):  # what save_checkpoint writes
         raise TrainingError(f"{damaged} (it should name a checkpoint folder beside it, e.g. step_000100, "
@@ -5440,17 +5616,14 @@ def parse_checkpoint_meta(meta) -> CheckpointMeta:
 def read_checkpoint_meta(path: Path) -> CheckpointMeta:
     """The checkpoint folder path's meta.json (parse_checkpoint_meta); a TrainingError names what is wrong."""
     meta_path = path / "meta.json"
-    if not meta_path.is_file():
+    if not os.path.lexists(meta_path):
         raise TrainingError(f"--resume={path}: not a complete checkpoint (no meta.json)")
     try:
-        size = meta_path.stat().st_size
-        if size > MAX_META_BYTES:
-            raise ValueError(f"{size:,} bytes, more than a train_gpt.py checkpoint's")
-        return parse_checkpoint_meta(read_json(meta_path))
+        return parse_checkpoint_meta(read_json(meta_path, "a train_gpt.py checkpoint's meta.json", MAX_META_BYTES))
     except MetaError as e:
         raise TrainingError(f"--resume={path}: {e}") from None
-    except (OSError, ValueError) as e:
-        raise TrainingError(f"--resume={path}: unreadable meta.json ({e})") from None
+    except FileRefused as e:
+        raise TrainingError(f"--resume={path}: unreadable meta.json ({e.why})") from None
 
 
 @dataclass
@@ -5462,25 +5635,38 @@ class Resume:
     rank_state: dict
 
 
-def read_checkpoint_file(path: Path, name: str, meta: CheckpointMeta):
-    """One of a checkpoint's files, checked against the size and sha256 meta.json recorded for it, then
-    loaded with weights_only (a checkpoint can hold tensors and plain containers, never code)."""
+def read_checkpoint_file(path: Path, name: str, meta: CheckpointMeta, expected: dict):
+    """One of a checkpoint's files, checked against the size and sha256 meta.json recorded for it, then loaded
+    with weights_only (a checkpoint can hold tensors and plain containers, never code). It is read once, through
+    the one reader: a regular file (a FIFO blocked the resume forever, a link to /dev/zero was read until memory ran
+    out), of the size listed, which with the model of `expected` must fit the host before it is read; then its
+    archive is bounded by what it holds once loaded (load_weights)."""
     listed = meta.files.get(name)
     if listed is None:
         raise TrainingError(f"--resume={path}: meta.json does not list {name} with its size and sha256")
     try:
-        data = (path / name).read_bytes()
+        check_fits_host(expected, listed.bytes)
+        with open_regular(path / name, "a checkpoint's file") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != listed.bytes:
+                raise TrainingError(f"--resume={path}: {name} has {size} bytes, meta.json recorded {listed.bytes} "
+                                    f"(truncated, or not this checkpoint's file)")
+            data = f.read(listed.bytes + 1)
+    except FileRefused as e:
+        raise TrainingError(f"--resume={path}: {name}: {e.why}") from None
+    except WeightsError as e:
+        raise TrainingError(f"--resume={path}: {name}: {e}") from None
     except OSError as e:
         raise TrainingError(f"--resume={path}: cannot read {name} ({e.strerror})") from None
-    if len(data) != listed.bytes:
+    if len(data) != listed.bytes:  # changed since its size was read
         raise TrainingError(f"--resume={path}: {name} has {len(data)} bytes, meta.json recorded {listed.bytes} "
                             f"(truncated, or not this checkpoint's file)")
     if hashlib.sha256(data).hexdigest() != listed.sha256:
         raise TrainingError(f"--resume={path}: {name} is not the file saved with this meta.json (its sha256 differs)")
     try:
-        return load_weights(io.BytesIO(data), name)
+        return load_weights(io.BytesIO(data), expected, held_bytes=len(data))
     except WeightsError as e:
-        raise TrainingError(f"--resume={path}: {e}") from None
+        raise TrainingError(f"--resume={path}: {name}: {e}") from None
 
 
 def comparable_config(saved: dict, args: Hyperparameters) -> dict:
@@ -5527,15 +5713,14 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
             raise TrainingError(f"--resume={path}: written by a different train_gpt.py "
                                 f"(use --force_resume=true to resume anyway)")
     expected = model_state_shapes(args)
+    model_state = read_checkpoint_file(path, "model.pt", meta, expected)
     try:
-        listed = meta.files.get("model.pt")  # (read_checkpoint_file refuses a missing listing)
-        check_fits_host(expected, listed.bytes if listed else 0)
-        model_state = check_weights(read_checkpoint_file(path, "model.pt", meta), expected)
+        model_state = check_weights(model_state, expected)
     except WeightsError as e:
         forced = "; --force_resume cannot change the architecture" if args.force_resume else ""
         raise TrainingError(f"--resume={path}: its model.pt does not fit the model this config builds ({e}){forced}") \
             from None
-    rank_state = read_checkpoint_file(path, f"rank_{env.rank}.pt", meta)
+    rank_state = read_checkpoint_file(path, f"rank_{env.rank}.pt", meta, expected)  # beside the model it fills
     saved_at = rank_state.get("step") if isinstance(rank_state, dict) else None
     if saved_at != meta.step:
         raise TrainingError(f"--resume={path}: meta.json says step {meta.step}, but rank_{env.rank}.pt was "
@@ -5789,12 +5974,14 @@ def read_init_weights(args: Hyperparameters) -> dict:
     """--init_from's weights, checked against the model this config builds (read_weights) before the run creates
     anything, without the run state of init_run_state."""
     path = Path(args.init_from)
-    if not (path / "model.pt").is_file():
+    if not os.path.lexists(path / "model.pt"):
         raise DataError(f"--init_from={path}: not a final-weights folder (no model.pt; train with "
                         f"--save_final=true, or convert the record's weights with tools/record_weights.py)")
     try:
         return read_weights(path / "model.pt", args, skip=init_run_state)
-    except (WeightsError, OSError) as e:
+    except FileRefused as e:
+        raise DataError(f"--init_from={path}: {e}") from None
+    except WeightsError as e:
         raise DataError(f"--init_from={path}: its weights do not fit this config's model ({first_line(e)})") from None
 
 
@@ -5846,7 +6033,7 @@ def train(args: Hyperparameters, env: DistEnv):
         init_state = read_init_weights(args) if args.init_from and not args.resume else None
         if schedule.prefix_term:  # the model's prefix-token table, from a bundled file: read before anything is made
             prefix_token_table(padded_vocab(args.vocab_size))
-        if args.init_from and args.resume and not (Path(args.init_from) / "model.pt").is_file():
+        if args.init_from and args.resume and not os.path.lexists(Path(args.init_from) / "model.pt"):
             raise DataError(f"--init_from={args.init_from}: not a final-weights folder (no model.pt); a resumed run "
                             f"continues from its checkpoint's weights and does not read it: drop --init_from")
         for line in sweep_unfinished_saves(run_dir) if env.is_main else []:  # the id's run is refused below

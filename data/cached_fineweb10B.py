@@ -104,6 +104,8 @@ def fetch(name: str, out_dir: Path) -> str:
         safe_write.commit(path, final)  # fsynced, then renamed; removed if that fails
     except OSError as e:
         raise DownloadError(f"cannot write {final}: {e.strerror or e}; run again to retry") from None
+    except safe_write.FileRefused as e:  # a link, a FIFO or a device where the shard goes: left as it is
+        raise DownloadError(str(e)) from None
     return f"downloaded, {final.stat().st_size:,} bytes"
 
 

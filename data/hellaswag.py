@@ -203,6 +203,8 @@ def download(out: Path = DEFAULT_PATH, url: str = SOURCE_URL, expected_examples:
                 found = _download_into(f, url, expected_examples)
         except OSError as e:  # the network's errors are HellaSwagErrors by now: this is the disk
             raise HellaSwagError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+        except safe_write.FileRefused as e:  # a link, a FIFO or a device where the file goes: left as it is
+            raise HellaSwagError(f"--out {e}") from None
     except BaseException:
         if created_dir and out.parent.is_dir() and not any(out.parent.iterdir()):
             out.parent.rmdir()  # a failed first run leaves no trace

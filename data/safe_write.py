@@ -1,10 +1,24 @@
-"""How every script in data/ writes files: one writer per folder, and no file under its final name until it is
-complete. Kept apart from train_gpt.py, like the rest of data/.
+"""How every torch-free script reads and writes files: data/, records/records.py and tools/cost_model.py. The
+stdlib-only twin of train_gpt.py's reader and writer (open_regular, read_regular, read_json, output_problem,
+write_file, temporary_prefix): train_gpt.py is one self-contained file and imports nothing of the project, and
+these scripts must run without torch, so the two are kept apart and held equal by the same tests
+(tests/test_readers_io.py runs each property against both). The module keeps its first name, safe_write, which
+data/'s scripts import.
 
-  atomic_file(path): the data goes to a temporary file in path's folder, is fsynced, and only then renamed over
-      path (and the folder fsynced, so that the rename survives a power cut). Any error or signal removes the
-      temporary instead: a full disk, a crash or Ctrl-C never leaves a half-written file, under the final name
-      or beside it. commit(tmp, path) does the last two steps for a file someone else wrote (a download).
+Reading. open_regular(path, what, limit) opens without blocking (O_NONBLOCK: a FIFO opens at once, without a
+    writer), then checks with fstat what it opened: a regular file, of at most `limit` bytes. A FIFO, a device, a
+    socket, a folder, or a link to one, is refused in one line naming the path (FileRefused), before a byte is
+    read: a FIFO once blocked a tool forever, /dev/zero was read until memory ran out. read_regular reads such a
+    file whole, read_json parses it (JSON nested thousands deep is refused, not a RecursionError traceback).
+Writing. An output is absent or a regular file (output_problem): a FIFO, a device, a socket, a folder or a
+    symbolic link there is refused before anything is written (a rename over `-o /dev/null` would have replaced
+    the device). Then:
+  atomic_file(path): the data goes to a temporary file in path's folder (mkstemp: a name unique to the call), is
+      fsynced, and only then renamed over path (and the folder fsynced, so that the rename survives a power cut).
+      Any error or signal removes the temporary instead: a full disk, a crash or Ctrl-C never leaves a
+      half-written file, under the final name or beside it. commit(tmp, path) does the last two steps for a file
+      someone else wrote (a download). write_file(path, data, shown) writes bytes so, and words a failure as
+      WriteError naming `shown` (the name the user asked for), never the temporary.
   FolderLock(folder): a folder that one run fills with several files (a tokenized data set, downloaded shards)
       is claimed for the whole write, so that two runs never interleave their files. The claim is an flock on
       FOLDER/.writing.lock, which holds the holder's pid; a second writer is refused in one line (FolderBusy).
@@ -25,6 +39,7 @@ so that the cleanup runs and the process still exits with the code a shell gives
 import contextlib
 import errno
 import fcntl
+import json
 import os
 import signal
 import stat
@@ -54,7 +69,7 @@ class LockFileDenied(LockError):
     """FOLDER/.writing.lock exists but this user may not open it (another user's, or its permissions changed)."""
 
 
-TEMPORARY_NAME_BYTES = 100  # of NAME kept in a temporary's name; train_gpt.py's temporary_path keeps as many
+TEMPORARY_NAME_BYTES = 100  # of NAME kept in a temporary's name; train_gpt.py's temporary_prefix keeps as many
 
 
 def cut_to_bytes(name: str, limit: int) -> str:
@@ -84,6 +99,119 @@ def visible(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+class FileRefused(ValueError):
+    """A path that is not what a reader or writer takes: one line, `PATH: why` (why alone in .why, for a caller that
+    names the file its own way)."""
+
+    def __init__(self, path, why: str):
+        super().__init__(f"{path}: {why}")
+        self.path, self.why = path, why
+
+
+class WriteError(Exception):
+    """A write that failed (a full disk): one line naming the output the user asked for, never its temporary."""
+
+
+def file_kind(mode: int) -> str:
+    """What a path that is not a regular file is, in words (train_gpt.file_kind's)."""
+    kinds = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device",
+             stat.S_IFBLK: "a device", stat.S_IFLNK: "a symbolic link"}
+    return kinds.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def open_regular(path, what: str = "a regular file", limit: int | None = None):
+    """path opened for reading (binary), refused (FileRefused) unless it is a regular file of at most `limit` bytes;
+    a link is followed. stat first, so that a device is never opened (opening one can act: a tape rewinds); then an
+    open that does not wait (a FIFO swapped in meanwhile opens at once) and fstat, so that what is read is what
+    was checked."""
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise FileRefused(path, f"{file_kind(mode)}, not {what}")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as e:
+        raise FileRefused(path, f"cannot read ({e.strerror or e})") from None
+    f = os.fdopen(fd, "rb")
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileRefused(path, f"{file_kind(st.st_mode)}, not {what}")
+        if limit is not None and st.st_size > limit:
+            raise FileRefused(path, f"{st.st_size:,} bytes, more than {what} holds (at most {limit:,})")
+        os.set_blocking(fd, True)
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def read_regular(path, what: str = "a regular file", limit: int | None = None) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes (open_regular), read through the one checked open; a
+    file that grew past the limit since its size was read is refused too."""
+    with open_regular(path, what, limit) as f:
+        try:
+            data = f.read() if limit is None else f.read(limit + 1)
+        except OSError as e:
+            raise FileRefused(path, f"cannot read ({e.strerror or e})") from None
+    if limit is not None and len(data) > limit:
+        raise FileRefused(path, f"more than {what} holds (at most {limit:,} bytes)")
+    return data
+
+
+def read_json(path, what: str = "a JSON file", limit: int | None = None):
+    """The JSON value a regular file of at most `limit` bytes holds (read_regular); FileRefused says why it is not
+    one: not UTF-8, not JSON, or nested too deeply for the parser (its RecursionError was a traceback)."""
+    data = read_regular(path, what, limit)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise FileRefused(path, "not UTF-8 text") from None
+    except RecursionError:
+        raise FileRefused(path, "nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, and ints of thousands of digits
+        raise FileRefused(path, first_line(e)) from None
+
+
+def first_line(error: BaseException) -> str:
+    """An exception's first line, or its type where it has no message."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def output_problem(path) -> str | None:
+    """Why path cannot be an output, or None: an output is absent or a regular file. A FIFO, a device, a socket or
+    a folder there would be replaced by the rename (as root, `-o /dev/null` replaced the system's device); a
+    symbolic link would be replaced by a file too, the file it names left as it was, so a link is refused
+    whatever it names (name the file itself)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # a component that is not a folder: the write fails with the same words
+        return f"cannot write there ({e.strerror or e})"
+    if stat.S_ISREG(st.st_mode):
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        target = os.readlink(path)
+        return f"a symbolic link (to {visible(target[:200])}{'...' if len(target) > 200 else ''}), not a regular " \
+               f"file: refused, nothing written (name the file itself, or a new one)"
+    return f"{file_kind(st.st_mode)}, not a regular file: refused, nothing written (name a new file)"
+
+
+def check_output(path, shown=None) -> None:
+    """FileRefused naming `shown` (or path) unless path can be an output (output_problem)."""
+    problem = output_problem(path)
+    if problem is not None:
+        raise FileRefused(shown or path, problem)
+
+
+def write_error(path, error: OSError) -> str:
+    """One line for a write that failed: which file (the one the user asked for), and why in plain words."""
+    full = error.errno in (errno.ENOSPC, errno.EDQUOT)
+    why = f"the disk is full ({error.strerror})" if full else (error.strerror or str(error))
+    return f"cannot write {path}: {why}"
 
 
 def _in_main_thread() -> bool:
@@ -148,9 +276,11 @@ def _remove(path) -> None:
 
 def commit(tmp, path) -> None:
     """Renames tmp, a finished file written by someone else (a download) on path's file system, over path,
-    after fsyncing it. On any failure, or a signal, tmp is removed and the error goes on."""
+    after fsyncing it; a path that cannot be an output (output_problem) is refused (FileRefused). On any failure,
+    or a signal, tmp is removed and the error goes on."""
     with sigterm_exits():
         try:
+            check_output(path)
             fd = os.open(tmp, os.O_RDONLY)
             try:
                 os.fsync(fd)
@@ -164,12 +294,14 @@ def commit(tmp, path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_file(path):
+def atomic_file(path, shown=None):
     """Yields a binary file, open for writing, that becomes path when the block ends without an error (see the
-    module docstring). Its name, for a check of what was written before it is kept: Path(f.name). An error
-    inside the block, or in the fsync and rename, removes the temporary and goes on; OSErrors are the caller's
-    to word."""
+    module docstring). Its name, for a check of what was written before it is kept: Path(f.name). A path that
+    cannot be an output (output_problem) is refused first, naming `shown` (or path), before anything is made. An
+    error inside the block, or in the fsync and rename, removes the temporary and goes on; OSErrors are the
+    caller's to word (write_error)."""
     path = Path(path)
+    check_output(path, shown)
     with sigterm_exits():
         fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(path.name), suffix=".tmp", dir=path.parent)
         try:
@@ -181,11 +313,25 @@ def atomic_file(path):
                 yield f
                 f.flush()
                 os.fsync(f.fileno())
+            check_output(path, shown)  # again, just before the rename: made since the first check
             os.replace(tmp, path)
         except BaseException:
             _remove(tmp)
             raise
         fsync_folder(path.parent)
+
+
+def write_file(path, data: bytes, shown=None) -> None:
+    """Writes data to path with atomic_file: an output that is not a regular file is refused (FileRefused), a
+    failed write (a full disk) is a WriteError naming `shown`, the name the user knows the file by (a file written
+    into a folder renamed whole later), else path; never the temporary."""
+    try:
+        with atomic_file(path, shown) as f:
+            view = memoryview(data).cast("B")
+            while view:  # os.write until every byte is out, as train_gpt.write_all: the one that cannot go on says
+                view = view[os.write(f.fileno(), view):]  # why (ENOSPC)
+    except OSError as e:
+        raise WriteError(write_error(shown or path, e)) from None
 
 
 # The descriptors of the locks this process holds, closed in forked children: an flock lives as long as any

@@ -6,6 +6,7 @@ zero -- followed by that many little-endian uint16 token ids. This is the layout
 GPT-2 shards (whose [3] is 0), so both kinds of data read the same way.
 """
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -31,12 +32,13 @@ class ShardError(ValueError):
     """A shard file that is missing, malformed, or cannot be written."""
 
 
-def write_shard(path, tokens, packing: str = "documents") -> int:
+def write_shard(path, tokens, packing: str = "documents", shown=None) -> int:
     """Write tokens (ints in 0..65535) as a shard at path, atomically, marked for `packing` (PACKINGS);
     returns the token count.
 
     Written with safe_write.atomic_file: a temporary file in the same folder, fsynced, then renamed over
-    path, so a crash, a full disk or a signal never leaves a half-written file, nor the temporary.
+    path, so a crash, a full disk or a signal never leaves a half-written file, nor the temporary. An error
+    names `shown`, the name the user asked for, where path is a staging folder's (tokenize_text.py's), else path.
     """
     path = Path(path)
     array = np.asarray(tokens)
@@ -55,23 +57,27 @@ def write_shard(path, tokens, packing: str = "documents") -> int:
     body = array.astype("<u2", copy=False)
 
     try:
-        with safe_write.atomic_file(path) as f:
+        with safe_write.atomic_file(path, shown) as f:
             f.write(header.tobytes())
             f.write(body.tobytes())
+    except safe_write.FileRefused as e:  # a FIFO, a device or a link where the shard goes
+        raise ShardError(str(e)) from None
     except OSError as e:  # disk full, permissions: an expected failure, not a bug
-        raise ShardError(f"{path}: cannot write shard: {e.strerror or e}") from None
+        raise ShardError(safe_write.write_error(shown or path, e)) from None
     return int(array.size)
 
 
 def check_shard(path) -> int:
     """Validate path's header against its size and return its token count; raise ShardError if bad."""
     path = Path(path)
+    if not os.path.lexists(path):
+        raise ShardError(f"{path}: no such shard file")
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with safe_write.open_regular(path, "a token shard") as f:  # the one reader: a FIFO is refused, not waited on
+            size = os.fstat(f.fileno()).st_size
             raw = f.read(HEADER_BYTES)
-    except FileNotFoundError:
-        raise ShardError(f"{path}: no such shard file") from None
+    except safe_write.FileRefused as e:
+        raise ShardError(str(e)) from None
     except OSError as e:
         raise ShardError(f"{path}: cannot read shard: {e.strerror or e}") from None
     if size == 0:
@@ -94,6 +100,9 @@ def check_shard(path) -> int:
 def read_tokens(path) -> np.ndarray:
     """Return a validated shard's tokens as a uint16 array (for tools and tests; the trainer has its own)."""
     count = check_shard(path)
-    with open(path, "rb") as f:
-        f.seek(HEADER_BYTES)
-        return np.fromfile(f, dtype="<u2", count=count).astype(np.uint16, copy=False)
+    try:
+        with safe_write.open_regular(path, "a token shard", HEADER_BYTES + TOKEN_BYTES * count) as f:
+            f.seek(HEADER_BYTES)
+            return np.fromfile(f, dtype="<u2", count=count).astype(np.uint16, copy=False)
+    except safe_write.FileRefused as e:  # swapped since it was checked
+        raise ShardError(str(e)) from None

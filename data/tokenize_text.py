@@ -76,11 +76,15 @@ def display(path) -> str:
     return str(Path(path).resolve()) if relative.startswith("..") else relative
 
 
-def sha256_of(path: Path) -> str:
+def sha256_of(path: Path, where: str | None = None) -> str:
+    """The file's sha256, read through the one reader; `where` names it in an error (else path)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    try:
+        with safe_write.open_regular(path, "a .tiktoken ranks file") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    except safe_write.FileRefused as e:
+        raise TokenizeError(f"{where or path}: {e.why}") from None
     return digest.hexdigest()
 
 
@@ -101,9 +105,9 @@ def load_encoding(bpe_file=None, flag: str | None = "--bpe-file"):
 
     path = Path(bpe_file)
     where = f"{flag} {path}" if flag else str(path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise TokenizeError(f"{where}: no such file")
-    digest = sha256_of(path)
+    digest = sha256_of(path, where)
     if path.resolve() == BUNDLED_BPE and digest != BUNDLED_BPE_SHA256:
         raise TokenizeError(f"{where}: sha256 {digest} is not the bundled GPT-2 file's "
                             f"{BUNDLED_BPE_SHA256}; restore it with `git checkout -- data/gpt2.tiktoken`")
@@ -318,17 +322,12 @@ def collect_files(paths, flag: str, note=None) -> list[Path]:
 
 
 def open_regular(path: Path):
-    """path opened for reading, refused unless it is a regular file: one swapped for a FIFO since collect_files
-    would block the read forever (O_NONBLOCK opens a FIFO at once, without a writer)."""
+    """path opened for reading through the one reader (safe_write.open_regular: a regular file, opened without
+    blocking): one swapped for a FIFO since collect_files would block the read forever."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as e:
-        raise TokenizeError(f"{path}: cannot read ({e.strerror})") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise TokenizeError(f"{path}: {kind_of(mode)}, not a text file")
-    return os.fdopen(fd, "rb")
+        return safe_write.open_regular(path, "a text file")
+    except safe_write.FileRefused as e:
+        raise TokenizeError(str(e)) from None
 
 
 class DocumentReader:
@@ -405,11 +404,14 @@ class DocumentReader:
 # Writing shards
 
 class ShardSequence:
-    """Packs documents into numbered shards of at most shard_tokens tokens each."""
+    """Packs documents into numbered shards of at most shard_tokens tokens each, written into folder (a staging
+    folder) and named in errors as the shard of shown_folder (--out) it becomes: on a full disk the error named
+    the hidden staging file, not the output asked for."""
 
     def __init__(self, folder: Path, prefix: str, split: str, first_index: int, shard_tokens: int,
-                 packing: str = "stream"):
+                 packing: str = "stream", shown_folder: Path | None = None):
         self.folder, self.prefix, self.split, self.packing = folder, prefix, split, packing
+        self.shown_folder = shown_folder or folder
         self.index, self.shard_tokens = first_index, shard_tokens
         self.buffer = np.empty(shard_tokens, dtype=np.uint16)  # untouched pages cost no memory
         self.fill = 0
@@ -435,7 +437,7 @@ class ShardSequence:
         if not self.fill:
             return
         path = self.folder / f"{self.prefix}_{self.split}_{self.index:06d}.bin"
-        shards.write_shard(path, self.buffer[:self.fill], self.packing)
+        shards.write_shard(path, self.buffer[:self.fill], self.packing, shown=self.shown_folder / path.name)
         self.written.append((path, self.fill))
         self.index += 1
         self.fill = 0
@@ -577,8 +579,8 @@ def write_dataset(out_dir, prefix, train_docs, val_docs=None, val_tokens=0, *, b
     with claimed_staging(out_dir, prefix, overwrite) as stage:
         pool = None
         try:
-            val = ShardSequence(stage, prefix, "val", 0, shard_tokens, packing)
-            train = ShardSequence(stage, prefix, "train", 1, shard_tokens, packing)
+            val = ShardSequence(stage, prefix, "val", 0, shard_tokens, packing, out_dir)
+            train = ShardSequence(stage, prefix, "train", 1, shard_tokens, packing, out_dir)
             split = {"documents": 0, "pieces": 0}  # documents longer than max_doc_tokens, and what they became
             if workers > 1:
                 import multiprocessing

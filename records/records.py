@@ -32,7 +32,6 @@ import os
 import re
 import shlex
 import shutil
-import stat
 import statistics
 import sys
 import tempfile
@@ -40,6 +39,11 @@ import urllib.parse
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+
+# The stdlib-only reader and writer the torch-free scripts share (data/safe_write.py, train_gpt.py's twin): every
+# file this tool reads or writes goes through it.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "data"))
+import safe_write  # noqa: E402
 
 
 
@@ -62,6 +66,7 @@ MAX_LINE_CHARS = 10_000
 # A log is a regular file of at most MAX_LOG_BYTES (a speedrun's is a few hundred KB with its source, a CPU smoke
 # run's 70 KB): a FIFO would block the read and /dev/zero never end it.
 MAX_LOG_BYTES = 256 << 20
+MAX_RECORD_JSON_BYTES = 1 << 20   # `new` writes a few hundred bytes
 # A count a log states (a step, a total, a world size, num_iterations) has at most MAX_COUNT_DIGITS digits: far past
 # any run, and no int of thousands of digits (Python refuses 4,300 and more with a ValueError traceback).
 MAX_COUNT_DIGITS = 18
@@ -399,15 +404,15 @@ def read_log(path: str | Path) -> Log:
     log states beyond that is one of its problems.
     Raises ToolError, one line, when the file is not a speedrun log at all."""
     path = Path(path)
-    try:
-        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:   # a FIFO opens without a writer
+    try:   # the one reader: a regular file (a FIFO blocked the read, /dev/zero never ended it), of a bounded size
+        with safe_write.open_regular(path, "a speedrun log", MAX_LOG_BYTES) as f:
             st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise ToolError(f"{path}: not a speedrun log (a {file_kind(st.st_mode)}, not a file)")
             data = f.read(MAX_LOG_BYTES + 1)
+    except safe_write.FileRefused as e:
+        raise ToolError(str(e)) from None
     except OSError as e:
         raise ToolError(f"{path}: cannot read ({e.strerror or e})") from None
-    if len(data) > MAX_LOG_BYTES:
+    if len(data) > MAX_LOG_BYTES:   # grew since its size was read
         raise ToolError(f"{path}: not a speedrun log (over {MAX_LOG_BYTES >> 20} MiB; a log is at most that)")
     if not data.strip():
         raise ToolError(f"{path}: not a speedrun log (empty file)")
@@ -500,12 +505,6 @@ def read_log(path: str | Path) -> Log:
     return log
 
 
-def file_kind(mode: int) -> str:
-    kinds = ((stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"),
-             (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"))
-    return next((name for test, name in kinds if test(mode)), "special file")
-
-
 def loss_key(value: float | None):
     """A loss as duplicates are compared: nan equal to nan (a float nan is equal to nothing)."""
     return "nan" if value is not None and math.isnan(value) else value
@@ -559,9 +558,11 @@ def defined_hyperparameters(source: str | None) -> tuple[frozenset[str] | None, 
     why = "its source is stripped" if source is None else "its embedded source has no Hyperparameters"
     code = f"{TRAINER} ({why})"
     try:
-        fields = hyperparameter_fields(TRAINER.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        return None, f"{code} cannot be read ({getattr(e, 'strerror', None) or e})"
+        fields = hyperparameter_fields(safe_write.read_regular(TRAINER, "train_gpt.py", MAX_LOG_BYTES).decode("utf-8"))
+    except safe_write.FileRefused as e:
+        return None, f"{code}: {e.why}"
+    except UnicodeDecodeError:
+        return None, f"{code}: not UTF-8 text"
     return fields, code if fields is not None else f"{code} defines no Hyperparameters"
 
 
@@ -1215,20 +1216,23 @@ def why_not_written(error: OSError) -> str:
     return error.strerror or str(error)
 
 
-def write_bytes(path: Path, data: bytes, shown: Path | None = None) -> None:
-    """A new file holding data, written with os.write: a write that fails (a full disk) is a ToolError
-    naming the file (`shown`, if the user knows it by another name)."""
+def read_input(path: Path, what: str, limit: int) -> bytes:
+    """A file this tool reads whole, through the one reader (safe_write.read_regular: a regular file of at most
+    limit bytes, opened without blocking); a ToolError says why not."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.fchmod(fd, 0o644)   # whatever the umask, or mkstemp's private mode: files others read
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-    except OSError as e:
-        raise ToolError(f"{shown or path}: cannot write ({why_not_written(e)})") from None
+        return safe_write.read_regular(path, what, limit)
+    except safe_write.FileRefused as e:
+        raise ToolError(str(e)) from None
+
+
+def write_output(path: Path, data: bytes, shown: Path | None = None) -> None:
+    """Writes data to path through the one writer (safe_write.write_file: a regular file or nothing there, a
+    temporary unique to the call renamed over it); a refusal or a failed write (a full disk) is a ToolError naming
+    `shown`, the name the user knows the file by, else path."""
+    try:
+        safe_write.write_file(path, data, shown)
+    except (safe_write.FileRefused, safe_write.WriteError) as e:
+        raise ToolError(str(e)) from None
 
 
 def make_dirs(path: Path) -> None:
@@ -1245,29 +1249,6 @@ def make_dirs(path: Path) -> None:
             os.chmod(folder, 0o755)
         except OSError as e:
             raise ToolError(f"{folder}: cannot create ({why_not_written(e)})") from None
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write via a temp file in the same folder and rename: readers never see half a file."""
-    path = Path(path)
-    try:
-        # the name cut to 100 bytes, where a character starts: a file name may have 255 bytes, and cut to 100
-        # characters a legal name of 4-byte characters still failed with "File name too long"
-        raw = os.fsencode(path.name)
-        cut = min(len(raw), 100)
-        while 0 < cut < len(raw) and raw[cut] & 0xC0 == 0x80:  # a UTF-8 continuation byte: inside a character
-            cut -= 1
-        fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{os.fsdecode(raw[:cut])}.", suffix=".tmp")
-        os.close(fd)
-    except OSError as e:
-        raise ToolError(f"{path}: cannot write ({why_not_written(e)})") from None
-    try:
-        write_bytes(Path(tmp), data, shown=path)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise ToolError(f"{path}: cannot write ({why_not_written(e)})") from None
-    finally:
-        Path(tmp).unlink(missing_ok=True)
 
 
 # =============================================================================
@@ -1418,13 +1399,18 @@ def cmd_verify(args) -> int:
 # extract
 # =============================================================================
 
-def output_file(output: str, what: str) -> Path:
-    """-o as the file a command writes: an empty name (an unset variable in `-o $OUT`) names none, and a folder is
-    no file (bench.py words its --out alike)."""
+def output_file(output: str, what: str, inputs: list[str]) -> Path:
+    """-o as the file a command writes, checked before anything is read or written: an empty name (an unset variable
+    in `-o $OUT`) names none, a folder is no file (bench.py words its --out alike), a file the command reads is no
+    output (refuse_an_input), and what is there must be a regular file for the writer to replace: a FIFO, a device,
+    a socket or a link (to /proc/self/fd/1, to /dev/null) is refused, where it was replaced by a file (exit 0)."""
     if not output.strip():
         raise ToolError(f"-o {output!r}: names no file or folder; give the file for {what}")
     if os.path.isdir(output):
         raise ToolError(f"-o {output}: is a folder; give the file for {what} (a name in that folder)")
+    refuse_an_input(output, inputs)
+    if problem := safe_write.output_problem(output):
+        raise ToolError(f"-o {output}: {problem}")
     return Path(output)
 
 
@@ -1441,14 +1427,13 @@ def refuse_an_input(output: str, inputs: list[str]) -> None:
 
 
 def cmd_extract(args) -> int:
-    out = output_file(args.output, "the source")
-    refuse_an_input(args.output, [args.log])
+    out = output_file(args.output, "the source", [args.log])
     log = read_log(args.log)
     if log.source is None:
         raise ToolError(f"{log.name}: no embedded source (the log starts at the '=' line: it was stripped)")
     if log.declared_hash and sha256_text(log.source) != log.declared_hash:
         raise ToolError(f"{log.name}: embedded source does not match its code_sha256 line (the log was edited)")
-    write_atomic(out, log.source.encode("utf-8"))
+    write_output(out, log.source.encode("utf-8"))
     print(f"wrote {out} ({len(log.source.encode('utf-8'))} bytes, sha256 {log.code_hash})")
     return 0
 
@@ -1458,7 +1443,7 @@ def cmd_extract(args) -> int:
 # =============================================================================
 
 def cmd_plot(args) -> int:
-    out = output_file(args.output, "the plot (FILE.png)")
+    out = output_file(args.output, "the plot (FILE.png)", args.logs)
     try:
         import matplotlib
         matplotlib.use("Agg")   # files only, never a window
@@ -1467,7 +1452,6 @@ def cmd_plot(args) -> int:
     except ImportError:
         print("error: plotting needs matplotlib: pip install matplotlib", file=sys.stderr)
         return 1
-    refuse_an_input(args.output, args.logs)
     logs = load_logs(args.logs)
     for lg in logs:
         if not lg.complete:
@@ -1501,7 +1485,7 @@ def cmd_plot(args) -> int:
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
-    write_atomic(out, png.getvalue())
+    write_output(out, png.getvalue())
     print(f"wrote {out} ({len(logs)} runs, {len(groups)} code version(s))")
     return 0
 
@@ -1605,14 +1589,11 @@ def scan_records(records_dir: Path) -> list[Record]:
     for folder in sorted(p for p in records_dir.iterdir() if p.is_dir() and RECORD_DIR_RE.match(p.name)):
         date, name = RECORD_DIR_RE.match(folder.name).groups()
         meta = {}
-        if (folder / "record.json").exists():
-            try:
-                meta = json.loads((folder / "record.json").read_text())
-            except RecursionError:   # arrays or objects nested thousands deep: no record.json new writes
-                warn(f"{folder}/record.json: unreadable (nested too deeply): left out of the table")
-                continue
-            except (OSError, ValueError) as e:
-                warn(f"{folder}/record.json: unreadable ({e}): left out of the table")
+        if os.path.lexists(folder / "record.json"):
+            try:   # nested thousands deep, a FIFO or /dev/zero: one line from the reader, no traceback or hang
+                meta = safe_write.read_json(folder / "record.json", "a record's record.json", MAX_RECORD_JSON_BYTES)
+            except safe_write.FileRefused as e:
+                warn(f"{folder}/record.json: unreadable ({e.why}): left out of the table")
                 continue
             texts = ("name", "date", "track")
             if not isinstance(meta, dict) or any(not isinstance(meta.get(k, ""), str) for k in texts):
@@ -1691,18 +1672,21 @@ def write_table(records_dir: Path) -> list[Path]:
             "do not edit by hand. Records are grouped by the hardware their logs show: "
             "timings are only comparable within one group.\n\n"
             + records_markdown(records, records_dir, "##") + "\n")
-    write_atomic(records_dir / "RECORDS.md", body.encode("utf-8"))
+    write_output(records_dir / "RECORDS.md", body.encode("utf-8"))
     written.append(records_dir / "RECORDS.md")
 
     readme = records_dir.parent / "README.md"
     if readme.exists():
-        text = readme.read_text(encoding="utf-8")
+        try:
+            text = read_input(readme, "the repository's README", MAX_LOG_BYTES).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ToolError(f"{readme}: not UTF-8 text; the table is not written into it") from None
         begin, end = text.find(BEGIN_MARK), text.find(END_MARK)
         if begin >= 0 and end > begin:
             block = "\n" + records_markdown(records, readme.parent, "###") + "\n"
             new = text[:begin + len(BEGIN_MARK)] + block + text[end:]
             if new != text:
-                write_atomic(readme, new.encode("utf-8"))
+                write_output(readme, new.encode("utf-8"))
             written.append(readme)
         elif begin >= 0 or end >= 0:
             warn(f"{readme}: records markers missing or out of order: left untouched")
@@ -1746,11 +1730,11 @@ def cmd_new(args) -> int:
     try:
         os.chmod(tmp, 0o755)   # mkdtemp makes it private; a record is for everyone to read
         for lg, name in zip(logs, names):
-            write_bytes(tmp / name, lg.path.read_bytes(), shown=folder / name)
+            write_output(tmp / name, read_input(lg.path, "a speedrun log", MAX_LOG_BYTES), shown=folder / name)
         meta = {"name": args.name, "date": date, "track": track, "target": args.target}
         if differ := experiment_differences(logs):
             meta["allowed_differences"] = list(differ)
-        write_bytes(tmp / "record.json", (json.dumps(meta, indent=2) + "\n").encode("utf-8"),
+        write_output(tmp / "record.json", (json.dumps(meta, indent=2) + "\n").encode("utf-8"),
                     shown=folder / "record.json")
         rel = folder.resolve().relative_to(records_dir.resolve().parent).as_posix()
         if sorted(path.name for path in record_logs(tmp)) != sorted(names):   # what scan_records will read
@@ -1758,7 +1742,7 @@ def cmd_new(args) -> int:
         copies = [read_log(tmp / name) for name in names]
         for copy, name in zip(copies, names):
             copy.path = folder / name
-        write_bytes(tmp / "README.md", record_readme(args.name, date, track, args.target, copies, rel).encode("utf-8"),
+        write_output(tmp / "README.md", record_readme(args.name, date, track, args.target, copies, rel).encode("utf-8"),
                     shown=folder / "README.md")
         publish_record(tmp, folder)
     except BaseException:

@@ -394,5 +394,5 @@ def test_cost_model_refuses_what_is_not_a_bench_json_with_counts_in_one_line(tmp
     path.write_text(content)
     proc = python(REPO / "tools" / "cost_model.py", str(path), timeout=60)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
-    assert proc.stderr.startswith(f"error: '{path}': not a bench.json with CPU counts") and \
+    assert proc.stderr.startswith(f"error: {path}: not a bench.json with CPU counts (") and \
         proc.stderr.count("\n") == 1, proc.stderr

@@ -113,7 +113,7 @@ def test_writer_rejects_tokens_outside_uint16(tmp_path, bad):
 
 
 def test_writer_reports_an_unwritable_folder(tmp_path):
-    with pytest.raises(shards.ShardError, match="missing/x.bin: cannot write shard"):
+    with pytest.raises(shards.ShardError, match="cannot write .*missing/x.bin: No such file or directory"):
         shards.write_shard(tmp_path / "missing" / "x.bin", [1, 2])
 
 

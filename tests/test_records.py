@@ -967,7 +967,7 @@ def test_hyperparameter_names_unchecked_without_a_trainer_are_refused(capsys, tm
     monkeypatch.setattr(rec, "TRAINER", tmp_path / "train_gpt.py")
     code, out, _ = run(capsys, "verify", SAME_CODE[0], "--target", "7.5")
     assert (code, out) == (1, f"FAIL {SAME_CODE[0]}: cannot check the header's hyperparameter names: "
-                              f"{tmp_path / 'train_gpt.py'} (its embedded source has no Hyperparameters) cannot be "
+                              f"{tmp_path / 'train_gpt.py'} (its embedded source has no Hyperparameters): cannot "
                               "read (No such file or directory)\n")
     (tmp_path / "train_gpt.py").write_text("class Other:\n    seed: int = 1\n")
     code, out, _ = run(capsys, "verify", SAME_CODE[0], "--target", "7.5")

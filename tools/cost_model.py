@@ -40,6 +40,11 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# The stdlib-only reader and escape the torch-free scripts share (data/safe_write.py, train_gpt.py's twin): this
+# model runs without torch.
+sys.path.insert(0, str(REPO / "data"))
+import safe_write  # noqa: E402
+
 BENCH_NOTES = REPO / "notes" / "bench"
 H100_RUN = BENCH_NOTES / "2026-11-26-h100-40c201b-stage3-profile.json"
 H200_RUNS = (BENCH_NOTES / "2026-11-26-h200-all-parts.json", BENCH_NOTES / "2026-11-26-h200-stage3-profile-stage1.json")
@@ -247,8 +252,89 @@ def model_stages(counts: dict, card_name: str, constants: Constants) -> dict:
 # -----------------------------------------------------------------------------
 # Fit and validation against the stored device runs
 
+MAX_BENCH_BYTES = 256 << 20  # a bench.json with counts is a few MB
+# A figure of the counts (bytes, FLOPs, a count) is an integer in practice, and at most this: sums and products of
+# such figures over a step stay finite in a float, so every modeled ms is finite.
+MAX_FIGURE = 2 ** 63
+
+
+class CountsError(ValueError):
+    """A bench.json that is not one with CPU counts: one line, naming the field (a path like stages['stage 1'])."""
+
+
 def load(path: Path) -> dict:
-    return json.loads(path.read_text())
+    """A bench.json (or a stored run's JSON) through the one reader: a regular file of at most MAX_BENCH_BYTES, opened
+    without blocking (a FIFO blocked this tool), JSON nested thousands deep refused in a line (a RecursionError
+    traceback before); a JSON object."""
+    data = safe_write.read_json(path, "a bench.json", MAX_BENCH_BYTES)
+    if not isinstance(data, dict):
+        raise CountsError(f"a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def _field(value, kind, where: str):
+    """value, of the JSON type `kind` (a bool is no number), or a CountsError naming where it is."""
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        found = "missing" if value is None else f"a {type(value).__name__}"
+        wanted = {dict: "an object", list: "a list", str: "text", int: "an integer", bool: "true or false"}.get(
+            kind, "a number")
+        raise CountsError(f"{where} is {found}, not {wanted}")
+    return value
+
+
+def _figure(value, where: str) -> float:
+    """A count, byte or FLOP figure: a finite number from 0 to MAX_FIGURE (NaN counts once printed "nan s")."""
+    number = _field(value, (int, float), where)
+    if not 0 <= number <= MAX_FIGURE:  # NaN fails too
+        raise CountsError(f"{where} is {number!r}, not a figure (a finite number from 0 to 2**63)")
+    return number
+
+
+def _figures(value, where: str) -> dict:
+    return {k: _figure(v, f"{where}[{k!r}]") for k, v in _field(value, dict, where).items()}  # (JSON keys are text)
+
+
+def read_counts(bench: dict) -> dict:
+    """bench["counts"] once it is what tools/op_counts.py writes, every field this model reads of its type and
+    range: the world size a count of ranks, stages and steps objects (a list where an object belongs was an
+    AttributeError traceback), each piece of work of a known kind, every figure finite and bounded. Else a
+    CountsError naming the first field that is not."""
+    counts = _field(bench.get("counts"), dict, "counts")
+    world_size = _field(counts.get("world_size"), int, "counts.world_size")
+    if not 1 <= world_size <= MAX_FIGURE:
+        raise CountsError(f"counts.world_size is {world_size}, not a count of ranks")
+    for key, kind in (("preset", str), ("kernels", bool)):
+        if counts.get(key) is not None:
+            _field(counts[key], kind, f"counts.{key}")
+    stages = _field(counts.get("stages"), dict, "counts.stages")
+    if not stages:
+        raise CountsError("counts.stages is empty")
+    for name, stage in stages.items():
+        where = f"counts.stages[{name!r}]"
+        _field(stage, dict, where)
+        if stage.get("steps_in_stage") is not None:
+            _field(stage["steps_in_stage"], int, f"{where}.steps_in_stage")
+            _figure(stage["steps_in_stage"], f"{where}.steps_in_stage")
+        steps = _field(stage.get("steps"), dict, f"{where}.steps")
+        if not steps:
+            raise CountsError(f"{where}.steps is empty")
+        for kind, step in steps.items():
+            at = f"{where}.steps[{kind!r}]"
+            _field(step, dict, at)
+            for i, item in enumerate(_field(step.get("work"), list, f"{at}.work")):
+                item_at = f"{at}.work[{i}]"
+                _field(item, dict, item_at)
+                _field(item.get("source"), str, f"{item_at}.source")
+                if _field(item.get("kind"), str, f"{item_at}.kind") not in PROFILE_KIND:
+                    raise CountsError(f"{item_at}.kind is {item['kind'][:40]!r}, not one this model prices "
+                                      f"({', '.join(PROFILE_KIND)})")
+                for figure in ("bytes", "flops", "count"):
+                    _figure(item.get(figure), f"{item_at}.{figure}")
+            _figures(step.get("eager_ops_by_source"), f"{at}.eager_ops_by_source")
+            for optional in ("graph_calls_by_source", "collective_bytes"):
+                if step.get(optional) is not None:
+                    _figures(step[optional], f"{at}.{optional}")
+    return counts
 
 
 def profile_ms_by_kind(profile: dict) -> dict:
@@ -425,19 +511,26 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(dataclasses.asdict(fit()), indent=2))
         return 0
     if options.validate:
-        print("\n".join(validation_markdown(validate())))
+        show(validation_markdown(validate()))
         return 0
     if not options.bench_json:
         parser.error("give a bench.json, --fit or --validate")
     try:
-        counts = load(Path(options.bench_json))["counts"]
+        counts = read_counts(load(Path(options.bench_json)))
         table = markdown(model_counts(counts, options.card))
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as e:
-        print(f"error: {ascii(options.bench_json)}: not a bench.json with CPU counts ({type(e).__name__})",
-              file=sys.stderr)
+    except (safe_write.FileRefused, CountsError, ZeroDivisionError) as e:  # (ZeroDivisionError: no work counted)
+        why = e.why if isinstance(e, safe_write.FileRefused) else e if isinstance(e, CountsError) else \
+            "a step that counts no work"
+        show([f"error: {options.bench_json}: not a bench.json with CPU counts ({why})"], sys.stderr)
         return 2
-    print("\n".join(table))
+    show(table)
     return 0
+
+
+def show(lines: list[str], stream=None):
+    """Lines to the terminal through the one escape (safe_write.visible): stage and source names come from the
+    counts' file, and reached the terminal raw."""
+    print("\n".join(map(safe_write.visible, lines)), file=stream or sys.stdout)
 
 
 if __name__ == "__main__":

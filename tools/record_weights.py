@@ -20,26 +20,26 @@ which the record does not save, is the one after the schedule's window changes u
 end of training).
 
 Before converting, record_to_ours checks that the state dict is the record's GPT for the config: string keys,
-every tensor there, each dense, on the CPU, of a floating dtype and finite (train_gpt.py's one check of a stored
-tensor, tensor_problem and nonfinite_problem, which --init_from, --resume and sample.py apply too), and each
-tensor's shape (a bank's rank and matrix shape, and at least the rows in use). The command line refuses, with one
+every tensor there, each dense, on the CPU, of a floating dtype, of its shape (a bank's rank and matrix shape, and
+at least the rows in use), stored with each element once (no zero strides, no overlapping views), and finite
+(train_gpt.py's checks of a stored tensor, tensor_problem, storage_problem and nonfinite_problem, which --init_from,
+--resume and sample.py apply too). The file is read by train_gpt.py's one weights loader (load_weights), which
+bounds what its entries hold once inflated before anything is unpickled. The command line refuses, with one
 `error:` line and exit code 2 and before writing anything, a file that is not a PyTorch file, a --step the
-schedule does not have, and an output that exists; what it writes goes through train_gpt.write_file (atomic), so
-a full disk leaves nothing behind.
+schedule does not have, and an output that exists; what it writes goes through train_gpt.write_file (atomic), into
+a temporary folder unique to the call, so a full disk leaves nothing behind and two conversions into one output
+never touch each other's.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import os
-import pickle
-import re
-import shutil
 import sys
-import warnings
-import zipfile
+import tempfile
 from pathlib import Path
 
 import torch
@@ -55,11 +55,6 @@ DOWN_SCALES = {"_mlp_down_act_scales": "down_act_scale", "_mlp_down_proj_scales"
                "_mlp_down_proj_next_scales": "down_weight_next_scale"}
 # their first size is the record's padded row count: at least ours
 BANKS = ("qk_bank", "vo_bank", "mlp_bank", *DOWN_SCALES)
-ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since PyTorch 1.6
-# The legacy format (a pickle) starts with torch's magic number, pickled (LONG1 of 10 bytes) after the protocol
-# and, from protocol 4, a frame header.
-LEGACY_MAGIC = b"\x8a\x0a" + torch.serialization.MAGIC_NUMBER.to_bytes(10, "little")
-
 # Tensors with the same shape and meaning on both sides: record name -> ours.
 SAME = {
     "embed.weight": "embed.weight",
@@ -169,6 +164,9 @@ def check_record_state(state: dict, args: T.Hyperparameters) -> dict:
             problems.append(f"missing {name!r} (expected shape {shape}){hint}")
         else:  # train_gpt.py's one check of a stored tensor: dense, on the CPU, floating (see T.check_weights)
             problems.append(T.tensor_problem(name, value) or _shape_problem(name, tuple(value.shape), shape))
+    if not any(problems):  # each tensor's storage, from its strides: a bank of 2**24 rows broadcast from one passed
+        # the shape check, then the finiteness check asked for 2.2 TB
+        problems = [T.storage_problem(name, plain[name]) for name in expected]
     if not any(problems):  # last, as the trainer's reader does: it reads every value
         problems = [T.nonfinite_problem(name, plain[name]) for name in expected]
     problems = [p for p in problems if p is not None]
@@ -238,51 +236,18 @@ def ours_to_record(state: dict, args: T.Hyperparameters | None = None, like: dic
     return {prefix + k: v for k, v in record.items()}
 
 
-def check_torch_file(path: Path):
-    """Refuses, in words and without unpickling anything, a file that is not one torch.save writes: a zip
-    archive holding data.pkl, or (the legacy format) a pickle that starts with torch's magic number.
-    torch.load's own message for a text file is `(101)`."""
+def load_state(path: Path, trust: bool, args: T.Hyperparameters) -> dict:
+    """A state dict from a file: the record's model.state_dict(), or its checkpoint (key "model"), read by the
+    trainer's one weights loader (T.load_weights: a regular file, a zip archive holding data.pkl whose entries, once
+    inflated, fit the host's memory beside the model this conversion builds). The safe loader (weights_only) unless
+    `trust`; --trust is suggested only where it refused a Python object."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(32)
-    except FileNotFoundError:
-        raise WeightsError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise WeightsError(f"{path}: a folder, not the record's state dict (.pt)") from None
-    except OSError as e:
-        raise WeightsError(f"{path}: cannot read it ({e.strerror})") from None
-    if not head:
-        raise WeightsError(f"{path}: not a PyTorch file (it is empty)")
-    if head.startswith(ZIP_MAGIC):
-        try:
-            with zipfile.ZipFile(path) as archive:
-                names = archive.namelist()
-        except (zipfile.BadZipFile, OSError):  # most often a copy cut short: its central directory is at the end
-            raise WeightsError(f"{path}: a truncated or damaged zip archive, not a complete PyTorch file; copy it "
-                               f"again") from None
-        if not any(name.split("/")[-1] == "data.pkl" for name in names):
-            raise WeightsError(f"{path}: not a PyTorch file (a zip archive without data.pkl)")
-    elif not (head.startswith(b"\x80") and LEGACY_MAGIC in head):
-        raise WeightsError(f"{path}: not a PyTorch file (neither a zip archive, torch.save's format, nor its legacy "
-                           f"pickle)")
-
-
-def load_state(path: Path, trust: bool) -> dict:
-    """A state dict from a file: the record's model.state_dict(), or its checkpoint (key "model"). The safe
-    loader (weights_only) unless `trust`; --trust is suggested only where it refused a Python object."""
-    check_torch_file(path)
-    try:
-        with warnings.catch_warnings():  # one line on stderr: no note from torch on, e.g., the pickle protocol
-            warnings.simplefilter("ignore")
-            data = torch.load(path, map_location="cpu", weights_only=not trust)
-    except Exception as e:
-        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-        if isinstance(e, pickle.UnpicklingError) and refused and not trust:
-            raise WeightsError(f"{path}: the safe loader refused {refused[1]}, a Python object beside the tensors "
-                               f"(the record's checkpoints hold its optimizer's): --trust loads it, if you trust "
-                               f"the file") from None
-        why = re.search(r"WeightsUnpickler error:\s*([^\n]+)", str(e))  # the cause, below torch's paragraph
-        raise WeightsError(f"{path}: cannot load this PyTorch file ({why[1] if why else T.first_line(e)})") from None
+        data = T.load_weights(path, T.model_state_shapes(args), weights_only=not trust)
+    except T.UnsafeObject as e:
+        raise WeightsError(f"{path}: {e} (the record's checkpoints hold its optimizer's): --trust loads it, if you "
+                           f"trust the file") from None
+    except T.WeightsError as e:
+        raise WeightsError(f"{path}: {e}") from None
     if isinstance(data, dict) and isinstance(data.get("model"), dict):
         data = data["model"]
     if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
@@ -319,22 +284,24 @@ def write_final_folder(state: dict, args: T.Hyperparameters, out: Path, step: in
     info = {"format": T.FINAL_WEIGHTS_FORMAT, "config": dataclasses.asdict(args), "step": step, "val_loss": None,
             "windows": list(T.Schedule(args).windows(args.num_iterations, final_validation=True)),
             "code_sha256": None, "converted_from": source}
-    tmp = T.temporary_path(out, ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
     # the folders above `out` that this conversion makes: a failure takes them back with the rest (a full disk once
     # left them behind)
     made = [folder for folder in (out.parent, *out.parent.parents) if not os.path.lexists(folder)]
     try:
-        tmp.mkdir(parents=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # unique to this call: two conversions into one output once shared `.out.partial`, the second deleting the
+        # first's
+        tmp = Path(tempfile.mkdtemp(prefix=T.temporary_prefix(out.name), suffix=".partial", dir=out.parent))
     except OSError as e:  # nothing of ours is left, so nothing is said to be removed
         T.release_folders(made)
         raise WeightsError(str(T.write_error(out, e))) from None
     try:
         with T.terminate_as_exception():
+            os.chmod(tmp, 0o755)  # mkdtemp makes it private; weights are for others to read
             T.write_file(tmp / "model.pt", model.state_dict(), shown=out / "model.pt")
             T.write_file(tmp / "config.json", json.dumps(info, indent=1).encode(), shown=out / "config.json")
-            T.publish_folder(tmp, out)
-    except (OSError, T.TrainingError) as e:
+            publish_new_folder(tmp, out)
+    except (OSError, T.TrainingError, WeightsError) as e:
         why = T.write_error(out, e) if isinstance(e, OSError) else e
         removed = T.remove_unfinished(tmp, "folder")
         T.release_folders(made)
@@ -342,6 +309,21 @@ def write_final_folder(state: dict, args: T.Hyperparameters, out: Path, step: in
     except BaseException:  # SIGTERM (as SystemExit) or Ctrl-C mid-write
         T.remove_unfinished(tmp)
         T.release_folders(made)
+        raise
+
+
+def publish_new_folder(tmp: Path, out: Path):
+    """Renames the finished folder to `out`, which must still not exist: another conversion into the same output
+    may have finished meanwhile, and its folder is not replaced (T.publish_folder would remove it first). A rename
+    onto a folder that holds files fails (ENOTEMPTY), onto a file too (ENOTDIR)."""
+    if os.path.lexists(out):
+        raise WeightsError(f"{out}: already exists (written while this conversion ran: another to-ours into it?)")
+    try:
+        os.rename(tmp, out)
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise WeightsError(f"{out}: already exists (written while this conversion ran: another to-ours into "
+                               f"it?)") from None
         raise
 
 
@@ -366,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             args = T.parse_args(["--preset=speedrun", *flags], cuda_available=True)
             step = schedule_step(options.step, args)
             refuse_existing(out, "folder")
-            record = load_state(Path(options.state), options.trust)
+            record = load_state(Path(options.state), options.trust, args)
             try:
                 state = record_to_ours(record, args, step)
             except WeightsError as e:
