@@ -207,3 +207,13 @@ def test_the_candidate_streams_continue_across_a_checkpoint_resume_and_the_warmu
         **resume.meta.loader, "candidate_offsets": [0, 1, 2, 50304]}))
     with pytest.raises(T.TrainingError, match="candidate streams' offsets are .* not 4 positions"):
         T.check_resume_shards(bad, T.TrainLoader(args, CPU), args)
+
+
+def test_synthetic_tokens_leave_record_92s_candidate_sets_web_like_headroom():
+    """The synthetic loader's tokens (benchmarks, the preflight) hold as many distinct ids per micro-batch as web
+    text: record #92's candidate counts keep 30-70% of their room, where uniform ids would overflow them."""
+    rng = np.random.default_rng(1)
+    for tokens, candidates in ((16_384, 10_240), (32_768, 10_240), (49_152, 14_336)):
+        distinct = len(np.unique(T.synthetic_tokens(rng, tokens)))
+        assert 0.3 <= 1 - distinct / candidates <= 0.7, (tokens, distinct)
+    assert T.synthetic_tokens(rng, 100_000).max() < T.BOS_ID
