@@ -658,10 +658,9 @@ class NgramEmbedding(nn.Module):
 
     def __init__(self, rows: int, dim: int, dtype: torch.dtype, shard: tuple[int, int] = (0, 1)):
         super().__init__()
-        rank, world = shard
-        self.rows, self.world = rows, world
-        self.lo = rank * (rows // world)
-        self.register_buffer("weight", torch.zeros(rows // world, dim, dtype=dtype), persistent=False)
+        self.rank, self.world = shard
+        self.rows, self.lo = rows, self.rank * (rows // self.world)
+        self.register_buffer("weight", torch.zeros(rows // self.world, dim, dtype=dtype), persistent=False)
         self.view: NgramView | None = None
 
     def forward(self, ids: Tensor, previous: Tensor, before_previous: Tensor, position: Tensor, signs: Tensor,
@@ -2640,10 +2639,10 @@ class RowRoute:
     received: np.ndarray
 
 
-def route_rows(ids: np.ndarray, rows_per_rank: int) -> RowRoute:
-    """The count and id exchange for ascending global ids (host to host, through host_group: nothing waits on the
-    device). At world size 1 every row is this rank's, and nothing is sent."""
-    world, rank = (dist.get_world_size(), dist.get_rank()) if distributed() else (1, 0)
+def route_rows(ids: np.ndarray, table: NgramEmbedding) -> RowRoute:
+    """The count and id exchange for ascending global ids of the table (host to host, through host_group: nothing
+    waits on the device). At world size 1 every row is this rank's, and nothing is sent."""
+    world, rank, rows_per_rank = table.world, table.rank, table.weight.size(0)
     cut = np.searchsorted(ids, np.arange(world + 1, dtype=np.int64) * rows_per_rank)
     own = slice(int(cut[rank]), int(cut[rank + 1]))
     if world == 1:
@@ -2680,7 +2679,7 @@ def ngram_pull(table: NgramEmbedding, ids: np.ndarray, grad: bool):
     leaf: their gradient (NgramCombine's) sums over the forwards until NgramAdam.end_step takes it. No host sync;
     at world size 1 the rows are copied from the shard."""
     shard = table.weight
-    route = route_rows(ids, shard.size(0))
+    route = route_rows(ids, table)
     own = shard.index_select(0, device_ids(ids[route.own] - table.lo, shard.device))
     if table.world == 1:
         cache = own
@@ -2793,7 +2792,7 @@ class NgramAdam:
         self.ids = self.grad = None
         if ids is None:
             ids, grad = np.empty(0, dtype=np.int64), weight.new_zeros(0, weight.size(1), dtype=torch.float32)
-        route = route_rows(ids, weight.size(0))
+        route = route_rows(ids, self.table)
         own_ids, own = ids[route.own] - self.table.lo, grad[route.own]
         if self.world == 1:
             return own_ids, own
@@ -2825,6 +2824,11 @@ class NgramAdam:
         self.table.weight[index] = p
         self.v[index] = v
         self.last_event[index] = t
+
+    def current_v(self) -> Tensor:
+        """Every row's second moment as of the last event (its missed decay replayed; the state keeps it lazy)."""
+        missed = torch.exp(self._log_decay[self.events] - self._log_decay[self.last_event.long()])
+        return (self.v.double() * missed).float()
 
     def state_dict(self) -> dict:
         return {"v": self.v.clone(), "last_event": self.last_event.clone(), "events": self.events,

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist_adam_worker import check_dist_adam, check_sparse_rows  # noqa: E402
 from hook_worker import check_hooks  # noqa: E402
 from muon_worker import run_normuon  # noqa: E402
+from ngram_worker import check_ngram_table  # noqa: E402
 
 SMOKE_MICRO_BATCHES = 4  # the hook check trains the smoke preset, whose step is 4 micro-batches
 
@@ -50,6 +51,7 @@ def main(out_path: str):
     flat = run_normuon(rank, world)
     check_dist_adam(rank, world)
     check_sparse_rows(rank, world)
+    check_ngram_table(rank, world)
     if SMOKE_MICRO_BATCHES % world == 0:
         check_hooks(rank, world)
     dist.destroy_process_group()
