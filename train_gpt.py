@@ -663,6 +663,18 @@ class NgramEmbedding(nn.Module):
         self.register_buffer("weight", torch.zeros(rows // self.world, dim, dtype=dtype), persistent=False)
         self.view: NgramView | None = None
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """Final weights (save_final_weights) carry the whole table as `weight`: this rank takes its rows of it."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        key = prefix + "weight"
+        if key in state_dict:
+            if key in unexpected_keys:
+                unexpected_keys.remove(key)
+            with torch.no_grad():
+                self.weight.copy_(state_dict[key][self.lo:self.lo + self.weight.size(0)])
+
     def forward(self, ids: Tensor, previous: Tensor, before_previous: Tensor, position: Tensor, signs: Tensor,
                 dtype: torch.dtype) -> Tensor:
         """x0_bigram (T, dim) of the tokens `ids` (NgramCombine)."""
@@ -2688,6 +2700,19 @@ def ngram_pull(table: NgramEmbedding, ids: np.ndarray, grad: bool):
         pulled = exchange_rows(served, send=route.receive, receive=route.send)  # serve what was asked, get ours
         cache = torch.cat([pulled[:route.own.start], own, pulled[route.own.start:]])
     table.view = NgramView(cache.float().requires_grad_(grad), device_ids(ids, shard.device))
+
+
+def gathered_ngram_table(model: GPT) -> Tensor | None:
+    """Record #92's whole table on rank 0's host, gathered from every rank's shard (a collective: every rank calls it;
+    the others get None), for the final weights."""
+    if model.ngram is None:
+        return None
+    shard = model.ngram.weight.detach().to("cpu", copy=True)
+    if model.ngram.world == 1:
+        return shard
+    parts = [torch.empty_like(shard) for _ in range(model.ngram.world)] if dist.get_rank() == 0 else None
+    dist.gather(shard, parts, dst=0, group=host_group())
+    return torch.cat(parts) if parts is not None else None
 
 
 def host_ngram_rows(chunk: np.ndarray, rows: int) -> np.ndarray:
@@ -5079,10 +5104,19 @@ def model_state_shapes(args: Hyperparameters) -> dict:
         return GPT(args).state_dict()
 
 
+def final_weights_shapes(args: Hyperparameters) -> dict:
+    """model_state_shapes and, for record #92's n-gram table, the whole table (in no state dict: save_final_weights
+    adds it)."""
+    expected = model_state_shapes(args)
+    if args.ngram_channels == 2:
+        expected["ngram.weight"] = torch.empty(args.bigram_vocab_size, args.model_dim, device="meta")
+    return expected
+
+
 def read_weights(path: Path, args: Hyperparameters, skip=None) -> dict:
-    """A weights file of ours, checked against the model of `args` (see the block above); keys for which
+    """A final-weights file of ours, checked against the model of `args` (see the block above); keys for which
     `skip(key)` holds are left out first (--init_from's run state: see init_run_state). Raises WeightsError."""
-    expected = {k: v for k, v in model_state_shapes(args).items() if not (skip and skip(k))}
+    expected = {k: v for k, v in final_weights_shapes(args).items() if not (skip and skip(k))}
     check_fits_host(expected, path.stat().st_size)
     state = load_weights(path)
     if isinstance(state, dict) and skip:
@@ -5100,10 +5134,15 @@ FINAL_WEIGHTS_FORMAT = "train_gpt.py final weights, version 1"
 
 
 def save_final_weights(model: GPT, args: Hyperparameters, source: str, run_id: str, step: int,
-                       val_loss: float) -> Path:
+                       val_loss: float, table: Tensor | None = None) -> Path:
     """checkpoint_dir/<run_id>/final/ (rank 0): model.pt, every weight and the rotary state but no
     optimizer state, and config.json, what rebuilds the model; written like a checkpoint, into a
-    temporary folder renamed at the end and removed if a write fails."""
+    temporary folder renamed at the end and removed if a write fails. table: record #92's whole n-gram table
+    (gathered_ngram_table; at world size 1 the model's own when not given)."""
+    if model.ngram is not None and table is None:
+        if model.ngram.world > 1:
+            raise ValueError("save_final_weights: the sharded n-gram table must be gathered first (gathered_ngram_table)")
+        table = model.ngram.weight
     final = Path(args.checkpoint_dir) / run_id / "final"
     tmp = final.with_name(".final.partial")
     info = {"format": FINAL_WEIGHTS_FORMAT, "config": dataclasses.asdict(args), "step": step, "val_loss": val_loss,
@@ -5116,7 +5155,10 @@ def save_final_weights(model: GPT, args: Hyperparameters, source: str, run_id: s
         raise write_error(final, e) from None
     try:
         try:
-            write_file(tmp / "model.pt", model.state_dict(), shown=final / "model.pt")
+            state = model.state_dict()
+            if table is not None:
+                state["ngram.weight"] = table
+            write_file(tmp / "model.pt", state, shown=final / "model.pt")
             write_file(tmp / "config.json", json.dumps(info, indent=1).encode(), shown=final / "config.json")
             publish_folder(tmp, final)
         except OSError as e:
@@ -5506,8 +5548,8 @@ def load_checkpoint(resume: Resume, model: GPT, optimizers, loader, env: DistEnv
         model.load_state_dict(resume.model_state)
         own, saved = rank_buffers(model), resume.rank_state.get("rank_buffers", {})
         if set(saved) != set(own):
-            raise ValueError(f"rank {env.rank}'s own state (activation scales, n-gram table shard): the checkpoint "
-                             f"holds {sorted(saved)[:3]}, the model {sorted(own)[:3]}")
+            what = "activation scales" + (" and n-gram table shard" if "ngram.weight" in own else "")
+            raise ValueError(f"rank {env.rank}'s {what}: the checkpoint holds {len(saved)}, the model {len(own)}")
         for name, t in own.items():
             t.copy_(saved[name])
         for opt, state in zip(optimizers, resume.rank_state["optimizers"], strict=True):
@@ -5853,9 +5895,14 @@ def prepare_training(model: GPT, args: Hyperparameters, env: DistEnv, backend="i
 def warmup_steps(args: Hyperparameters, schedule: Schedule) -> list[int]:
     """The steps the untimed warmup runs: the first warmup_steps of every stage (an Adam step among them
     when warmup_steps >= adam_every), so that every stage's shapes are compiled, the untie step included
-    when it is one of them."""
-    return sorted({s for stage in schedule.stages for s in range(stage.start, min(stage.start + args.warmup_steps,
-                                                                                   stage.end))})
+    when it is one of them; and with --embed_adam_period the embeddings' first Adam step on it, whose new betas
+    compile DistAdam's update for their bucket once more."""
+    steps = {s for stage in schedule.stages for s in range(stage.start, min(stage.start + args.warmup_steps, stage.end))}
+    if args.warmup_steps and schedule.embed_period:
+        start = schedule.embed_period_start
+        first = start + (-(start + 1)) % schedule.embed_period  # (first + 1) % embed_period == 0
+        steps.update([first] if first < schedule.total else [])
+    return sorted(steps)
 
 
 @dataclass
@@ -5920,9 +5967,10 @@ def run_training(run: Run, model: GPT, loader, val_tokens: Tensor, resume: Resum
             log(format_step(step + 1, args, now_ms))
 
     error = None
+    table = gathered_ngram_table(model) if args.save_final else None  # (every rank sends its shard)
     if args.save_final and env.is_main:  # after the clock has stopped
         try:
-            path = save_final_weights(model, args, run.source, run.run_id, args.num_iterations, final_val_loss)
+            path = save_final_weights(model, args, run.source, run.run_id, args.num_iterations, final_val_loss, table)
             log(f"final weights: {path}")
         except TrainingError as e:
             error = e
