@@ -13,9 +13,10 @@ on CPU (gloo, the `smoke` preset on the bundled corpus).
     python train_gpt.py --preset=smoke                                # CPU, ~2 minutes
 
 Read top to bottom. The math first: the settings and what they derive (the stage schedule, the layer plan);
-the model; the optimizers (NorMuon, DistAdam); one training step and evaluation. Then what keeps a run safe
-and measured: command-line and config checks, distributed setup, data, performance accounting, the memory
-model, checkpoints, logging, main(). Importing this file has no side effects.
+the model; the optimizers (NorMuon, DistAdam; NgramAdam and the traffic of record #92's sharded n-gram table);
+one training step and evaluation. Then what keeps a run safe and measured: command-line and config checks,
+distributed setup, data, performance accounting, the memory model, checkpoints, logging, main(). Importing this
+file has no side effects.
 """
 
 from __future__ import annotations
@@ -610,7 +611,8 @@ def ngram_sign_rows(ids: Tensor, previous: Tensor, before_previous: Tensor, posi
     bigram = torch.bitwise_and(torch.bitwise_xor(b1 * p1, b0 * x), mask)
     trigram = torch.bitwise_and(torch.bitwise_xor(torch.bitwise_xor(t2 * p2, t1 * p1), t0 * x), mask)
     zero = torch.zeros_like(bigram)
-    return torch.stack([torch.where(position >= 1, bigram, zero).long(), torch.where(position >= 2, trigram, zero).long()])
+    return torch.stack([torch.where(position >= 1, bigram, zero).long(),
+                        torch.where(position >= 2, trigram, zero).long()])
 
 
 class NgramCombine(torch.autograd.Function):
@@ -626,7 +628,7 @@ class NgramCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: Tensor, slots: Tensor, signs: Tensor, sign_rows: Tensor, dtype: torch.dtype) -> Tensor:
         ctx.save_for_backward(slots, signs, sign_rows)
-        ctx.shape = rows.shape
+        ctx.shape, ctx.dtype = rows.shape, rows.dtype
         out = rows[slots[0]].float() * signs[sign_rows[0]].float()
         out += rows[slots[1]].float() * signs[sign_rows[1]].float()
         return out.to(dtype)
@@ -638,7 +640,7 @@ class NgramCombine(torch.autograd.Function):
         out = torch.zeros(ctx.shape, dtype=torch.float32, device=grad.device)
         for c in range(2):
             out.index_add_(0, slots[c], g * signs[sign_rows[c]].float())
-        return out, None, None, None, None
+        return out.to(ctx.dtype), None, None, None, None
 
 
 @dataclass
@@ -1659,7 +1661,7 @@ class GPT(nn.Module):
         if args.ngram_channels == 1:
             self.bigram_embed = nn.Embedding(args.bigram_vocab_size, dim)
             nn.init.zeros_(self.bigram_embed.weight)
-        else:  # the table's dtype from the start: at the record's size a shard in fp32 first would take twice the memory
+        else:  # in the table's dtype from the start: a shard of the record's size in fp32 first takes twice as much
             self.ngram = NgramEmbedding(args.bigram_vocab_size, dim, self.numerics.compute, table_shard)
         self.register_buffer("bigram_signs", torch.randn(args.bigram_sign_rows, dim).sign())
         self.smear_gate = nn.Linear(GATE_CHANNELS, 1, bias=False)
@@ -2664,10 +2666,10 @@ def route_rows(ids: np.ndarray, table: NgramEmbedding) -> RowRoute:
     group, counts = host_group(), torch.empty(world, dtype=torch.int64)
     dist.all_to_all_single(counts, torch.from_numpy(send.astype(np.int64)), group=group)
     receive, send = counts.tolist(), send.tolist()
-    received = torch.empty(sum(receive), dtype=torch.int64)
+    received = np.zeros(sum(receive), dtype=np.int64)  # (a host array the collective fills)
     others = np.concatenate([ids[:own.start], ids[own.stop:]]).astype(np.int64)
-    dist.all_to_all_single(received, torch.from_numpy(others), receive, send, group=group)
-    return RowRoute(own, send, receive, received.numpy())
+    dist.all_to_all_single(torch.from_numpy(received), torch.from_numpy(others), receive, send, group=group)
+    return RowRoute(own, send, receive, received)
 
 
 def exchange_rows(values: Tensor, send: list[int], receive: list[int]) -> Tensor:
@@ -2713,6 +2715,11 @@ def gathered_ngram_table(model: GPT) -> Tensor | None:
     parts = [torch.empty_like(shard) for _ in range(model.ngram.world)] if dist.get_rank() == 0 else None
     dist.gather(shard, parts, dst=0, group=host_group())
     return torch.cat(parts) if parts is not None else None
+
+
+def host_array(tokens: Tensor) -> np.ndarray:
+    """A host tensor's values (tools/preflight.py reads them beside its fake tensors)."""
+    return tokens.numpy()
 
 
 def host_ngram_rows(chunk: np.ndarray, rows: int) -> np.ndarray:
@@ -3036,11 +3043,12 @@ def evaluate(model: GPT, tokens: Tensor, windows: tuple[int, int], args: Hyperpa
     model.eval()
     num_seqs = (len(tokens) - 1) // args.val_seq_len
     loss_sum = torch.zeros((), device=env.device, dtype=torch.float64)
+    host = host_array(tokens) if model.ngram is not None else None
     for seq in range(env.rank, num_seqs, env.world_size):
-        host = tokens[seq * args.val_seq_len:(seq + 1) * args.val_seq_len + 1]
-        if model.ngram is not None:  # every rank pulls in step: each has as many sequences
-            ngram_pull(model.ngram, host_ngram_rows(host.numpy(), model.ngram.rows), grad=False)
-        buf = to_device(host, env.device)
+        where = slice(seq * args.val_seq_len, (seq + 1) * args.val_seq_len + 1)
+        if host is not None:  # record #92's table: every rank pulls in step (each has as many sequences)
+            ngram_pull(model.ngram, host_ngram_rows(host[where], model.ngram.rows), grad=False)
+        buf = to_device(tokens[where], env.device)
         inputs, targets = buf[:-1], buf[1:]
         masks = build_masks(inputs, model.plans, windows, args.window_block, use_flex, model.mask_parts)
         loss_sum += model(inputs, targets, masks).double()
@@ -4434,8 +4442,8 @@ class MemoryModel:
                 "saved activations": activations, "loss chunk": chunk, "block masks": masks_size,
                 "n-gram rows": ngram_held, "embedding backward": embedding_backward,
                 "optimizer-step buffers": step_buffers,
-                "peak": self.state() + max(activations + chunk + masks_size + ngram_held, embedding_backward + ngram_held,
-                                           step_buffers)}
+                "peak": self.state() + max(activations + chunk + masks_size + ngram_held,
+                                           embedding_backward + ngram_held, step_buffers)}
 
     def validation(self, seq_len: int, windows: tuple[int, int]) -> dict[str, int]:
         """The rows of a validation forward pass over one seq_len-token sequence (no gradients)."""
@@ -5131,6 +5139,9 @@ def init_run_state(key: str) -> bool:
 
 
 FINAL_WEIGHTS_FORMAT = "train_gpt.py final weights, version 1"
+# Fields added to Hyperparameters since that format, with the value a config.json written before them meant: the
+# model such a file's run trained (record #85's bigram table, Adam's own cadence for the embeddings).
+ADDED_FIELDS = {"ngram_channels": 1, "embed_adam_period": 0, "embed_adam_period_start": 336}
 
 
 def save_final_weights(model: GPT, args: Hyperparameters, source: str, run_id: str, step: int,
@@ -5141,7 +5152,7 @@ def save_final_weights(model: GPT, args: Hyperparameters, source: str, run_id: s
     (gathered_ngram_table; at world size 1 the model's own when not given)."""
     if model.ngram is not None and table is None:
         if model.ngram.world > 1:
-            raise ValueError("save_final_weights: the sharded n-gram table must be gathered first (gathered_ngram_table)")
+            raise ValueError("save_final_weights: gather the sharded n-gram table first (gathered_ngram_table)")
         table = model.ngram.weight
     final = Path(args.checkpoint_dir) / run_id / "final"
     tmp = final.with_name(".final.partial")
@@ -5185,11 +5196,13 @@ def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters
             raise ValueError(f"format {info.get('format')!r}")
         names = {f.name for f in dataclasses.fields(Hyperparameters)}
         # Every field a run's config records (run control aside) must be there: a default would
-        # silently rebuild another model, e.g. the speedrun's.
-        missing = [n for n in names if n not in RUN_CONTROL_FIELDS and n not in info["config"]]
+        # silently rebuild another model, e.g. the speedrun's. (A field added since has the value a config
+        # without it meant: ADDED_FIELDS.)
+        config = {**ADDED_FIELDS, **info["config"]} if isinstance(info["config"], dict) else info["config"]
+        missing = [n for n in names if n not in RUN_CONTROL_FIELDS and n not in config]
         if missing:
             raise ValueError(f"\"config\" lacks {', '.join(sorted(missing))}, needed to rebuild the model")
-        args = Hyperparameters(**{k: v for k, v in info["config"].items() if k in names})
+        args = Hyperparameters(**{k: v for k, v in config.items() if k in names})
         validate_config(args)
         windows = info.get("windows")
         if not (isinstance(windows, list) and len(windows) == 2
@@ -5678,9 +5691,10 @@ def log_header(run: Run, model: GPT):
     if model.ngram is not None:
         rows = args.bigram_vocab_size
         same = rows == NGRAM_RECORD_ROWS
+        size = ("record #92's size" if same else
+                f"NOT record #92's {NGRAM_RECORD_ROWS:,} rows (--bigram_vocab_size={rows}): a departure from the record")
         log(f"n-gram table: {rows:,} rows x {args.model_dim} (bigram and trigram channels), {rows // env.world_size:,} "
-            f"a rank: " + ("record #92's size" if same else f"NOT record #92's {NGRAM_RECORD_ROWS:,} rows "
-                                                            f"(--bigram_vocab_size={rows}): a departure from the record"))
+            f"a rank: {size}")
     smi = nvidia_smi()
     if smi:
         log(smi, console=False, verbatim=True)
@@ -5897,7 +5911,8 @@ def warmup_steps(args: Hyperparameters, schedule: Schedule) -> list[int]:
     when warmup_steps >= adam_every), so that every stage's shapes are compiled, the untie step included
     when it is one of them; and with --embed_adam_period the embeddings' first Adam step on it, whose new betas
     compile DistAdam's update for their bucket once more."""
-    steps = {s for stage in schedule.stages for s in range(stage.start, min(stage.start + args.warmup_steps, stage.end))}
+    steps = {s for stage in schedule.stages
+             for s in range(stage.start, min(stage.start + args.warmup_steps, stage.end))}
     if args.warmup_steps and schedule.embed_period:
         start = schedule.embed_period_start
         first = start + (-(start + 1)) % schedule.embed_period  # (first + 1) % embed_period == 0

@@ -3,7 +3,9 @@ arithmetic written out here, its gradient against autograd of the dense formula,
 per-row-RMS Adam, the embeddings' Adam cadence, checkpoints, final weights and the memory model's count. The sharded
 table at world sizes 2 and 3 against one process: tests/workers/ngram_worker.py (test_optimizers.py)."""
 
+import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -264,3 +266,13 @@ def test_the_table_must_split_evenly_over_the_ranks():
     with pytest.raises(T.ConfigError, match="split evenly over the ranks"):
         T.check_world_size(args, 4)
     T.check_world_size(args, 2)
+
+
+def test_final_weights_written_before_the_table_s_flags_still_load(untrained_final_folder, tmp_path):
+    info = json.loads((untrained_final_folder / "config.json").read_text())
+    for name in T.ADDED_FIELDS:
+        del info["config"][name]
+    (tmp_path / "config.json").write_text(json.dumps(info))
+    os.link(untrained_final_folder / "model.pt", tmp_path / "model.pt")
+    model, args, _ = T.load_final_weights(tmp_path, torch.device("cpu"))
+    assert (args.ngram_channels, args.embed_adam_period) == (1, 0) and model.bigram_embed is not None
