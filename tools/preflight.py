@@ -207,7 +207,8 @@ class FakeGPU(TorchDispatchMode):
     The sparse exchange of the bigram table's rows starts with a count exchange between the hosts: the
     counts this rank sends are real; what it receives is answered as if the traffic were symmetric (each
     rank receives as many rows from the others as it sends them), since the fake process group carries
-    no data.
+    no data. Record #92's n-gram table exchanges counts so too, then row ids into a host array, which the
+    fake group leaves zero (every row asked of this rank is its first: the shapes are a real step's).
 
     torch.compile compiles as if the mode were absent, and the mode watches the compiled code run
     (ignore_compile_internals), so the ops of the compiled graphs are seen too."""
