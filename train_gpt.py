@@ -13,9 +13,10 @@ on CPU (gloo, the `smoke` preset on the bundled corpus).
     python train_gpt.py --preset=smoke                                # CPU, ~2 minutes
 
 Read top to bottom. The math first: the settings and what they derive (the stage schedule, the layer plan);
-the model; the optimizers (NorMuon or ANVIL, DistAdam); one training step and evaluation. Then what keeps a run
-safe and measured: command-line and config checks, distributed setup, files (one reader and one writer), data,
-performance accounting, the memory model, checkpoints, logging, main(). Importing this file has no side effects.
+the model; the optimizers (NorMuon or ANVIL, DistAdam; NgramAdam and the traffic of record #92's sharded n-gram
+table); one training step and evaluation. Then what keeps a run safe and measured: command-line and config
+checks, distributed setup, files (one reader and one writer), data, performance accounting, the memory model,
+checkpoints, logging, main(). Importing this file has no side effects.
 """
 
 from __future__ import annotations
@@ -169,9 +170,17 @@ class Hyperparameters:
     model_dim: int = _help("residual stream width", 768)
     head_dim: int = _help("attention head size; heads = model_dim / head_dim (an even number)", 128)
     mlp_ratio: int = _help("MLP hidden width / model_dim", 4)
-    bigram_vocab_size: int = _help("rows of the bigram hash embedding (the last row is a sequence's first token's)",
-                                   50_304 * 15 // 2)
-    bigram_sign_rows: int = _help("rows of the bigram embedding's random +-1 sign table", 8192)
+    bigram_vocab_size: int = _help("rows of the hashed n-gram embedding table: with --ngram_channels=1 the bigram "
+                                   "table's (the last row is a sequence's first token's); with 2 the whole table's, "
+                                   "bigram rows in its first half, trigram rows in its second (record #92: "
+                                   "84,602,880)", 50_304 * 15 // 2)
+    bigram_sign_rows: int = _help("rows of the n-gram embedding's random +-1 sign table (a power of two with "
+                                  "--ngram_channels=2)", 8192)
+    ngram_channels: int = _help("1: record #85's bigram embedding (one table replicated on every rank, Adam like "
+                                "the other embeddings); 2: record #92's n-gram table (bigram and trigram channels "
+                                "hashed into one table of --bigram_vocab_size rows, sharded over the ranks, the rows "
+                                "a step reads pulled from their owners, trained by a row-sparse Adam: beta1 = 0, one "
+                                "second moment per row)", 1)
     no_attention_layers: str = _help("layers without attention: the gated skip replaces it", "6")
     paired_layers: str = _help("layers whose heads attend in pairs over a doubled, interleaved sequence", "0,2,5,9")
     long_window_layers: str = _help("layers with the long window and the partial key offset", "3,10")
@@ -203,6 +212,12 @@ class Hyperparameters:
     adam_eps: float = _help("Adam epsilon", 1e-10)
     adam_weight_decay: float = _help("Adam's cautious weight decay, times lr^2 and each parameter's multiplier", 0.005)
     adam_every: int = _help("Adam steps every N steps, on the gradients of all N", 2)
+    embed_adam_period: int = _help("from --embed_adam_period_start on, the value embeddings and the n-gram table "
+                                   "take their Adam step every N steps instead (on the gradients of all N), with "
+                                   "their betas raised to the power N / adam_every and their weight decay times "
+                                   "N / adam_every (record #92: 4 from step 336); 0: at every Adam step throughout",
+                                   0)
+    embed_adam_period_start: int = _help("the step from which --embed_adam_period holds", 336)
     muon_lr: float = _help("NorMuon lr for the attention and MLP matrices", 0.023)
     muon_beta2: float = _help("NorMuon's per-neuron second-moment decay", 0.9)
     muon_weight_decay: float = _help("NorMuon's cautious weight decay, scaled by lr^2", 1.2)
@@ -284,7 +299,8 @@ PRESETS: dict[str, dict] = {
 # written out as the record's floats, which the stage ends depend on), the third grown by 52 steps, a batch-20
 # taper at the third's lr times sqrt(20 / 24), then 20 extension steps at batch 8; the cooldown over the last 80%
 # of the 1,174 scheduled steps to 0.3; the prefix-token weight 0.25, then 0.2, 0.15, 0.1, 0.05 over stage 1's
-# quarters; the embedding untied at the extension's first Adam step. The rest of record #92's algorithm (model,
+# quarters; the embedding untied at the extension's first Adam step; the value embeddings' and the n-gram table's
+# Adam every 4th step from step 336. The rest of record #92's algorithm (model,
 # loss, optimizer) is being ported (issue 52): until it is, no preset uses these values.
 RECORD92_SCHEDULE = dict(
     num_iterations=1194, extension_steps=20, grown_steps=52, grown_stage=2,
@@ -293,7 +309,7 @@ RECORD92_SCHEDULE = dict(
     stage_max_seq_len="896,2048,3072,3072", stage_windows="1:3,3:7,5:11,5:11", extension_windows="6:13",
     final_val_window=20, stage_lr=f"1.0,1.52,1.73,{1.73 * (20 / 24) ** 0.5!r}",
     stage_mtp_weights="1,0.5,0.25>1,0.5,0/1,0.5>1,0/1>1/1>1", stage_prefix_weights="0.25,0.2|0.15|0.1|0.05,0,0",
-    cooldown_frac=0.8, final_lr_frac=0.3, untie_stage=4,
+    cooldown_frac=0.8, final_lr_frac=0.3, untie_stage=4, embed_adam_period=4, embed_adam_period_start=336,
 )
 
 # Fields that steer one run without changing what it computes: a checkpoint may be
@@ -409,6 +425,7 @@ class Schedule:
             self.momentum_warmup, self.momentum_cooldown = args.muon_momentum_warmup, args.muon_momentum_cooldown
         self.engage_step = args.anvil_engage_step
         self.adam_every, self.val_loss_every = args.adam_every, args.val_loss_every
+        self.embed_period, self.embed_period_start = args.embed_adam_period, args.embed_adam_period_start
         # the first Adam step (the record: an odd step) of the untie stage (n: the extension); None: never
         untie_start = self.stages[args.untie_stage].start if args.untie_stage <= n else None
         self.untie_step = None
@@ -487,9 +504,23 @@ class Schedule:
         """Adam steps at the last of every adam_every steps (the record: the odd ones)."""
         return (step + 1) % self.adam_every == 0
 
-    def embedding_adam_steps(self, step: int) -> bool:
-        """Whether the value-embedding table's Adam steps at `step`: at every Adam step."""
+    def embed_slow(self, step: int) -> bool:
+        """Whether the embeddings' slower Adam cadence (--embed_adam_period) holds at a step."""
+        return bool(self.embed_period) and step >= self.embed_period_start
+
+    def embed_adam_steps(self, step: int) -> bool:
+        """The Adam steps of the value embeddings and the n-gram table (record #92's cadence): Adam's own until
+        embed_adam_period_start, then the last of every embed_adam_period steps (the record: the odd steps until
+        336, then the steps = 3 mod 4). Between two of them their gradients accumulate."""
+        if self.embed_slow(step):
+            return (step + 1) % self.embed_period == 0
         return self.adam_steps(step)
+
+    def embed_adam_power(self, step: int) -> int:
+        """How many adam_every-step cycles one Adam step of the embeddings covers at a step: 1, then embed_adam_period
+        / adam_every. Their betas are raised to this power and their weight decay multiplied by it (the record: betas
+        squared, wd_mul 5 -> 10), so that what their moments forget and their weights decay per step stays the same."""
+        return self.embed_period // self.adam_every if self.embed_slow(step) else 1
 
     def validates(self, step: int) -> bool:
         """A validation before `step` (and after the last step)."""
@@ -648,6 +679,13 @@ MUDD_HIDDEN = 64
 MUDD_LAYER_COEFS = 14  # the last layer's MUDD net: LayerMix names them
 MUDD_HEAD_COEFS = 5  # before the head: weights of 5 earlier states (HeadMix)
 BIGRAM_MULTIPLIERS = (36313, 27191)  # the record's hash of (current, previous) token, in int32 arithmetic
+# Record #92's n-gram table (--ngram_channels=2): its trigram rows hash (x[t], x[t-1], x[t-2]) with these, and the
+# sign rows of the two channels hash (x[t], x[t-1]) and (x[t], x[t-1], x[t-2]) with multipliers of their own, so that
+# two n-grams sharing a row rarely share its signs too. All in int32 arithmetic, products wrapping around.
+TRIGRAM_MULTIPLIERS = (17351, 60961, 45259)
+NGRAM_SIGN_MULTIPLIERS = ((48271, 30011), (58699, 39779, 26801))
+NGRAM_RECORD_ROWS = 84_602_880  # record #92's table: 224.24x record #85's 377,280 rows, half bigram, half trigram
+NGRAM_MIN_ROWS = 6  # each channel needs two rows (one for its hashes, one for a sequence's first tokens) and more
 BOS_ID = 50256  # <|endoftext|> starts every document
 
 
@@ -671,6 +709,128 @@ def bigram_hash(ids: Tensor, previous: Tensor, position: Tensor, buckets: int) -
     previous = torch.where(position == 1, torch.full_like(previous, mod), previous)
     hashed = torch.remainder(torch.bitwise_xor(BIGRAM_MULTIPLIERS[0] * x, BIGRAM_MULTIPLIERS[1] * previous), mod)
     return torch.where(position == 0, torch.full_like(x, mod), hashed)
+
+
+def ngram_rows(ids: Tensor, previous: Tensor, before_previous: Tensor, position: Tensor, rows: int) -> Tensor:
+    """Record #92's table rows of each token, (2, T) int64: its bigram row in [0, half) and its trigram row in
+    [half, rows), half = rows // 2. The bigram channel is record #85's bigram hash with half buckets
+    (bigram_hash: a sequence's first token takes row half - 1, its second hashes with half - 1 in place of the
+    first); the trigram channel, with mod = rows - half - 1, in int32 arithmetic (products wrap around):
+
+        trigram(t) = ((17351 x[t]) xor (60961 x[t-1]) xor (45259 x[t-2])) mod mod + half,  position >= 2
+                   = rows - 1,                                                           position 0 and 1
+
+    where mod is Python's (the result is in [0, mod) for a negative xor too). previous, before_previous: x[t-1] and
+    x[t-2] (read only from positions 1 and 2 on)."""
+    half = rows // 2
+    bigram = bigram_hash(ids, previous, position, half)
+    x, p1, p2 = ids.to(torch.int32), previous.to(torch.int32), before_previous.to(torch.int32)
+    a, b, c = TRIGRAM_MULTIPLIERS
+    mixed = torch.bitwise_xor(torch.bitwise_xor(a * x, b * p1), c * p2)
+    trigram = torch.where(position >= 2, torch.remainder(mixed, rows - half - 1) + half, rows - 1)
+    return torch.stack([bigram.long(), trigram.long()])
+
+
+def ngram_sign_rows(ids: Tensor, previous: Tensor, before_previous: Tensor, position: Tensor, sign_rows: int) -> Tensor:
+    """Record #92's sign rows of each token's two table rows, (2, T) int64, with R = sign_rows (a power of two) and &
+    on int32 two's complement (the low bits: Python's mod R):
+
+        bigram sign(t)  = ((30011 x[t-1]) xor (48271 x[t])) & (R - 1)                          position >= 1, else 0
+        trigram sign(t) = ((26801 x[t-2]) xor (39779 x[t-1]) xor (58699 x[t])) & (R - 1)   position >= 2, else 0
+
+    Unlike the rows, these read the true previous token at position 1."""
+    x, p1, p2 = ids.to(torch.int32), previous.to(torch.int32), before_previous.to(torch.int32)
+    (b0, b1), (t0, t1, t2) = NGRAM_SIGN_MULTIPLIERS
+    mask = sign_rows - 1
+    bigram = torch.bitwise_and(torch.bitwise_xor(b1 * p1, b0 * x), mask)
+    trigram = torch.bitwise_and(torch.bitwise_xor(torch.bitwise_xor(t2 * p2, t1 * p1), t0 * x), mask)
+    zero = torch.zeros_like(bigram)
+    return torch.stack([torch.where(position >= 1, bigram, zero).long(),
+                        torch.where(position >= 2, trigram, zero).long()])
+
+
+class NgramCombine(torch.autograd.Function):
+    """x0_bigram of record #92's table, from the rows a step reads (`rows`, (n, dim), whichever rows of the table
+    they are) and each token's two slots in them (`slots`, (2, T)): in fp32, rounded once to `dtype`,
+
+        x0_bigram[t] = rows[slots[0, t]] * signs[sign_rows[0, t]] + rows[slots[1, t]] * signs[sign_rows[1, t]]
+
+    The gradient is the rows' alone, (n, dim) in rows' dtype, summed over the tokens in fp32:
+    d rows[i] = sum over (c, t) with slots[c, t] = i of g[t] * signs[sign_rows[c, t]]. Never one of the whole table's
+    size: with the rows a step reads as an autograd leaf (ngram_pull), that is the table's compact gradient."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, slots: Tensor, signs: Tensor, sign_rows: Tensor, dtype: torch.dtype) -> Tensor:
+        ctx.save_for_backward(slots, signs, sign_rows)
+        ctx.shape, ctx.dtype = rows.shape, rows.dtype
+        out = rows[slots[0]].float() * signs[sign_rows[0]].float()
+        out += rows[slots[1]].float() * signs[sign_rows[1]].float()
+        return out.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        slots, signs, sign_rows = ctx.saved_tensors
+        g = grad.float()
+        out = torch.zeros(ctx.shape, dtype=torch.float32, device=grad.device)
+        for c in range(2):
+            out.index_add_(0, slots[c], g * signs[sign_rows[c]].float())
+        return out.to(ctx.dtype), None, None, None, None
+
+
+@dataclass
+class NgramView:
+    """The rows of record #92's table that the next forward passes read (ngram_pull): `cache` (n, dim), the rows
+    `ids` (n,) hold, ascending (global row ids, on the device)."""
+    cache: Tensor
+    ids: Tensor
+
+
+class NgramEmbedding(nn.Module):
+    """Record #92's hashed n-gram table (--ngram_channels=2), as one rank holds it: rows [lo, lo + rows / world) of
+    its `rows` (the rank's shard; the whole table at world size 1), zeros at the start. The shard is run state of
+    this rank (rank_buffers), not in the state dict: it differs between ranks. A forward pass reads the rows its
+    tokens hash to (ngram_rows) from `view`, the rows the step pulled from their owners beforehand; without a view,
+    at world size 1, it reads the shard itself (evaluation and generation: no gradient reaches the table then)."""
+
+    def __init__(self, rows: int, dim: int, dtype: torch.dtype, shard: tuple[int, int] = (0, 1)):
+        super().__init__()
+        self.rank, self.world = shard
+        self.rows, self.lo = rows, self.rank * (rows // self.world)
+        self.register_buffer("weight", torch.zeros(rows // self.world, dim, dtype=dtype), persistent=False)
+        self.view: NgramView | None = None
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """Final weights (save_final_weights) carry the whole table as `weight`: this rank takes its rows of it."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        key = prefix + "weight"
+        if key in state_dict:
+            if key in unexpected_keys:
+                unexpected_keys.remove(key)
+            with torch.no_grad():
+                self.weight.copy_(state_dict[key][self.lo:self.lo + self.weight.size(0)])
+
+    def forward(self, ids: Tensor, previous: Tensor, before_previous: Tensor, position: Tensor, signs: Tensor,
+                dtype: torch.dtype) -> Tensor:
+        """x0_bigram (T, dim) of the tokens `ids` (NgramCombine)."""
+        rows = ngram_rows(ids, previous, before_previous, position, self.rows)
+        sign_rows = ngram_sign_rows(ids, previous, before_previous, position, signs.size(0))
+        if self.view is not None:
+            source, slots = self.view.cache, torch.searchsorted(self.view.ids, rows)
+        elif self.world == 1:
+            source, slots = self.weight, rows
+        else:
+            raise RuntimeError("the n-gram table is sharded over the ranks: pull the rows a forward reads first "
+                               "(ngram_pull)")
+        return NgramCombine.apply(source, slots, signs, sign_rows, dtype)
+
+
+def shifted(ids: Tensor, k: int, length: int) -> Tensor:
+    """x[t-k] for the last `length` of `ids` (the tokens before them first), the first token standing in where
+    there is none (what reads it is masked by position there)."""
+    start = len(ids) - length - k  # where x[t-k] of the first is
+    return ids[torch.arange(start, start + length, device=ids.device).clamp(min=0)]
 
 
 def positions_in_sequence(length: int, device, starts: Tensor | None = None, offset: int = 0) -> Tensor:
@@ -1641,7 +1801,9 @@ class GPT(nn.Module):
     (tools/record_weights.py converts between the two): lm_head is (dim, vocab), x @ lm_head; the small
     tensors (scalars, lambdas, gates, MUDD nets) keep the record's shapes."""
 
-    def __init__(self, args: Hyperparameters, numerics: Numerics | None = None):
+    def __init__(self, args: Hyperparameters, numerics: Numerics | None = None, table_shard: tuple[int, int] = (0, 1)):
+        """table_shard: (rank, world size), which rows of record #92's n-gram table (--ngram_channels=2) this process
+        holds (NgramEmbedding); every other tensor is the same at every world size."""
         super().__init__()
         self.numerics = numerics or Numerics()
         vocab, dim, L = padded_vocab(args.vocab_size), args.model_dim, args.num_layers
@@ -1660,8 +1822,12 @@ class GPT(nn.Module):
         tables = sum(p.value_embed is not None for p in self.plans)
         self.value_embeds = nn.Parameter(0.01 * torch.randn(tables * vocab, dim))
         self.ve_gates = nn.Parameter(torch.zeros(tables, heads, 2 * VE_GATE_CHANNELS))
-        self.bigram_embed = nn.Embedding(args.bigram_vocab_size, dim)
-        nn.init.zeros_(self.bigram_embed.weight)
+        self.bigram_embed, self.ngram = None, None
+        if args.ngram_channels == 1:
+            self.bigram_embed = nn.Embedding(args.bigram_vocab_size, dim)
+            nn.init.zeros_(self.bigram_embed.weight)
+        else:  # in the table's dtype from the start: a shard of the record's size in fp32 first takes twice as much
+            self.ngram = NgramEmbedding(args.bigram_vocab_size, dim, self.numerics.compute, table_shard)
         self.register_buffer("bigram_signs", torch.randn(args.bigram_sign_rows, dim).sign())
         self.smear_gate = nn.Linear(GATE_CHANNELS, 1, bias=False)
         nn.init.zeros_(self.smear_gate.weight)
@@ -1743,11 +1909,17 @@ class GPT(nn.Module):
         position = positions_in_sequence(T, input_ids.device, starts, offset=start)
         if separate_documents:
             masks = dataclasses.replace(masks, fresh=position == 0, positions=position)
-        last_id = caches.last_id if caches is not None and start else None
+        before = caches.last_ids if caches is not None and start else None  # the (up to two) tokens before these
         last_embedding = caches.last_embedding if caches is not None and start else None
         if caches is not None:
-            caches.last_embedding, caches.last_id = self.embed(input_ids[-1:]), input_ids[-1:]
-        x0, x0_bigram, ve, gates = self.stem(input_ids, position, last_id, last_embedding)
+            caches.last_embedding = self.embed(input_ids[-1:])
+            caches.last_ids = (input_ids if before is None else torch.cat([before, input_ids]))[-2:]
+        x0_ngram = None
+        if self.ngram is not None:  # eager: the rows a step reads vary in number, which a compiled stem would not
+            ids = input_ids if before is None else torch.cat([before, input_ids])
+            x0_ngram = self.ngram(input_ids, shifted(ids, 1, T), shifted(ids, 2, T), position, self.bigram_signs,
+                                  self.embed.weight.dtype)
+        x0, x0_bigram, ve, gates = self.stem(input_ids, position, before, last_embedding, x0_ngram)
         # Per layer, unbound rather than indexed: each layer's gradient then joins the others' in one stack
         # (unbind's backward), where an index would pad it with zeros to the whole tensor and add.
         sa_lambdas = self.scalars[:2 * len(self.plans)].view(-1, 2).unbind(0)  # (qkv, output) lambdas per layer
@@ -1775,10 +1947,12 @@ class GPT(nn.Module):
             caches.length += T
         return self.head_mix(x, saved, ve[0])
 
-    def stem(self, input_ids: Tensor, position: Tensor, last_id: Tensor | None, last_embedding: Tensor | None):
-        """Embedding, smear and x0; the bigram injection; the value-embedding rows; the first gate network's
-        gates. last_id, last_embedding: the token before input_ids[0] and its embedding, when cached."""
-        previous = torch.cat([input_ids[:1] if last_id is None else last_id, input_ids[:-1]])
+    def stem(self, input_ids: Tensor, position: Tensor, before: Tensor | None, last_embedding: Tensor | None,
+             x0_ngram: Tensor | None = None):
+        """Embedding, smear and x0; the bigram injection (record #92's n-gram table's x0_ngram where given); the
+        value-embedding rows; the first gate network's gates. before, last_embedding: the tokens before input_ids[0]
+        (up to two) and the embedding of the last, when cached."""
+        previous = torch.cat([input_ids[:1] if before is None else before[-1:], input_ids[:-1]])
         has_previous = position > 0
         x = self.embed(input_ids)
         # smear: each token's embedding takes a gated share of the previous token's
@@ -1786,11 +1960,13 @@ class GPT(nn.Module):
         smear = self.scalars[-2] * torch.sigmoid(self.smear_gate(x[:, :GATE_CHANNELS]))
         x = torch.where(has_previous[:, None], x + smear * previous_x, x)
         x0 = norm(x)[None]
-        # bigram hash embedding, each row's sign flipped by a random table indexed by the bigram
-        signs = self.bigram_signs[torch.where(has_previous, torch.remainder(torch.bitwise_xor(previous, input_ids),
-                                                                            self.bigram_signs.size(0)), 0)]
-        hashed = bigram_hash(input_ids, previous, position, self.bigram_embed.num_embeddings)
-        x0_bigram = (self.bigram_embed(hashed) * signs.type_as(x))[None]
+        if x0_ngram is not None:
+            x0_bigram = x0_ngram[None]
+        else:  # bigram hash embedding, each row's sign flipped by a random table indexed by the bigram
+            signs = self.bigram_signs[torch.where(has_previous, torch.remainder(torch.bitwise_xor(previous, input_ids),
+                                                                                self.bigram_signs.size(0)), 0)]
+            hashed = bigram_hash(input_ids, previous, position, self.bigram_embed.num_embeddings)
+            x0_bigram = (self.bigram_embed(hashed) * signs.type_as(x))[None]
         rows = self.value_embeds.view(-1, self.vocab, self.value_embeds.size(-1))[:, input_ids]  # (tables, T, dim)
         # one tensor per table, not views (see gates): a layer's gradient then covers its own table's rows alone
         ve = tuple(table.clone() for table in rows.unbind(0))
@@ -1858,7 +2034,7 @@ class KVCache:
                                       model.head_dim, p.device, p.dtype) if plan.attention else None
                        for plan in model.plans]
         self.length = 0
-        self.last_embedding = self.last_id = None
+        self.last_embedding = self.last_ids = None
 
 def compile_model(model: GPT, backend="inductor", attention_only: bool = False):
     """Compile each layer (Block.forward), the stem, the final mixing, the loss head (head_loss: its matmuls and
@@ -2497,12 +2673,20 @@ class DistAdam(EagerOptimizer):
     touched row not its own to the rank that owns it (two all-to-alls: row indices, row gradients); the
     owner adds them to its own rows. The sum is the dense reduce-scatter's, for a fraction of the bytes.
 
+    table: record #92's sharded n-gram table (NgramEmbedding), whose group (the one holding its shard) is stepped by
+    NgramAdam, not by a bucket.
+
+    The groups marked embedding_cadence (the value embeddings, the n-gram table) take their Adam step only at the
+    Adam steps set_embedding_step(True) says are theirs (Schedule.embed_adam_steps); at the others their buckets
+    are parked: their hooks start nothing, step() and zero_grad() leave them, and their gradients accumulate.
+
     A bucket whose gradient never completed during backward (a parameter without a gradient) is
     reduced from step() instead, and counted in `late_reductions`: that costs the overlap.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, small_numel: int = 4096, sparse: Tensor | None = None):
+                 weight_decay: float = 0.0, small_numel: int = 4096, sparse: Tensor | None = None,
+                 table: NgramEmbedding | None = None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.world_size = dist.get_world_size() if distributed() else 1
         self.rank = dist.get_rank() if distributed() else 0
@@ -2512,7 +2696,12 @@ class DistAdam(EagerOptimizer):
         self._bucket_of: dict[Tensor, _Bucket] = {}
         self.tied: tuple[Tensor, Tensor] | None = None  # (source, target) while tied
         self.tie_pair: tuple[Tensor, Tensor] | None = None
+        self.embedding_step = True
+        self.table = None
         for index, group in enumerate(self.param_groups):
+            if table is not None and any(p is table.weight for p in group["params"]):
+                self.table = NgramAdam(table, group)
+                continue
             small = [p for p in group["params"] if p.numel() < small_numel]
             for p in group["params"]:
                 if p.numel() >= small_numel:
@@ -2578,8 +2767,23 @@ class DistAdam(EagerOptimizer):
         finally:
             self._sync = previous
 
+    def set_embedding_step(self, steps: bool):
+        """Whether the next step() is one of the Adam steps of the embedding_cadence groups; set before the
+        backward that completes it (their hooks ask)."""
+        self.embedding_step = steps
+
+    def _parked(self, bucket: _Bucket) -> bool:
+        return not self.embedding_step and self.param_groups[bucket.group_index].get("embedding_cadence", False)
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Clears the gradients step() used: a parked bucket's accumulate on."""
+        for bucket in self.buckets:
+            if not self._parked(bucket):
+                for p in bucket.params:
+                    p.grad = None
+
     def _grad_ready(self, p: Tensor):
-        if not self._sync:
+        if not self._sync or self._parked(self._bucket_of[p]):
             return
         if self.tied is not None and p is self.tied[0]:
             bucket = self._bucket_of[self.tied[1]]  # the source's gradient completes the target's bucket
@@ -2683,10 +2887,13 @@ class DistAdam(EagerOptimizer):
     def step(self):
         gathers = []
         tied_source = self.tied[0] if self.tied is not None else None
-        buckets = [b for b in reversed(self.buckets) if tied_source is None or b.params[0] is not tied_source]
+        buckets = [b for b in reversed(self.buckets)
+                   if (tied_source is None or b.params[0] is not tied_source) and not self._parked(b)]
         hypers = self._hyper(buckets)
         position = {id(b): i for i, b in enumerate(buckets)}
         for bucket in reversed(self.buckets):
+            if self._parked(bucket):
+                continue
             if tied_source is not None and bucket.params[0] is tied_source:
                 bucket.work, bucket.grad_shard, bucket.ready = None, None, 0
                 continue  # a tied source follows its target (below)
@@ -2717,13 +2924,16 @@ class DistAdam(EagerOptimizer):
         if self.tied is not None:
             source, target = self.tied
             self.copy_transposed(source.data, target.data)
+        if self.table is not None and self.embedding_step:
+            self.table.step()
 
     # The state is this rank's shards, kept in fp32 (torch.optim.Optimizer.load_state_dict would cast
     # it to the parameters' dtype, bf16 on CUDA). Checkpoints hold one such dict per rank.
     def state_dict(self) -> dict:
         return {"world_size": self.world_size, "tied": self.tied is not None,
                 "buckets": [dict(self.state.get(b.params[0], {})) for b in self.buckets],
-                "param_groups": group_settings(self)}
+                "param_groups": group_settings(self),
+                **({"ngram": self.table.state_dict()} if self.table is not None else {})}
 
     def load_state_dict(self, state_dict: dict):
         if self._touched is not None:  # rows touched since the last Adam step (the warmup's) are forgotten
@@ -2741,6 +2951,262 @@ class DistAdam(EagerOptimizer):
         if self.tie_pair is not None:  # tied or not, as when the state was saved
             self.tied = self.tie_pair if state_dict["tied"] else None
             self._bucket_of[self.tie_pair[1]].needed = 2 if state_dict["tied"] else 1
+        if self.table is not None:
+            self.table.load_state_dict(state_dict["ngram"])
+
+
+# -----------------------------------------------------------------------------
+# Record #92's n-gram table, sharded: each rank holds its slice of the rows (NgramEmbedding); a step pulls the
+# rows its micro-batches read from their owners (ngram_pull), the gradients of those rows collect over the
+# steps up to the table's next Adam step, then go to their owners, who step them (NgramAdam)
+
+_HOST_GROUP: list = []  # [the default group it was made for, the gloo group beside it]
+
+
+def host_group():
+    """The group for collectives of host (CPU) tensors: the default group of a CPU run, or beside NCCL a gloo group,
+    made once per default group at its first use (every rank's first n-gram pull, at the same point of the run)."""
+    if dist.get_backend() != "nccl":
+        return None
+    if not _HOST_GROUP or _HOST_GROUP[0] is not dist.group.WORLD:
+        _HOST_GROUP[:] = [dist.group.WORLD, dist.new_group(backend="gloo")]
+    return _HOST_GROUP[1]
+
+
+@dataclass
+class RowRoute:
+    """Where the rows of an ascending list of global row ids live: `own` is this rank's block of the list (rank j
+    owns rows [j R, (j + 1) R), R rows a rank, so the list is cut into one block per rank, in rank order); `send[j]`
+    of the ids outside it go to rank j (0 to itself), in order; `receive[j]` ids came from rank j, `received` them
+    (global ids, host int64, in rank order)."""
+    own: slice
+    send: list[int]
+    receive: list[int]
+    received: np.ndarray
+
+
+def route_rows(ids: np.ndarray, table: NgramEmbedding) -> RowRoute:
+    """The count and id exchange for ascending global ids of the table (host to host, through host_group: nothing
+    waits on the device). At world size 1 every row is this rank's, and nothing is sent."""
+    world, rank, rows_per_rank = table.world, table.rank, table.weight.size(0)
+    cut = np.searchsorted(ids, np.arange(world + 1, dtype=np.int64) * rows_per_rank)
+    own = slice(int(cut[rank]), int(cut[rank + 1]))
+    if world == 1:
+        return RowRoute(own, [0], [0], np.empty(0, dtype=np.int64))
+    send = np.diff(cut)
+    send[rank] = 0
+    group, counts = host_group(), torch.empty(world, dtype=torch.int64)
+    dist.all_to_all_single(counts, torch.from_numpy(send.astype(np.int64)), group=group)
+    receive, send = counts.tolist(), send.tolist()
+    received = np.zeros(sum(receive), dtype=np.int64)  # (a host array the collective fills)
+    others = np.concatenate([ids[:own.start], ids[own.stop:]]).astype(np.int64)
+    dist.all_to_all_single(torch.from_numpy(received), torch.from_numpy(others), receive, send, group=group)
+    return RowRoute(own, send, receive, received)
+
+
+def exchange_rows(values: Tensor, send: list[int], receive: list[int]) -> Tensor:
+    """One all-to-all of rows (k, width) on the device: send[j] of them, in order, to rank j; the sum(receive) rows
+    received, in rank order."""
+    width = values.size(1)
+    out = torch.empty(sum(receive), width, dtype=values.dtype, device=values.device)
+    dist.all_to_all_single(out.view(-1), values.reshape(-1), [n * width for n in receive], [n * width for n in send])
+    return out
+
+
+def device_ids(ids: np.ndarray, device: torch.device) -> Tensor:
+    return host_to_device(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)), device)
+
+
+@torch.no_grad()
+def ngram_pull(table: NgramEmbedding, ids: np.ndarray, grad: bool):
+    """table.view := the rows `ids` (ascending global row ids, host) as the table holds them now, each from the
+    rank that owns it: the ids go host to host (route_rows), the rows in one all-to-all on the device, and this
+    rank's own from its shard. The rows are kept in fp32 (the shard's values, exactly), with `grad` as an autograd
+    leaf: their gradient (NgramCombine's) sums over the forwards until NgramAdam.end_step takes it. No host sync;
+    at world size 1 the rows are copied from the shard."""
+    shard = table.weight
+    route = route_rows(ids, table)
+    own = shard.index_select(0, device_ids(ids[route.own] - table.lo, shard.device))
+    if table.world == 1:
+        cache = own
+    else:
+        served = shard.index_select(0, device_ids(route.received - table.lo, shard.device))
+        pulled = exchange_rows(served, send=route.receive, receive=route.send)  # serve what was asked, get ours
+        cache = torch.cat([pulled[:route.own.start], own, pulled[route.own.start:]])
+    table.view = NgramView(cache.float().requires_grad_(grad), device_ids(ids, shard.device))
+
+
+def gathered_ngram_table(model: GPT) -> Tensor | None:
+    """Record #92's whole table on rank 0's host, gathered from every rank's shard (a collective: every rank calls it;
+    the others get None), for the final weights."""
+    if model.ngram is None:
+        return None
+    shard = model.ngram.weight.detach().to("cpu", copy=True)
+    if model.ngram.world == 1:
+        return shard
+    parts = [torch.empty_like(shard) for _ in range(model.ngram.world)] if dist.get_rank() == 0 else None
+    dist.gather(shard, parts, dst=0, group=host_group())
+    return torch.cat(parts) if parts is not None else None
+
+
+def host_array(tokens: Tensor) -> np.ndarray:
+    """A host tensor's values (tools/preflight.py reads them beside its fake tensors)."""
+    return tokens.numpy()
+
+
+def host_ngram_rows(chunk: np.ndarray, rows: int) -> np.ndarray:
+    """The table rows of record #92's n-gram table that a micro-batch's inputs (chunk[:-1]) read, ascending, as
+    GPT.hidden hashes them (ngram_rows)."""
+    ids = torch.from_numpy(chunk[:-1].astype(np.int64))
+    return np.unique(ngram_rows(ids, shifted(ids, 1, len(ids)), shifted(ids, 2, len(ids)), torch.arange(len(ids)),
+                                rows).numpy())
+
+
+def ngram_adam_rows(p: Tensor, v: Tensor, g: Tensor, missed_decay: Tensor, hyper: "NgramHyper"
+                    ) -> tuple[Tensor, Tensor]:
+    """Record #92's Adam step of the table's rows that have a gradient at this event (its row kernel with beta1 = 0):
+    p (k, dim) the rows, v (k,) their fp32 second moments as of their last event, g (k, dim) the gradients summed
+    over the W ranks (fp32), missed_decay (k,) the product of beta2 over the events each row missed since (fp64).
+    In fp32, with s = lr sqrt(1 - beta2^t) (beta1 = 0: no first bias correction) and w = lr^2 wd:
+
+        v' = v missed_decay beta2 + mean_d(g^2) (1 - beta2) / W^2      (one second moment per row)
+        u  = (g / W) / (sqrt(v') + eps) * s
+        u += p w  where u p > 0                                         (cautious weight decay)
+        p' = p - u
+
+    Returns (p' in p's dtype, v'). With beta1 = 0 this is dense per-row Adam restricted to these rows: a row without
+    gradient at an event has u = 0 exactly (0 / (sqrt(v) + eps), eps > 0), so its weights stay and no decay fires
+    (u p = 0), and its v only decays by beta2, which missed_decay replays when it next has one."""
+    width, world = g.size(-1), hyper.world
+    v = (v.double() * missed_decay).float()
+    m = g * (1 / world)
+    v = v * hyper.beta2 + (g * g).sum(-1) / width * ((1 - hyper.beta2) / world ** 2)
+    u = (m / (v.sqrt() + hyper.eps)[:, None]) * hyper.step_size
+    pf = p.float()
+    u = u + torch.where(u * pf > 0, pf * hyper.decay, 0.0)
+    return (pf - u).to(p.dtype), v
+
+
+class NgramHyper(NamedTuple):
+    """One event of the table's Adam: beta2, eps, s = lr sqrt(1 - beta2^t), w = lr^2 wd, the world size W."""
+    beta2: float
+    eps: float
+    step_size: float
+    decay: float
+    world: int
+
+
+class NgramAdam:
+    """The sharded n-gram table's Adam (record #92's), and the traffic of its rows. DistAdam holds one when the model
+    has the table (--ngram_channels=2), beside its buckets, not as one: the table has no dense gradient to
+    reduce-scatter, so it has no hook either (the rows' gradient is complete only at the end of the last backward,
+    x0_bigram being the stem's output); its group in DistAdam's param_groups carries its lr, betas and weight decay.
+
+    A training step: begin_step pulls the rows this rank's micro-batches read (ngram_pull: a row's value as of the
+    table's last Adam step, since p moves only there), the forwards read them, the backwards sum their gradient;
+    end_step adds it to the gradient of the rows read since the last Adam step (ascending ids and an (n, dim) fp32
+    tensor: rows, never the table). At the table's Adam step (DistAdam.step on one of the embeddings' steps,
+    Schedule.embed_adam_steps), step() sends each row's gradient to its owner (ids host to host, values in one
+    all-to-all in the table's dtype), the owner sums each row's over the ranks and steps those rows (ngram_adam_rows).
+
+    The state: one fp32 second moment per row, the event at which each row last had a gradient, and the event
+    count t with the log of every event's beta2 summed so far: a row's missed decay of v is replayed from them when it
+    next has a gradient (the record's replay, as the exponential of a difference of fp64 sums rather than a product in
+    fp32, which differs in v by about an fp32 rounding per missed event). t counts every Adam step of the table for
+    the bias correction, with the current beta2 (record #92)."""
+
+    def __init__(self, table: NgramEmbedding, group: dict):
+        self.table, self.group = table, group
+        rows, device = table.weight.size(0), table.weight.device
+        self.world = table.world
+        self.v = torch.zeros(rows, dtype=torch.float32, device=device)
+        self.last_event = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.events, self.log_decay = 0, [0.0]  # log_decay[j]: sum of log beta2 over events 1..j
+        self._log_decay = torch.zeros(1, dtype=torch.float64, device=device)
+        self.step_ids: np.ndarray | None = None
+        self.ids: np.ndarray | None = None  # the rows read since the last Adam step, ascending
+        self.grad: Tensor | None = None  # and their gradient, (len(ids), dim) fp32
+
+    def begin_step(self, rows: list[np.ndarray]):
+        """Pulls the rows a step's micro-batches read (each micro-batch's ascending row ids, host_ngram_rows)."""
+        self.step_ids = np.unique(np.concatenate(rows)) if rows else np.empty(0, dtype=np.int64)
+        ngram_pull(self.table, self.step_ids, grad=True)
+
+    @torch.no_grad()
+    def end_step(self):
+        """After the step's backwards: its rows' gradient joins those since the last Adam step."""
+        view, self.table.view = self.table.view, None
+        ids, grad = self.step_ids, view.cache.grad
+        if grad is None:
+            return
+        if self.ids is None:
+            self.ids, self.grad = ids, grad
+            return
+        union = np.union1d(self.ids, ids)
+        merged = torch.zeros(len(union), grad.size(1), dtype=torch.float32, device=grad.device)
+        merged.index_copy_(0, device_ids(np.searchsorted(union, self.ids), grad.device), self.grad)
+        merged.index_add_(0, device_ids(np.searchsorted(union, ids), grad.device), grad)
+        self.ids, self.grad = union, merged
+
+    def _owned_gradient(self) -> tuple[np.ndarray, Tensor]:
+        """(this shard's rows with a gradient on any rank, ascending local ids; their gradients summed over the
+        ranks), from every rank's rows since the last Adam step."""
+        weight = self.table.weight
+        ids, grad = self.ids, self.grad
+        self.ids = self.grad = None
+        if ids is None:
+            ids, grad = np.empty(0, dtype=np.int64), weight.new_zeros(0, weight.size(1), dtype=torch.float32)
+        route = route_rows(ids, self.table)
+        own_ids, own = ids[route.own] - self.table.lo, grad[route.own]
+        if self.world == 1:
+            return own_ids, own
+        theirs = torch.cat([grad[:route.own.start], grad[route.own.stop:]]).to(weight.dtype)
+        received = exchange_rows(theirs, route.send, route.receive)
+        rows, where = np.unique(np.concatenate([own_ids, route.received - self.table.lo]), return_inverse=True)
+        summed = torch.zeros(len(rows), weight.size(1), dtype=torch.float32, device=weight.device)
+        summed.index_add_(0, device_ids(where, weight.device), torch.cat([own, received.float()]))
+        return rows, summed
+
+    @torch.no_grad()
+    def step(self):
+        """One Adam step of the table (an event): the gradients to their owners, the owned rows with one stepped."""
+        group = self.group
+        beta2, lr = group["betas"][1], group["lr"]
+        self.events += 1
+        t, device = self.events, self.v.device
+        self.log_decay.append(self.log_decay[-1] + math.log(beta2))
+        self._log_decay = torch.cat([self._log_decay, host_to_device(torch.tensor(self.log_decay[-1:],
+                                                                                   dtype=torch.float64), device)])
+        rows, g = self._owned_gradient()
+        if len(rows) == 0:
+            return
+        index = device_ids(rows, device)
+        missed = torch.exp(self._log_decay[t - 1] - self._log_decay[self.last_event[index].long()])
+        hyper = NgramHyper(beta2, group["eps"], lr * (1 - beta2 ** t) ** 0.5, lr * lr * group["weight_decay"],
+                           self.world)
+        p, v = ngram_adam_rows(self.table.weight[index], self.v[index], g, missed, hyper)
+        self.table.weight[index] = p
+        self.v[index] = v
+        self.last_event[index] = t
+
+    def current_v(self) -> Tensor:
+        """Every row's second moment as of the last event (its missed decay replayed; the state keeps it lazy)."""
+        missed = torch.exp(self._log_decay[self.events] - self._log_decay[self.last_event.long()])
+        return (self.v.double() * missed).float()
+
+    def state_dict(self) -> dict:
+        return {"v": self.v.clone(), "last_event": self.last_event.clone(), "events": self.events,
+                "log_decay": list(self.log_decay)}
+
+    def load_state_dict(self, state: dict):
+        """The saved moments and clock; the rows read and the gradients collected since the last Adam step are
+        dropped (a checkpoint is saved at one of the table's Adam steps: --save_every)."""
+        self.v.copy_(state["v"])
+        self.last_event.copy_(state["last_event"])
+        self.events, self.log_decay = int(state["events"]), [float(x) for x in state["log_decay"]]
+        self._log_decay = host_to_device(torch.tensor(self.log_decay, dtype=torch.float64), self.v.device)
+        self.ids = self.grad = self.step_ids = None
+        self.table.view = None
 
 
 # -----------------------------------------------------------------------------
@@ -2765,7 +3231,12 @@ ADAM_TABLE = {
     "mudd_gate_w2": ((0.9, 0.99), 0.1, 1.0),
     "mudd_gate_b2": ((0.9, 0.99), 0.1, 0.0),
     "mudd_gate_scale": ((0.9, 0.99), 0.1, 0.0),
+    # record #92's n-gram table (--ngram_channels=2; NgramAdam): beta1 = 0 (no first moment is kept), its lr_mul
+    "ngram.weight": ((0.0, 0.95), 70.0, 5.0),
 }
+# The parameters on the embeddings' Adam cadence (Schedule.embed_adam_steps, --embed_adam_period; record #92): their
+# betas and weight decay follow Schedule.embed_adam_power. (Record #85's bigram table keeps Adam's own cadence.)
+EMBEDDING_CADENCE = ("value_embeds", "ngram.weight")
 # NorMuon's lr multiplier per matrix kind, on top of sqrt(max(1, rows / cols)): the record's c_proj x2.
 MUON_TABLE = {"attn.qk": 1.0, "attn.vo": 1.0, "mlp.fc": 1.0, "mlp.proj": 2.0}
 
@@ -2778,11 +3249,16 @@ def build_optimizers(model: GPT, args: Hyperparameters) -> tuple[NorMuon, DistAd
     matrix_lr = args.anvil_lr if anvil else args.muon_lr
     muon_groups = [dict(params=[p for name, p in named.items() if name.endswith(kind)], lr=matrix_lr, lr_mul=mul)
                    for kind, mul in MUON_TABLE.items()]
+    table = model.ngram
+    if table is not None:  # the n-gram table's shard: not a parameter (no gradient), stepped by NgramAdam
+        named["ngram.weight"] = table.weight
     adam_groups = [dict(params=[named[name]], lr=args.adam_lr * lr_mul, betas=betas,
-                        weight_decay=args.adam_weight_decay * wd_mul)
-                   for name, (betas, lr_mul, wd_mul) in ADAM_TABLE.items()]
+                        weight_decay=args.adam_weight_decay * wd_mul, embedding_cadence=name in EMBEDDING_CADENCE,
+                        initial_betas=betas, initial_weight_decay=args.adam_weight_decay * wd_mul)
+                   for name, (betas, lr_mul, wd_mul) in ADAM_TABLE.items() if name in named]
     # Bucket order follows the forward; step() walks it backwards, the order backward completes it.
-    adam = DistAdam(adam_groups, eps=args.adam_eps, sparse=model.bigram_embed.weight)
+    sparse = model.bigram_embed.weight if model.bigram_embed is not None else None
+    adam = DistAdam(adam_groups, eps=args.adam_eps, sparse=sparse, table=table)
     # Tied until the untie step; the weights of --init_from may come untied (data is only read for those:
     # tools/preflight.py builds the model with no data).
     if not args.init_from or torch.equal(model.embed.weight, model.lm_head.T):
@@ -2798,7 +3274,8 @@ def build_optimizers(model: GPT, args: Hyperparameters) -> tuple[NorMuon, DistAd
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
     covered = [id(p) for opt in (adam, muon) for g in opt.param_groups for p in g["params"]]
-    if len(covered) != len(set(covered)) or set(covered) != {id(p) for p in model.parameters()}:
+    optimized = [*model.parameters(), *([table.weight] if table is not None else [])]
+    if len(covered) != len(set(covered)) or set(covered) != {id(p) for p in optimized}:
         raise RuntimeError("every parameter must belong to exactly one optimizer")
     return muon, adam
 
@@ -2817,10 +3294,13 @@ def compile_optimizers(optimizers, backend="inductor"):
 
 
 def set_schedules(step: int, optimizers, schedule: Schedule, args: Hyperparameters):
-    multiplier = schedule.lr(step)
+    multiplier, power = schedule.lr(step), schedule.embed_adam_power(step)
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * multiplier
+            if group.get("embedding_cadence"):  # (power 1: the table's own betas and weight decay, exactly)
+                group["betas"] = tuple(beta ** power for beta in group["initial_betas"])
+                group["weight_decay"] = group["initial_weight_decay"] * power
     matrix = {"momentum": schedule.momentum(step)}
     if args.matrix_optimizer == "anvil":
         matrix["fast_beta"], matrix["blend"] = schedule.rails(step)
@@ -2864,12 +3344,15 @@ def train_step(model: GPT, optimizers, batch, step: int, schedule: Schedule, arg
     multi-token objective) of this rank's tokens. No host sync."""
     muon, adam = optimizers
     adam_now = schedule.adam_steps(step)
+    adam.set_embedding_step(schedule.embed_adam_steps(step))
     windows = schedule.windows(step)
     device = batch[0][0].device
     mtp = host_to_device(torch.tensor(schedule.mtp_weights(step)), device)
     prefix = schedule.prefix_weight(step)
     prefix = host_to_device(torch.tensor([prefix]), device) if prefix is not None else None
     loss_sum = torch.zeros((), device=device)
+    if adam.table is not None:
+        adam.table.begin_step(batch.ngram_rows)
     for i, (inputs, targets) in enumerate(batch):
         reduce_now = adam_now and i == len(batch) - 1
         adam.touch_rows(rows[i] if (rows := getattr(batch, "bigram_rows", None)) else None)
@@ -2882,6 +3365,8 @@ def train_step(model: GPT, optimizers, batch, step: int, schedule: Schedule, arg
                          candidates=batch.candidates[i] if isinstance(batch, Batch) else None)
             loss.backward()
         loss_sum += loss.detach() * len(batch)
+    if adam.table is not None:
+        adam.table.end_step()
     muon.step()
     muon.zero_grad(set_to_none=True)
     if adam_now:
@@ -2901,11 +3386,17 @@ def evaluate(model: GPT, tokens: Tensor, windows: tuple[int, int], args: Hyperpa
     model.eval()
     num_seqs = (len(tokens) - 1) // args.val_seq_len
     loss_sum = torch.zeros((), device=env.device, dtype=torch.float64)
+    host = host_array(tokens) if model.ngram is not None else None
     for seq in range(env.rank, num_seqs, env.world_size):
-        buf = to_device(tokens[seq * args.val_seq_len:(seq + 1) * args.val_seq_len + 1], env.device)
+        where = slice(seq * args.val_seq_len, (seq + 1) * args.val_seq_len + 1)
+        if host is not None:  # record #92's table: every rank pulls in step (each has as many sequences)
+            ngram_pull(model.ngram, host_ngram_rows(host[where], model.ngram.rows), grad=False)
+        buf = to_device(tokens[where], env.device)
         inputs, targets = buf[:-1], buf[1:]
         masks = build_masks(inputs, model.plans, windows, args.window_block, use_flex, model.mask_parts)
         loss_sum += model(inputs, targets, masks).double()
+    if model.ngram is not None:
+        model.ngram.view = None
     if env.world_size > 1:
         dist.all_reduce(loss_sum)
     model.train()
@@ -2966,7 +3457,7 @@ def record92_ships(schedule: Schedule) -> list[Ship]:
         Ship("tail-avg", ("vo", "mlp"), TAIL_AVG_WINDOW,
              lambda step: TAIL_AVG_RATE if (last - step) % TAIL_AVG_PERIOD == 0 else None, None),
         Ship("value-embed", ("value_embeds",), TAIL_AVG_WINDOW,
-             lambda step: VE_AVG_RATE if schedule.embedding_adam_steps(step) else None, None),
+             lambda step: VE_AVG_RATE if schedule.embed_adam_steps(step) else None, None),
         Ship("bank-blend", ("qk", "vo", "mlp"), BANK_BLEND_WINDOW,
              lambda step: 2 / (BANK_BLEND_WINDOW // BANK_BLEND_PERIOD + 1)
              if step % BANK_BLEND_PERIOD == 1 or step >= last - 1 else None, BANK_BLEND),
@@ -3141,6 +3632,10 @@ MAX_MLP_RATIO = 64  # 16x the usual 4: the MLP's two matrices are then 128 d^2 w
 # --vocab_size and the bigram tables: a bf16 weight, its gradient and Adam's two fp32 moments are 12 bytes, so a table
 # of 2**25 rows at the speedrun's width 768 takes 288 GiB; and the loss's chunk of logits then takes 1 TiB in fp32.
 MAX_TABLE_ROWS = 2 ** 25
+# --bigram_vocab_size of record #92's n-gram table (--ngram_channels=2), sharded over the ranks: its row ids are int32
+# (the record's, < 2**31); 2**30 rows at 768 wide are 1.6 TB in bf16 with their moments, past the GPU memory of a
+# whole 8xH200 node (1.1 TB), 12.7x the record's table.
+MAX_NGRAM_ROWS = 2 ** 30
 # --val_seq_len, --stage_max_seq_len, --window_block, the windows (in blocks) and --dc_window: FlexAttention's block
 # mask of a sequence holds (positions / window_block)^2 int32 entries, 64 GiB for 2**24 positions in blocks of 128.
 MAX_POSITIONS = 2 ** 24
@@ -3161,7 +3656,7 @@ def size_bounds(args: Hyperparameters) -> list[tuple[str, tuple[int, ...], int]]
         ("head_dim", (args.head_dim,), MAX_WIDTH),
         ("mlp_ratio", (args.mlp_ratio,), MAX_MLP_RATIO),
         ("vocab_size", (args.vocab_size,), MAX_TABLE_ROWS),
-        ("bigram_vocab_size", (args.bigram_vocab_size,), MAX_TABLE_ROWS),
+        ("bigram_vocab_size", (args.bigram_vocab_size,), MAX_NGRAM_ROWS if args.ngram_channels == 2 else MAX_TABLE_ROWS),
         ("bigram_sign_rows", (args.bigram_sign_rows,), MAX_TABLE_ROWS),
         ("val_seq_len", (args.val_seq_len,), MAX_POSITIONS),
         ("window_block", (args.window_block,), MAX_POSITIONS),
@@ -3268,6 +3763,29 @@ def validate_config(args: Hyperparameters):
     if args.save_every % args.adam_every:
         raise ConfigError(f"--save_every={args.save_every} must be a multiple of --adam_every={args.adam_every}: "
                           f"a checkpoint between two Adam steps would lose the gradients accumulated so far")
+    if args.embed_adam_period < 0 or args.embed_adam_period % args.adam_every:
+        raise ConfigError(f"--embed_adam_period={args.embed_adam_period}: must be 0 (off) or a positive multiple of "
+                          f"--adam_every={args.adam_every}")
+    if args.embed_adam_period_start < 0:
+        raise ConfigError(f"--embed_adam_period_start={args.embed_adam_period_start}: must be zero or positive")
+    if args.embed_adam_period and args.save_every % args.embed_adam_period:
+        raise ConfigError(f"--save_every={args.save_every} must be a multiple of --embed_adam_period="
+                          f"{args.embed_adam_period}: a checkpoint between two of the embeddings' Adam steps would "
+                          f"lose their gradients accumulated so far")
+    if args.ngram_channels not in (1, 2):
+        raise ConfigError(f"--ngram_channels={args.ngram_channels}: choose 1 (record #85's bigram table) or 2 "
+                          f"(record #92's bigram and trigram table)")
+    if args.ngram_channels == 2:
+        if args.bigram_vocab_size % 2 or args.bigram_vocab_size < NGRAM_MIN_ROWS:
+            raise ConfigError(f"--bigram_vocab_size={args.bigram_vocab_size}: with --ngram_channels=2 an even number "
+                              f"of at least {NGRAM_MIN_ROWS} (the bigram channel takes the first half, the trigram "
+                              f"channel the second, each with one row kept for a sequence's first tokens)")
+        if args.bigram_sign_rows & (args.bigram_sign_rows - 1):
+            raise ConfigError(f"--bigram_sign_rows={args.bigram_sign_rows}: with --ngram_channels=2 a power of two "
+                              f"(record #92's sign rows are the hash masked to its low bits)")
+        if args.init_from:
+            raise ConfigError(f"--init_from={args.init_from}: with --ngram_channels=2 final weights do not carry "
+                              f"the sharded n-gram table into a new run yet; start without it")
     for name, choices in (("device", ("auto", "cuda", "cpu")), ("attention", ("auto", "flex", "sdpa")),
                           ("packing", ("auto", *SHARD_PACKINGS)),
                           ("lm_head_precision", ("auto", "fp8", "bf16", "fp32")),
@@ -3348,6 +3866,10 @@ def check_world_size(args: Hyperparameters, world_size: int) -> tuple[int | None
     if (args.val_tokens // args.val_seq_len) % world_size:
         raise ConfigError(f"world size {world_size} cannot split validation: --val_tokens={args.val_tokens} is "
                           f"{args.val_tokens // args.val_seq_len} sequences of --val_seq_len={args.val_seq_len}")
+    if args.ngram_channels == 2 and args.bigram_vocab_size % world_size:
+        raise ConfigError(f"world size {world_size} cannot shard the n-gram table: --bigram_vocab_size="
+                          f"{args.bigram_vocab_size} rows must split evenly over the ranks (a multiple of 8 suits 1, "
+                          f"2, 4 and 8)")
     return tuple(None if count is None else count // world_size for count in counts)
 
 
@@ -3947,13 +4469,14 @@ def packed(packing: str, tokens: np.ndarray, starts: np.ndarray) -> DocumentPiec
 
 
 class Batch(list):
-    """This rank's micro-batches of a step, (inputs, targets) each, and what the host finds in each: the bigram
-    rows it reads (for DistAdam's sparse exchange of the bigram table's gradient) and its candidate set (record
+    """This rank's micro-batches of a step, (inputs, targets) each, and what the host finds in each: the table rows
+    it reads, record #85's bigram table's (for DistAdam's sparse exchange of its gradient; None at world size 1) or
+    record #92's n-gram table's (the rows the step pulls, NgramAdam.begin_step), and its candidate set (record
     #92's sampled softmax: Candidates on the device, or None where the step uses the whole vocabulary)."""
 
-    def __init__(self, micro_batches, bigram_rows, candidates=None):
+    def __init__(self, micro_batches, bigram_rows, ngram_rows=None, candidates=None):
         super().__init__(micro_batches)
-        self.bigram_rows = bigram_rows
+        self.bigram_rows, self.ngram_rows = bigram_rows, ngram_rows
         self.candidates = candidates or [None] * len(micro_batches)
 
 
@@ -4080,19 +4603,23 @@ def loader_state_of_ranks(states: list[dict]) -> dict:
     return state
 
 
-def rank_micro_batches(micro_batches: list[np.ndarray], env: DistEnv, bigram_buckets: int,
+def rank_micro_batches(micro_batches: list[np.ndarray], env: DistEnv, bigram_buckets: int, channels: int = 1,
                        candidates: Callable | None = None) -> Batch:
-    """This rank's (inputs, targets): micro-batch g goes to rank g % world_size (the record's dealing); with
-    candidates(g, targets on the host), each one's candidate set (CandidateSampler.micro_batch)."""
+    """This rank's (inputs, targets): micro-batch g goes to rank g % world_size (the record's dealing). channels:
+    --ngram_channels, which table's rows to find (bigram_buckets: its rows); with candidates(g, targets on the
+    host), each one's candidate set (CandidateSampler.micro_batch)."""
     batch, rows, sets = [], [], []
     for g in range(env.rank, len(micro_batches), env.world_size):
         chunk = micro_batches[g]
         buf = to_device(torch.from_numpy(chunk), env.device)
         batch.append((buf[:-1], buf[1:]))
-        rows.append(host_bigram_rows(chunk, bigram_buckets) if env.world_size > 1 else None)
+        if channels == 1:
+            rows.append(host_bigram_rows(chunk, bigram_buckets) if env.world_size > 1 else None)
+        else:
+            rows.append(host_ngram_rows(chunk, bigram_buckets))
         found = candidates(g, chunk[1:]) if candidates is not None else None
         sets.append(found.to_device(env.device) if found is not None else None)
-    return Batch(batch, rows, sets)
+    return Batch(batch, rows, None, sets) if channels == 1 else Batch(batch, None, rows, sets)
 
 
 def to_device(tokens: Tensor, device: torch.device) -> Tensor:
@@ -4260,6 +4787,7 @@ class TrainLoader:
                             f"from the first shard; for your own text, --packing=stream trains on every token (what "
                             f"data/tokenize_text.py's shards ask for)")
         self.env, self.bigram_buckets, self.packing_flag = env, args.bigram_vocab_size, args.packing
+        self.ngram_channels = args.ngram_channels
         self.vocab_size = args.vocab_size
         self.sampler = candidate_sampler(args, self.schedule)
         self.file_index, self.piece = 0, 0
@@ -4351,7 +4879,7 @@ class TrainLoader:
             self.file_index, self.piece, self.pieces = (self.file_index + 1) % len(self.scans), 0, None
             self.started_over = self.file_index == 0
         micro_batches, self.piece = taken
-        return rank_micro_batches(micro_batches, self.env, self.bigram_buckets,
+        return rank_micro_batches(micro_batches, self.env, self.bigram_buckets, self.ngram_channels,
                                   self.sampler and self.sampler.for_step(step))
 
 
@@ -4383,7 +4911,7 @@ class SyntheticLoader:
 
     def __init__(self, args: Hyperparameters, env: DistEnv, schedule: Schedule | None = None):
         self.schedule, self.env, self.seed = schedule or Schedule(args), env, args.seed
-        self.bigram_buckets = args.bigram_vocab_size
+        self.bigram_buckets, self.ngram_channels = args.bigram_vocab_size, args.ngram_channels
         self.step = 0
         self.sampler = candidate_sampler(args, self.schedule)
 
@@ -4411,7 +4939,7 @@ class SyntheticLoader:
             tokens[np.cumsum(lengths) - lengths] = BOS_ID
             taken = DocumentPieces(tokens).take_step(0, self.schedule.micro_batches(step), micro, max_len)
             if taken is not None:
-                return rank_micro_batches(taken[0], self.env, self.bigram_buckets,
+                return rank_micro_batches(taken[0], self.env, self.bigram_buckets, self.ngram_channels,
                                           self.sampler and self.sampler.for_step(step))
             lengths = np.append(lengths, rng.exponential(1000, 256).astype(np.int64) + 1)
 
@@ -4588,12 +5116,15 @@ def normuon_bytes(muon: NorMuon, world_size: int) -> tuple[int, int]:
     return state, buffers + largest
 
 
-def dist_adam_bytes(adam: DistAdam, world_size: int, sparse_table: Tensor, touched_rows: int) -> tuple[int, int]:
-    """(state bytes per rank, communication buffer bytes of one step) for DistAdam at world_size, whatever
-    the world size it was built with (its buckets are the same). The bigram table's rows go by a sparse
-    exchange, at most `touched_rows` of them each way, when its rows split evenly over the ranks."""
+def dist_adam_bytes(adam: DistAdam, world_size: int, sparse_table: Tensor | None, touched_rows: int
+                    ) -> tuple[int, int]:
+    """(state bytes per rank, communication buffer bytes of one step) for DistAdam's buckets at world_size, whatever
+    the world size it was built with (its buckets are the same). Record #85's bigram table's rows go by a sparse
+    exchange, at most `touched_rows` of them each way, when its rows split evenly over the ranks. (Record #92's
+    n-gram table has no bucket: ngram_bytes.)"""
     state = buffers = 0
-    sparse = adam._bucket_of[sparse_table] if sparse_table.size(0) % world_size == 0 else None
+    sparse = (adam._bucket_of[sparse_table] if sparse_table is not None and sparse_table.size(0) % world_size == 0
+              else None)
     for bucket in adam.buckets:
         p = bucket.params[0]
         shard = math.ceil(bucket.numel / world_size)
@@ -4604,6 +5135,26 @@ def dist_adam_bytes(adam: DistAdam, world_size: int, sparse_table: Tensor, touch
             if bucket is sparse:
                 buffers += 2 * touched_rows * (p.size(1) * p.element_size() + 8)  # rows out and in, indices
     return state, buffers
+
+
+def ngram_bytes(table: NgramEmbedding, step_rows: int, cycle_rows: int) -> tuple[int, int, int]:
+    """(state, held through a step's forwards and backwards, held at the table's Adam step) in bytes per rank for
+    record #92's table (NgramAdam), whose shard the model's buffers count. step_rows: the rows a step pulls (at most
+    two a token); cycle_rows: those read since the table's last Adam step, whose gradients wait for it.
+      - state: one fp32 second moment and one int32 last event per row of the shard;
+      - a step: the pulled rows and their gradient (fp32 each), and the gradient waiting since the last Adam step
+        (fp32), which at the step's end is merged into a new one beside it;
+      - the table's Adam step: that gradient; at world size > 1 its part for the other ranks and what they send (in
+        the table's dtype: the hash spreads rows evenly, so about as many as it holds) and the fp32 sums of the owned
+        rows' gradients over the ranks; for the rows stepped their weights, moments and update in fp32 (about
+        three copies)."""
+    width, size = table.weight.size(1), table.weight.element_size()
+    state = table.weight.size(0) * (4 + 4)
+    held = 2 * step_rows * width * 4 + cycle_rows * width * 4
+    merge = 2 * step_rows * width * 4 + 2 * cycle_rows * width * 4
+    exchange = 2 * size + 4 + 4 if table.world > 1 else 0
+    event = cycle_rows * width * (4 + exchange + 3 * 4)
+    return state, held, max(merge, event)
 
 
 def mask_bytes(masks: Masks) -> int:
@@ -4656,7 +5207,7 @@ class MemoryModel:
         self.fake = FakeTensorMode()
         with self.fake, warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self.model = cast_parameters(GPT(args, numerics))
+            self.model = cast_parameters(GPT(args, numerics, table_shard=(0, world_size)))
             # shapes only: --init_from's weights are not read (tied or not, the schedule's untie is counted)
             self.muon, self.adam = build_optimizers(self.model, dataclasses.replace(args, init_from=""))
         if self.use_flex:  # through the layers' seam: the model itself knows nothing of this count
@@ -4666,7 +5217,10 @@ class MemoryModel:
         self.weights = tensor_bytes(self.model.parameters())
         self.buffers = tensor_bytes(self.model.buffers())
         self.muon_state, self.muon_buffers = normuon_bytes(self.muon, world_size)
-        self.adam_state = dist_adam_bytes(self.adam, world_size, self.model.bigram_embed.weight, 0)[0]
+        bigram = self.model.bigram_embed.weight if self.model.bigram_embed is not None else None
+        self.adam_state = dist_adam_bytes(self.adam, world_size, bigram, 0)[0]
+        if self.model.ngram is not None:
+            self.adam_state += ngram_bytes(self.model.ngram, 0, 0)[0]
         self.ship_state = ship_bytes(self.model, record92_ships(Schedule(args)), world_size) if args.tail_ships else 0
         # (micro_tokens, micro-batches per rank, candidates or None), or the validation's length -> its rows
         self.counted: dict = {}
@@ -4693,12 +5247,21 @@ class MemoryModel:
         and the counts --micro_batches=auto tries share them."""
         return kept(FORWARD_COUNTS, (self.forward_key, what), count, 256)
 
+    def _ngram_view(self, tokens: int, grad: bool):
+        """For record #92's table, the pulled rows a forward over `tokens` tokens reads (ngram_pull's, at most two a
+        token; counted by ngram_bytes); made under the fake mode."""
+        if self.model.ngram is not None:
+            rows = min(self.args.bigram_vocab_size, 2 * tokens)
+            cache = torch.zeros(rows, self.args.model_dim, dtype=torch.float32).requires_grad_(grad)
+            self.model.ngram.view = NgramView(cache, torch.arange(rows))
+
     def _saved_by_forward(self, micro_tokens: int, windows: tuple[int, int],
                           columns: int | None = None) -> tuple[int, int]:
         """(bytes the forward keeps for backward, bytes of the block masks) for one micro-batch; with columns,
         its loss over that many candidates (record #92's sampled softmax)."""
         with self.fake, warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            self._ngram_view(micro_tokens, grad=True)
             x = self._tokens(micro_tokens + 1)
             masks, masks_size = self._masks(x[:-1], windows)
             saved: dict = {}
@@ -4716,6 +5279,8 @@ class MemoryModel:
                 candidates = Candidates(torch.arange(columns), positions, positions if prefix is not None else None)
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
                 self.model(x[:-1], x[1:], masks, mtp, loss_scale=1.0, prefix_weight=prefix, candidates=candidates)
+            if self.model.ngram is not None:
+                self.model.ngram.view = None
         return sum(saved.values()), masks_size
 
     def _live_in_forward(self, seq_len: int, windows: tuple[int, int]) -> tuple[int, int]:
@@ -4725,13 +5290,18 @@ class MemoryModel:
             x = self._tokens(seq_len + 1)
             masks, masks_size = self._masks(x[:-1], windows)
             self.model.eval()
+            self._ngram_view(seq_len, grad=False)
             live = LiveMemory(device_type="cpu")  # fake tensors live on the host: cast, never moved
             live.track([*self.model.parameters(), *self.model.buffers()])  # views of them are not new memory
+            if self.model.ngram is not None:  # (counted on its own: ngram_rows_row)
+                live.track([self.model.ngram.view.cache, self.model.ngram.view.ids])
             with torch.no_grad(), live:
                 live.start()
                 base = live.live
                 self.model(x[:-1], x[1:], masks)
             self.model.train()
+            if self.model.ngram is not None:
+                self.model.ngram.view = None
         return live.peak - base, masks_size
 
     def training(self, micro_tokens: int, windows: tuple[int, int], micro_per_rank: int,
@@ -4742,25 +5312,39 @@ class MemoryModel:
         activations, masks_size = self._shared_count(
             ("training", micro_tokens, columns),
             lambda: self._saved_by_forward(micro_tokens, windows, columns))
-        touched = min(self.model.bigram_embed.num_embeddings, args.adam_every * micro_tokens * micro_per_rank)
-        adam_buffers = dist_adam_bytes(self.adam, self.world_size, self.model.bigram_embed.weight, touched)[1]
+        bigram = self.model.bigram_embed.weight if self.model.bigram_embed is not None else None
+        touched = min(args.bigram_vocab_size, args.adam_every * micro_tokens * micro_per_rank)
+        adam_buffers = dist_adam_bytes(self.adam, self.world_size, bigram, touched if bigram is not None else 0)[1]
         chunk = loss_chunk_bytes(args, micro_tokens, self.device_type, self.model.numerics.head, columns)
-        tables = (self.model.value_embeds, self.model.embed.weight, self.model.bigram_embed.weight)
+        tables = [self.model.value_embeds, self.model.embed.weight, *([bigram] if bigram is not None else [])]
         embedding_backward = 2 * max(tensor_bytes([table]) for table in tables)
-        step_buffers = self.muon_buffers + adam_buffers
+        ngram_held = ngram_event = 0
+        if self.model.ngram is not None:  # two rows a token; the table's gradients wait over its Adam cycle
+            step_rows = min(args.bigram_vocab_size, 2 * micro_tokens * micro_per_rank)
+            cycle = max(args.adam_every, args.embed_adam_period)
+            _, ngram_held, ngram_event = ngram_bytes(self.model.ngram, step_rows,
+                                                     min(args.bigram_vocab_size, cycle * step_rows))
+        step_buffers = self.muon_buffers + adam_buffers + ngram_event
         return {"weights": self.weights, "buffers": self.buffers, "gradients": self.weights,
                 "NorMuon state": self.muon_state, "DistAdam state": self.adam_state,
                 "saved activations": activations, "loss chunk": chunk, "block masks": masks_size,
-                "embedding backward": embedding_backward, "optimizer-step buffers": step_buffers,
-                "peak": self.state() + max(activations + chunk + masks_size, embedding_backward, step_buffers)}
+                "n-gram rows": ngram_held, "embedding backward": embedding_backward,
+                "optimizer-step buffers": step_buffers,
+                "peak": self.state() + max(activations + chunk + masks_size + ngram_held,
+                                           embedding_backward + ngram_held, step_buffers)}
 
     def validation(self, seq_len: int, windows: tuple[int, int]) -> dict[str, int]:
         """The rows of a validation forward pass over one seq_len-token sequence (no gradients)."""
         forward, masks_size = self._shared_count(("validation", seq_len), lambda: self._live_in_forward(seq_len, windows))
         persistent = self.weights + self.buffers + self.muon_state + self.adam_state
+        ngram_rows_row = 0
+        if self.model.ngram is not None:  # the sequence's pulled rows (fp32) and the pull's copies in the table's dtype
+            rows = min(self.args.bigram_vocab_size, 2 * seq_len)
+            ngram_rows_row = rows * self.args.model_dim * (4 + 2 * self.model.ngram.weight.element_size())
         return {"weights": self.weights, "buffers": self.buffers, "gradients": 0, "NorMuon state": self.muon_state,
                 "DistAdam state": self.adam_state, "forward's largest live tensors": forward,
-                "block masks": masks_size, "peak": persistent + forward + masks_size}
+                "block masks": masks_size, "n-gram rows": ngram_rows_row,
+                "peak": persistent + forward + masks_size + ngram_rows_row}
 
     def phases(self, stages: set[int] | None = None, validation: bool = True) -> dict[str, dict[str, int]]:
         """Every phase whose memory differs: each stage the run reaches (the extension's windows are its
@@ -4888,8 +5472,12 @@ def fit_micro_batches(args: Hyperparameters, world_size: int, device: torch.devi
     state = memory_model(dataclasses.replace(args, micro_batches=micro_batches_flag(most)), world_size, device,
                          numerics, attention_kind).state()
     if state > budget:  # no micro-batch helps; known without the forward passes, which are slow at such sizes
+        table = (f"; or a smaller --bigram_vocab_size: the n-gram table's {args.bigram_vocab_size:,} rows take "
+                 f"{args.bigram_vocab_size // world_size * args.model_dim * numerics.compute.itemsize / GIB:.2f} "
+                 f"GiB per rank"
+                 if args.ngram_channels == 2 else "")
         raise DoesNotFitError(f"the weights, gradients and optimizer state alone take {state / GIB:.2f} GiB per rank, "
-                              f"over {within}; more GPUs share the optimizer state")
+                              f"over {within}; more GPUs share the optimizer state{table}")
     counts = [options[0] if count is None else count for count, options in zip(given, choices)]
     searching = {i for i, count in enumerate(given) if count is None}
 
@@ -5048,7 +5636,7 @@ def save_checkpoint(step: int, train_time_ms: float, model: GPT, optimizers, loa
         files = {}
         try:
             rank_state = {"step": step, "optimizers": [opt.state_dict() for opt in optimizers],
-                          "rank_buffers": {name: t.clone() for name, t in rank_buffers(model).items()},
+                          "rank_buffers": host_copies(rank_buffers(model)),
                           "extra_state": {name: part.state_dict() for name, part in (extra_state or {}).items()},
                           "cpu_rng": torch.get_rng_state(),
                           "cuda_rng": torch.cuda.get_rng_state() if env.device.type == "cuda" else torch.empty(0)}
@@ -5375,10 +5963,19 @@ def model_state_shapes(args: Hyperparameters) -> dict:
         return GPT(args).state_dict()
 
 
+def final_weights_shapes(args: Hyperparameters) -> dict:
+    """model_state_shapes and, for record #92's n-gram table, the whole table (in no state dict: save_final_weights
+    adds it)."""
+    expected = model_state_shapes(args)
+    if args.ngram_channels == 2:
+        expected["ngram.weight"] = torch.empty(args.bigram_vocab_size, args.model_dim, device="meta")
+    return expected
+
+
 def read_weights(path: Path, args: Hyperparameters, skip=None) -> dict:
-    """A weights file of ours, checked against the model of `args` (see the block above); keys for which
+    """A final-weights file of ours, checked against the model of `args` (see the block above); keys for which
     `skip(key)` holds are left out first (--init_from's run state: see init_run_state). Raises WeightsError."""
-    expected = {k: v for k, v in model_state_shapes(args).items() if not (skip and skip(k))}
+    expected = {k: v for k, v in final_weights_shapes(args).items() if not (skip and skip(k))}
     state = load_weights(path, expected)
     if isinstance(state, dict) and skip:
         state = {k: v for k, v in state.items() if not (isinstance(k, str) and skip(k))}
@@ -5392,13 +5989,21 @@ def init_run_state(key: str) -> bool:
 
 
 FINAL_WEIGHTS_FORMAT = "train_gpt.py final weights, version 1"
+# Fields added to Hyperparameters since that format, with the value a config.json written before them meant: the
+# model such a file's run trained (record #85's bigram table, Adam's own cadence for the embeddings).
+ADDED_FIELDS = {"ngram_channels": 1, "embed_adam_period": 0, "embed_adam_period_start": 336}
 
 
 def save_final_weights(model: GPT, args: Hyperparameters, source: str, run_id: str, step: int,
-                       val_loss: float) -> Path:
+                       val_loss: float, table: Tensor | None = None) -> Path:
     """checkpoint_dir/<run_id>/final/ (rank 0): model.pt, every weight and the rotary state but no
     optimizer state, and config.json, what rebuilds the model; written like a checkpoint, into a
-    temporary folder renamed at the end and removed if a write fails."""
+    temporary folder renamed at the end and removed if a write fails. table: record #92's whole n-gram table
+    (gathered_ngram_table; at world size 1 the model's own when not given)."""
+    if model.ngram is not None and table is None:
+        if model.ngram.world > 1:
+            raise ValueError("save_final_weights: gather the sharded n-gram table first (gathered_ngram_table)")
+        table = model.ngram.weight
     final = Path(args.checkpoint_dir) / run_id / "final"
     tmp = final.with_name(".final.partial")
     info = {"format": FINAL_WEIGHTS_FORMAT, "config": dataclasses.asdict(args), "step": step, "val_loss": val_loss,
@@ -5411,7 +6016,10 @@ def save_final_weights(model: GPT, args: Hyperparameters, source: str, run_id: s
         raise write_error(final, e) from None
     try:
         try:
-            write_file(tmp / "model.pt", model.state_dict(), shown=final / "model.pt")
+            state = model.state_dict()
+            if table is not None:
+                state["ngram.weight"] = table
+            write_file(tmp / "model.pt", state, shown=final / "model.pt")
             write_file(tmp / "config.json", json.dumps(info, indent=1).encode(), shown=final / "config.json")
             publish_folder(tmp, final)
         except OSError as e:
@@ -5438,11 +6046,13 @@ def load_final_weights(path, device: torch.device) -> tuple[GPT, Hyperparameters
             raise ValueError(f"format {info.get('format')!r}")
         names = {f.name for f in dataclasses.fields(Hyperparameters)}
         # Every field a run's config records (run control aside) must be there: a default would
-        # silently rebuild another model, e.g. the speedrun's.
-        missing = [n for n in names if n not in RUN_CONTROL_FIELDS and n not in info["config"]]
+        # silently rebuild another model, e.g. the speedrun's. (A field added since has the value a config
+        # without it meant: ADDED_FIELDS.)
+        config = {**ADDED_FIELDS, **info["config"]} if isinstance(info["config"], dict) else info["config"]
+        missing = [n for n in names if n not in RUN_CONTROL_FIELDS and n not in config]
         if missing:
             raise ValueError(f"\"config\" lacks {', '.join(sorted(missing))}, needed to rebuild the model")
-        args = Hyperparameters(**{k: v for k, v in info["config"].items() if k in names})
+        args = Hyperparameters(**{k: v for k, v in config.items() if k in names})
         validate_config(args)
         windows = info.get("windows")
         if not (isinstance(windows, list) and len(windows) == 2
@@ -5805,8 +6415,14 @@ def check_resume_shards(resume: Resume, loader, args: Hyperparameters):
 
 def rank_buffers(model: GPT) -> dict[str, Tensor]:
     """The model's state that differs between ranks: the down-projections' activation scales (record #89: from
-    each rank's own forwards). model.pt holds rank 0's; rank_R.pt each rank's own."""
-    return {name: t for name, t in model.named_buffers() if name.endswith(".down_act_scale")}
+    each rank's own forwards; model.pt holds rank 0's too) and the shard of record #92's n-gram table (in no
+    state dict). rank_R.pt holds each rank's own."""
+    return {name: t for name, t in model.named_buffers() if name.endswith(".down_act_scale") or name == "ngram.weight"}
+
+
+def host_copies(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Copies on the host: a table shard copied on its device would need as much free memory again."""
+    return {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
 
 
 def load_checkpoint(resume: Resume, model: GPT, optimizers, loader, env: DistEnv,
@@ -5815,8 +6431,8 @@ def load_checkpoint(resume: Resume, model: GPT, optimizers, loader, env: DistEnv
         model.load_state_dict(resume.model_state)
         own, saved = rank_buffers(model), resume.rank_state.get("rank_buffers", {})
         if set(saved) != set(own):
-            raise ValueError(f"rank {env.rank}'s activation scales: the checkpoint holds {len(saved)}, the model "
-                             f"{len(own)}")
+            what = "activation scales" + (" and n-gram table shard" if "ngram.weight" in own else "")
+            raise ValueError(f"rank {env.rank}'s {what}: the checkpoint holds {len(saved)}, the model {len(own)}")
         for name, t in own.items():
             t.copy_(saved[name])
         for opt, state in zip(optimizers, resume.rank_state["optimizers"], strict=True):
@@ -5950,6 +6566,13 @@ def log_header(run: Run, model: GPT):
         log(f"training loss: sampled softmax (record #92) over --stage_softmax_candidates="
             f"{args.stage_softmax_candidates} candidate classes a stage (0: the whole vocabulary); validation over "
             f"the whole vocabulary")
+    if model.ngram is not None:
+        rows = args.bigram_vocab_size
+        same = rows == NGRAM_RECORD_ROWS
+        size = ("record #92's size" if same else
+                f"NOT record #92's {NGRAM_RECORD_ROWS:,} rows (--bigram_vocab_size={rows}): a departure from the record")
+        log(f"n-gram table: {rows:,} rows x {args.model_dim} (bigram and trigram channels), {rows // env.world_size:,} "
+            f"a rank: {size}")
     smi = nvidia_smi()
     if smi:
         log(smi, console=False, verbatim=True)
@@ -6010,7 +6633,7 @@ def build_model(args: Hyperparameters, env: DistEnv, init_state: dict | None = N
     fake H100 there); init_state (--init_from) replaces the initial weights. The precisions are the run's
     (setup_distributed resolved them), or resolved here for an env built by hand (tools, tests)."""
     torch.manual_seed(args.seed)
-    model = GPT(args, env.numerics or resolve_numerics(args, env.device))
+    model = GPT(args, env.numerics or resolve_numerics(args, env.device), table_shard=(env.rank, env.world_size))
     if init_state is not None:
         model.load_state_dict(init_state, strict=False)
     model = cast_parameters(model).to(env.device)
@@ -6167,12 +6790,17 @@ def warmup_steps(args: Hyperparameters, schedule: Schedule) -> list[int]:
     """The steps the untimed warmup runs: the first warmup_steps of every stage and of every part of a stage
     with another candidate count (--stage_softmax_candidates: the loss's width is a shape), an Adam step among
     them when warmup_steps >= adam_every, so that every shape is compiled, the untie step included when it is
-    one of them."""
+    one of them; and with --embed_adam_period the embeddings' first Adam step on it, whose new betas compile
+    DistAdam's update for their bucket once more."""
     starts = {stage.start for stage in schedule.stages}
     starts |= {s for s in range(1, schedule.total) if schedule.candidates(s) != schedule.candidates(s - 1)}
     bounds = sorted(starts | {schedule.total})
-    return sorted({s for start, end in zip(bounds, bounds[1:]) for s in range(start, min(start + args.warmup_steps,
-                                                                                          end))})
+    steps = {s for start, end in zip(bounds, bounds[1:]) for s in range(start, min(start + args.warmup_steps, end))}
+    if args.warmup_steps and schedule.embed_period:
+        start = schedule.embed_period_start
+        first = start + (-(start + 1)) % schedule.embed_period  # (first + 1) % embed_period == 0
+        steps.update([first] if first < schedule.total else [])
+    return sorted(steps)
 
 
 @dataclass
@@ -6245,9 +6873,10 @@ def run_training(run: Run, model: GPT, loader, val_tokens: Tensor, resume: Resum
             log(format_step(step + 1, args, now_ms))
 
     error = None
+    table = gathered_ngram_table(model) if args.save_final else None  # (every rank sends its shard)
     if args.save_final and env.is_main:  # after the clock has stopped
         try:
-            path = save_final_weights(model, args, run.source, run.run_id, args.num_iterations, final_val_loss)
+            path = save_final_weights(model, args, run.source, run.run_id, args.num_iterations, final_val_loss, table)
             log(f"final weights: {path}")
         except TrainingError as e:
             error = e
@@ -6267,6 +6896,7 @@ def untimed_warmup(run: Run, model: GPT, optimizers, loader, val_tokens: Tensor,
     args, env, schedule = run.args, run.env, run.schedule
     initial_loader = loader.state_dict()
     initial_model = snapshot(model.state_dict())
+    initial_rank = host_copies(rank_buffers(model))  # (the n-gram table's shard is in no state dict)
     initial_optimizers = [opt.state_dict() for opt in optimizers]
     for step in warmup_steps(args, schedule):
         model.rotary.set_window(schedule.windows(step)[1])
@@ -6275,6 +6905,8 @@ def untimed_warmup(run: Run, model: GPT, optimizers, loader, val_tokens: Tensor,
     evaluate(model, val_tokens[:args.val_seq_len * env.world_size + 1],
              schedule.windows(args.num_iterations, final_validation=True), args, env, use_flex)
     model.load_state_dict(initial_model)
+    for name, t in rank_buffers(model).items():
+        t.copy_(initial_rank[name])
     model.zero_grad(set_to_none=True)
     for opt, state in zip(optimizers, initial_optimizers):
         opt.load_state_dict(state)

@@ -104,6 +104,16 @@ def test_every_world_size_builds_the_candidate_sets_of_world_size_1(gloo_runs, w
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_sharded_ngram_table_trains_as_one_table(gloo_runs, world_size):
+    # tests/workers/ngram_worker.py: record #92's table sharded over the ranks against the whole table in one
+    # process on the same micro-batches (each rank's x0_bigram from the rows it pulled, every Adam step's weights and
+    # second moments after the gradients went to their owners, on the embeddings' cadence), and a resume from the
+    # table's saved state reaching the same weights bit for bit.
+    assert gloo_runs[world_size][0].count("the sharded n-gram table matched world size 1") == world_size
+
+
+@pytest.mark.slow
 def test_every_dist_adam_bucket_is_reduced_from_its_hook_during_backward(gloo_runs):
     # The smoke model at world size 2: no bucket may be reduced late, from step(); the worker also shows,
     # with a parameter that gets no gradient, that such a late reduction is detected.

@@ -27,8 +27,8 @@ def test_record_92s_ships_tick_where_the_records_do():
     assert ticks(ema, RECORD92) == expected
     # tail average: every 4th step counted back from the last, in the last 250 steps
     assert ticks(avg, RECORD92) == {s: 4 / 53 for s in range(945, 1194, 4)}
-    # value embeddings: at their Adam steps in the last 250
-    assert ticks(ve, RECORD92) == {s: 4 / 53 for s in range(944, 1194) if RECORD92.embedding_adam_steps(s)}
+    # value embeddings: at their Adam steps in the last 250 (the record's cadence: every 4th step from 336, 3 mod 4)
+    assert ticks(ve, RECORD92) == {s: 4 / 53 for s in range(947, 1194, 4)}
     # bank blend: steps 1 mod 4 and the last two, in the last 298, at 2 / (298 // 4 + 1)
     assert ticks(blend, RECORD92) == {s: 2 / 75 for s in sorted({*range(897, 1194, 4), 1192, 1193})}
     assert [ship.name for ship in (ema, avg, ve, blend)] == ["tail-ema", "tail-avg", "value-embed", "bank-blend"]

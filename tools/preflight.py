@@ -207,7 +207,8 @@ class FakeGPU(TorchDispatchMode):
     The sparse exchange of the bigram table's rows starts with a count exchange between the hosts: the
     counts this rank sends are real; what it receives is answered as if the traffic were symmetric (each
     rank receives as many rows from the others as it sends them), since the fake process group carries
-    no data.
+    no data. Record #92's n-gram table exchanges counts so too, then row ids into a host array, which the
+    fake group leaves zero (every row asked of this rank is its first: the shapes are a real step's).
 
     torch.compile compiles as if the mode were absent, and the mode watches the compiled code run
     (ignore_compile_internals), so the ops of the compiled graphs are seen too."""
@@ -432,7 +433,21 @@ def real_from_numpy(array):
         return FROM_NUMPY(array)
 
 
+def ngram_on_host(*args):
+    """T.host_ngram_rows with real tensors (see on_host): the rows of record #92's n-gram table a micro-batch reads."""
+    with _disable_current_modes():
+        return HOST_NGRAM_ROWS(*args)
+
+
+def array_on_host(tokens):
+    """T.host_array outside the fake modes: under them even reading a host tensor's values makes a fake tensor."""
+    with _disable_current_modes():
+        return HOST_ARRAY(tokens)
+
+
 HOST_BIGRAM_ROWS = T.host_bigram_rows
+HOST_NGRAM_ROWS = T.host_ngram_rows
+HOST_ARRAY = T.host_array
 ALL_TO_ALL_SINGLE = dist.all_to_all_single
 FROM_NUMPY = torch.from_numpy
 
@@ -500,6 +515,8 @@ def run_steps(args: T.Hyperparameters, world_size: int, backend: str) -> Report:
     ops = op_counts.OpCounter(model)
 
     with fake_mode, gpu, ops, warnings.catch_warnings(), unittest.mock.patch.object(T, "host_bigram_rows", on_host), \
+            unittest.mock.patch.object(T, "host_ngram_rows", ngram_on_host), \
+            unittest.mock.patch.object(T, "host_array", array_on_host), \
             unittest.mock.patch.object(dist, "all_to_all_single", gpu.all_to_all_single), \
             unittest.mock.patch.object(torch, "from_numpy", real_from_numpy):
         # FlexAttention run uncompiled materialises the whole score matrix: on the GPUs, an out-of-memory.
@@ -508,7 +525,8 @@ def run_steps(args: T.Hyperparameters, world_size: int, backend: str) -> Report:
             optimizers, use_flex = T.prepare_training(model, args, env, backend=counter)
             counter.watch(model, optimizers, compiled=args.compile)
             loader = T.SyntheticLoader(args, env)
-            val_tokens = torch.randint(0, T.BOS_ID, (args.val_seq_len * world_size + 1,))
+            with _disable_current_modes():  # host tokens, as the trainer's: record #92's table pulls by their values
+                val_tokens = torch.randint(0, T.BOS_ID, (args.val_seq_len * world_size + 1,))
         attention = "flex" if use_flex else "sdpa"
         compiled = "per layer" if args.compile else ("FlexAttention only" if use_flex else "off")
         report.decisions = (f"attention {attention}, lm_head {model.numerics.head}, MLP {model.numerics.mlp}, "
@@ -617,6 +635,8 @@ def _count_stages(args: T.Hyperparameters, world_size: int, kernels: bool, stage
     result = {"stages": {}, "world_size": world_size, "preset": args.preset, "kernels": kernels, "graphs_compiled": 0}
     with fake_mode, gpu, warnings.catch_warnings(), \
             unittest.mock.patch.object(T, "host_bigram_rows", on_host), \
+            unittest.mock.patch.object(T, "host_ngram_rows", ngram_on_host), \
+            unittest.mock.patch.object(T, "host_array", array_on_host), \
             unittest.mock.patch.object(dist, "all_to_all_single", gpu.all_to_all_single), \
             unittest.mock.patch.object(torch, "from_numpy", real_from_numpy), \
             op_counts.kernel_launches(counter) if kernels else contextlib.nullcontext(), counter:

@@ -18,6 +18,7 @@ from candidates_worker import check_candidates  # noqa: E402
 from dist_adam_worker import check_dist_adam, check_sparse_rows  # noqa: E402
 from hook_worker import check_hooks  # noqa: E402
 from muon_worker import run_anvil, run_normuon  # noqa: E402
+from ngram_worker import check_ngram_table  # noqa: E402
 from ships_worker import check_ships  # noqa: E402
 
 SMOKE_MICRO_BATCHES = 4  # the hook check trains the smoke preset, whose step is 4 micro-batches
@@ -55,6 +56,7 @@ def main(out_path: str):
     check_sparse_rows(rank, world)
     check_ships(rank, world)
     check_candidates(rank, world)
+    check_ngram_table(rank, world)
     if SMOKE_MICRO_BATCHES % world == 0:
         check_hooks(rank, world)
     dist.destroy_process_group()
