@@ -116,8 +116,8 @@ def test_the_speedrun_model_has_the_records_parameters_in_use():
 
 def test_the_rotary_state_follows_the_schedule():
     state = W.rotary_state(SMOKE, SMOKE.num_iterations)
-    assert state["_extra_state"]["window"] == 7  # the smoke extension's long window
-    assert W.rotary_state(SMOKE, 0)["_extra_state"]["window"] == 2
+    assert state["rotary._extra_state"]["window"] == 7  # the smoke extension's long window
+    assert W.rotary_state(SMOKE, 0)["rotary._extra_state"]["window"] == 2
 
 
 @pytest.fixture(scope="module")

@@ -343,10 +343,12 @@ class Bench:
         return self.batches[stage_index]
 
     def fit_rotary(self, step: int):
-        """YaRN as the run leaves it at `step`: fitted window by window from the first stage's long window."""
-        self.model.rotary.reset()
+        """YaRN as the run leaves it at `step`: fitted window by window from the first stage's windows."""
+        for rotary in (self.model.rotary, self.model.narrow_rotary):
+            if rotary is not None:
+                rotary.reset()
         for stage in self.schedule.stages[:self.schedule.stage_index(step) + 1]:
-            self.model.rotary.set_window(stage.windows[1])
+            self.model.set_windows(stage.windows)
 
     def restore_initial(self):
         self.model.load_state_dict(self.initial)
