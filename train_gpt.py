@@ -553,7 +553,8 @@ def layer_plan(args: Hyperparameters) -> list[LayerPlan]:
         injects = i != skip_to and not mudd
         plans.append(LayerPlan(
             i, attention, i in sets["paired_layers"], i in sets["long_window_layers"], i in sets["xsa_layers"],
-            i in sets["attn_gate_layers"], i in sets["dc_layers"], ve, None if ve is None or mudd else gate_rows.index(i),
+            i in sets["attn_gate_layers"], i in sets["dc_layers"], ve,
+            None if ve is None or mudd else gate_rows.index(i),
             i > args.shared_input_layer, i == skip_to, mudd, removed=i in sets["removed_layers"],
             narrow_qk=i in sets["narrow_qk_layers"], narrow_value=i in sets["narrow_value_layers"],
             parallel_mlp=i in sets["parallel_mlp_layers"], x0_inject=injects and i not in sets["no_x0_layers"],
@@ -1433,7 +1434,8 @@ class Block(nn.Module):
                                  gates.get(("attn", i)) if plan.attn_gate else None, dc_w)
         attn_out = self.attn(attn_in, weights.lambdas, extras, inputs, cache)
         if mu is not None:
-            return mu.attn_stream * x + mu.attn_out * attn_out + saved[0] * mu.attn_x0 + inputs.x0_bigram * mu.attn_bigram
+            return (mu.attn_stream * x + mu.attn_out * attn_out + saved[0] * mu.attn_x0
+                    + inputs.x0_bigram * mu.attn_bigram)
         return self.inject(resid[0] * x + post[0] * attn_out, inputs)
 
 
@@ -1930,8 +1932,8 @@ class KVCache:
     def __init__(self, model: GPT, max_len: int):
         p = model.embed.weight
         self.layers = [AttentionCache(max_len * (2 if plan.paired else 1), model.num_heads // (2 if plan.paired else 1),
-                                      block.attn.qk_dim, block.attn.v_dim, p.device, p.dtype) if plan.attention else None
-                       for plan, block in zip(model.plans, model.blocks)]
+                                      block.attn.qk_dim, block.attn.v_dim, p.device, p.dtype)
+                       if plan.attention else None for plan, block in zip(model.plans, model.blocks)]
         self.length = 0
         self.last_embedding = self.last_id = None
 
@@ -2661,7 +2663,8 @@ class DistAdam(EagerOptimizer):
 # One training step: the optimizers' tables and set-up, the schedules a step follows, train_step and
 # evaluate. Everything after this keeps a run safe and measured
 
-# Record #85's Adam parameter table: (betas, lr multiplier, weight-decay multiplier) by parameter name.
+# Record #85's Adam parameter table: (betas, lr multiplier, weight-decay multiplier) by parameter name (a name the
+# model does not have, such as mudd_w2g without --head_mix_groups, has no group).
 ADAM_TABLE = {
     "embed.weight": ((0.5, 0.95), 1.0, 150.0),
     "lm_head": ((0.5, 0.95), 1.0, 150.0),
@@ -2675,6 +2678,7 @@ ADAM_TABLE = {
     "mudd_w1": ((0.9, 0.99), 0.25, 1.0),
     "mudd_w2": ((0.9, 0.99), 0.25, 1.0),
     "mudd_b2": ((0.9, 0.99), 0.25, 0.0),
+    "mudd_w2g": ((0.9, 0.99), 0.25, 1.0),  # record #92's head-mix deltas (--head_mix_groups), as its mudd_w2's
     "mudd_gate_w1": ((0.9, 0.99), 0.1, 1.0),
     "mudd_gate_w2": ((0.9, 0.99), 0.1, 1.0),
     "mudd_gate_b2": ((0.9, 0.99), 0.1, 0.0),
@@ -2692,7 +2696,7 @@ def build_optimizers(model: GPT, args: Hyperparameters) -> tuple[NorMuon, DistAd
                    for kind, mul in MUON_TABLE.items()]
     adam_groups = [dict(params=[named[name]], lr=args.adam_lr * lr_mul, betas=betas,
                         weight_decay=args.adam_weight_decay * wd_mul)
-                   for name, (betas, lr_mul, wd_mul) in ADAM_TABLE.items()]
+                   for name, (betas, lr_mul, wd_mul) in ADAM_TABLE.items() if name in named]
     # Bucket order follows the forward; step() walks it backwards, the order backward completes it.
     adam = DistAdam(adam_groups, eps=args.adam_eps, sparse=model.bigram_embed.weight)
     # Tied until the untie step; the weights of --init_from may come untied (data is only read for those:
@@ -3059,7 +3063,8 @@ def validate_layer_plan(args: Hyperparameters):
     if not 0 <= args.shared_input_layer < n - 1:
         raise ConfigError(f"--shared_input_layer={args.shared_input_layer}: must be in 0..{n - 2}")
     narrow_qk = bool(int_list(args, "narrow_qk_layers"))
-    if (narrow_qk or int_list(args, "narrow_value_layers")) and (args.narrow_dim > args.head_dim or args.narrow_dim % 2):
+    narrow = narrow_qk or bool(int_list(args, "narrow_value_layers"))
+    if narrow and (args.narrow_dim > args.head_dim or args.narrow_dim % 2):
         raise ConfigError(f"--narrow_dim={args.narrow_dim}: must be even and at most --head_dim={args.head_dim}")
     turned = rotary_dims(args)
     if turned % 2 or turned > args.head_dim or (narrow_qk and turned > args.narrow_dim):
@@ -3077,7 +3082,7 @@ def validate_layer_plan(args: Hyperparameters):
                           f"embedding (--value_embed_layers)")
     if not plans[skip_from].attention and skip_from != 0:
         raise ConfigError(f"--skip_layers={args.skip_layers}: the source must be a layer with attention")
-    if args.dc_window > args.window_block:  # dc_correction's blocks see their own and the previous block's keys
+    if int_list(args, "dc_layers") and args.dc_window > args.window_block:  # a DC block sees itself and the one before
         raise ConfigError(f"--dc_window={args.dc_window}: at most --window_block={args.window_block}")
     if args.untie_stage > len(int_list(args, "stage_batch_tokens")):
         raise ConfigError(f"--untie_stage={args.untie_stage}: at most the number of stages")
@@ -3930,7 +3935,7 @@ class FlexStandIn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v):
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:-1], v.size(-1))  # the values' width (narrow heads: not the queries')
         ctx.save_for_backward(q, k, v, out, torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
         return out
 

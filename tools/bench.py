@@ -925,8 +925,8 @@ def run_fp8(bench: Bench, row: dict, flush):
     with torch.no_grad():
         for precision in ("fp8", "bf16"):
             model.numerics = dataclasses.replace(model.numerics, head=precision)
-            for block in model.blocks:
-                block.mlp.precision = precision
+            for mlp in (m for block in model.blocks for m in (block.mlp, block.parallel_mlp) if m is not None):
+                mlp.precision = precision
             losses[precision] = float(model(inputs, targets, masks, mtp)) / len(inputs)
     row["loss_per_token"] = losses
     row["relative_difference"] = abs(losses["fp8"] - losses["bf16"]) / abs(losses["bf16"])
