@@ -273,6 +273,26 @@ def test_the_head_mix_is_its_formula(groups):
     assert_close(model.head_mix(x, saved, ve), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_generation_with_caches_matches_the_whole_sequence():
+    # the caches of narrow layers hold keys and values of different widths; removed and MLP-only layers hold none
+    torch.manual_seed(0)
+    model = T.GPT(record92())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.eval()
+    tokens = torch.randint(0, 1999, (70,), generator=torch.Generator().manual_seed(7))
+    windows = (6, 20)
+    with torch.no_grad():
+        whole = model.logits(model.hidden(tokens, T.build_masks(tokens, model.plans, windows, 32, False)))
+        caches = T.KVCache(model, 128)
+        assert [c.k.shape[-1] if c else None for c in caches.layers][:4] == [8, 8, 8, 16]
+        assert [c.v.shape[-1] if c else None for c in caches.layers][:4] == [16, 8, 16, 16]
+        pieces = [model.logits(model.hidden(tokens[a:b], T.Masks({}, T.document_ids(tokens[:b]), windows), caches))
+                  for a, b in ((0, 40), (40, 41), (41, 70))]
+    assert_close(torch.cat(pieces, 1), whole, rtol=1e-5, atol=1e-4)
+
+
 # ---- record #89's model, the default, unchanged --------------------------------------------------------------------
 
 # From train_gpt.py at 3bbb0af, the commit before record #92's model flags, with this test's code (1 thread): a
