@@ -213,6 +213,8 @@ def test_the_virtual_cap_cuts_documents_every_cap_tokens_for_attention_alone():
             n = len(seg)
             expected = torch.tensor([[seg[q] == seg[k] and 0 <= q - k <= window for k in range(n)] for q in range(n)])
             assert torch.equal(mask, expected), (windows, long_window, paired)
+        if windows != (5, 11):
+            continue
         # FlexAttention's block masks: the same attention as the dense masks'
         flex = T.build_masks(tokens, plans, windows, 32, True, cap=cap)
         g = torch.Generator().manual_seed(5)
