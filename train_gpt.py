@@ -300,7 +300,6 @@ RECORD92_MODEL = dict(
 )
 
 
-
 def flags_of(values: dict) -> list[str]:
     """A dict of field values (a preset's, RECORD92_MODEL) as command-line flags."""
     return [f"--{name}={value}" for name, value in values.items()]
