@@ -169,7 +169,9 @@ class Hyperparameters:
     num_layers: int = _help("transformer layers", 11)
     model_dim: int = _help("residual stream width", 768)
     head_dim: int = _help("attention head size; heads = model_dim / head_dim (an even number)", 128)
-    mlp_ratio: int = _help("MLP hidden width / model_dim", 4)
+    mlp_ratio: int = _help("MLP hidden width / model_dim (see --mlp_hidden)", 4)
+    mlp_hidden: int = _help("MLP hidden width; 0: mlp_ratio * model_dim (record #92: 2816, which no integer ratio "
+                            "of 768 gives)", 0)
     bigram_vocab_size: int = _help("rows of the hashed n-gram embedding table: with --ngram_channels=1 the bigram "
                                    "table's (the last row is a sequence's first token's); with 2 the whole table's, "
                                    "bigram rows in its first half, trigram rows in its second (record #92: "
@@ -181,7 +183,11 @@ class Hyperparameters:
                                 "hashed into one table of --bigram_vocab_size rows, sharded over the ranks, the rows "
                                 "a step reads pulled from their owners, trained by a row-sparse Adam: beta1 = 0, one "
                                 "second moment per row)", 1)
-    no_attention_layers: str = _help("layers without attention: the gated skip replaces it", "6")
+    no_attention_layers: str = _help("layers without attention: the skip target, where the gated skip replaces it, "
+                                     "and any others, whose MLP still runs after the residual lambda and the "
+                                     "injections (record #92: 4,6,9)", "6")
+    removed_layers: str = _help("layers removed whole, attention and MLP: the stream only takes their residual "
+                                "lambdas and injections (record #92: 7)", "")
     paired_layers: str = _help("layers whose heads attend in pairs over a doubled, interleaved sequence", "0,2,5,9")
     long_window_layers: str = _help("layers with the long window and the partial key offset", "3,10")
     xsa_layers: str = _help("layers that subtract a learned share of each head's output along its value", "1,3,4,7")
@@ -191,6 +197,42 @@ class Hyperparameters:
     value_embed_layers: str = _help("layers fed by a value embedding, one table each; the last is the MUDD layer, "
                                     "the first table also feeds the head", "1,2,8,9,10")
     skip_layers: str = _help("source:target of the gated skip (the target is a layer without attention)", "3:6")
+    narrow_qk_layers: str = _help("layers whose queries and keys have --narrow_dim dims a head (record #92: "
+                                  "0,1,2,5,8, its short-window layers): QK-norm and the dot products over those dims "
+                                  "alone, at --narrow_attn_scale, with a rotary of their own", "")
+    narrow_value_layers: str = _help("layers whose values, and the output projection's inputs, have --narrow_dim dims "
+                                     "a head (record #92: 1,8)", "")
+    narrow_dim: int = _help("the narrow heads' dims (--narrow_qk_layers, --narrow_value_layers): each reads the "
+                            "first narrow_dim rows of its head's weights, the rest of which stay unread", 64)
+    attn_scale: float = _help("attention logit scale of full-width heads at the first window; YaRN raises it "
+                              "(record #92: 0.085)", 0.1)
+    narrow_attn_scale: float = _help("attention logit scale of narrow heads at the first window (record #92: 0.13)",
+                                     0.13)
+    rotary_dims: int = _help("leading dims of each head that rotary turns, in pairs; the rest carry no position "
+                             "(record #92: 64, all of a narrow head, half a full one); 0: half of --head_dim", 0)
+    parallel_mlp_layers: str = _help("layers with a second MLP beside the first, reading the same normed input, "
+                                     "added with the same post lambda (record #92: 8)", "")
+    no_x0_layers: str = _help("layers without the x0 injection (record #92: 3,8,9)", "")
+    no_bigram_layers: str = _help("layers without the bigram injection; layer 0's comes before the first layer "
+                                  "(record #92: 2,3,7,8)", "")
+    retired_gates: str = _help("gates kept though no layer reads them, as role:layer with role xsa, attn, dc (outputs "
+                               "of the gate networks) or ve (a row of ve_gates): record #92 took layers 4, 7 and 9's "
+                               "attention and layer 10's DC and kept their gates: xsa:4,xsa:7,dc:10,ve:9; they take "
+                               "no gradient", "")
+    head_mix: str = _help("states the stream adds before the final norm, each weighted by the second MUDD net, in "
+                          "the order of its outputs: x0 (the stream's start), shared (the shared-input layer's "
+                          "output), last (the last layer's input), skip (the skip source's output), ve<N> (value "
+                          "embedding N's rows), mlp_in (the last layer's normed MLP input), shared_in (the normed "
+                          "shared input the layers after it attend from) (record #92: x0,shared,last,ve0,skip,ve1,"
+                          "ve3,ve2,mlp_in,shared_in)", "x0,shared,last,ve0,skip")
+    head_mix_groups: int = _help("per-channel-group deltas of the head mix's weights: the model dim in this many "
+                                 "groups, each weight plus a delta of its own per group (record #92: 12); 0: none",
+                                 0)
+    virtual_seq_cap: int = _help("training attention does not cross a boundary every N tokens of a document "
+                                 "(record #92: 2560); everything else, rotary positions included, sees the whole "
+                                 "document; validation has none; 0: none", 0)
+    norm_eps: float = _help("eps of every RMS norm: the blocks', QK-norm, x0's and the final one (the records': "
+                            "PyTorch's default, fp32's epsilon 2**-23, for their bf16 activations too)", 2 ** -23)
     shared_input_layer: int = _help("the layers after this one read their attention input from its output", 7)
     mudd_gate_layer: int = _help("the second MUDD gate network runs at the start of this layer", 4)
     logit_cap: float = _help("logits are squashed to (0, cap) with cap * sigmoid((x + shift) / width)", 23.0)
@@ -300,8 +342,7 @@ PRESETS: dict[str, dict] = {
 # taper at the third's lr times sqrt(20 / 24), then 20 extension steps at batch 8; the cooldown over the last 80%
 # of the 1,174 scheduled steps to 0.3; the prefix-token weight 0.25, then 0.2, 0.15, 0.1, 0.05 over stage 1's
 # quarters; the embedding untied at the extension's first Adam step; the value embeddings' and the n-gram table's
-# Adam every 4th step from step 336. The rest of record #92's algorithm (model,
-# loss, optimizer) is being ported (issue 52): until it is, no preset uses these values.
+# Adam every 4th step from step 336.
 RECORD92_SCHEDULE = dict(
     num_iterations=1194, extension_steps=20, grown_steps=52, grown_stage=2,
     stage_fractions="0.28557134280568336,0.32109265559335604,0.33333600160096055,0.06",
@@ -311,6 +352,29 @@ RECORD92_SCHEDULE = dict(
     stage_mtp_weights="1,0.5,0.25>1,0.5,0/1,0.5>1,0/1>1/1>1", stage_prefix_weights="0.25,0.2|0.15|0.1|0.05,0,0",
     cooldown_frac=0.8, final_lr_frac=0.3, untie_stage=4, embed_adam_period=4, embed_adam_period_start=336,
 )
+
+# Record #92's model (modded-nanogpt PR #360, "ANVIL2", 2026-09-28) as flag values: the model part of a preset, NOT
+# wired to --preset (the speedrun preset switches to #92 when every part of it holds; its loss, optimizer, n-gram
+# table and schedule are flags of their own). Its layer 7 is removed whole, layers 4 and 9 run their MLP alone, and
+# seven layers attend: narrow queries and keys on the five short-window ones, narrow values on two of them, full
+# width on the long-window 3 and 10; layer 8 has a second MLP; four value embeddings; the gate networks keep #89's
+# layout (the retired gates); the head mix adds ten states with per-group deltas; attention segments of 2,560 tokens
+# at most in training; every RMS norm with fp32's eps (record #92's PyTorch's default for bf16 too).
+RECORD92_MODEL = dict(
+    no_attention_layers="4,6,9", removed_layers="7", paired_layers="0,2,5", long_window_layers="3,10",
+    xsa_layers="1,3", attn_gate_layers="3,10", dc_layers="", retired_gates="xsa:4,xsa:7,dc:10,ve:9",
+    value_embed_layers="1,2,8,10", skip_layers="3:6", shared_input_layer=7, mudd_gate_layer=4,
+    narrow_qk_layers="0,1,2,5,8", narrow_value_layers="1,8", narrow_dim=64, attn_scale=0.085, narrow_attn_scale=0.13,
+    rotary_dims=64, mlp_hidden=2816, parallel_mlp_layers="8", no_x0_layers="3,8,9", no_bigram_layers="2,3,7,8",
+    head_mix="x0,shared,last,ve0,skip,ve1,ve3,ve2,mlp_in,shared_in", head_mix_groups=12, virtual_seq_cap=2560,
+    norm_eps=2 ** -23,
+)
+
+
+def flags_of(values: dict) -> list[str]:
+    """A dict of field values (a preset's, RECORD92_MODEL) as command-line flags."""
+    return [f"--{name}={value}" for name, value in values.items()]
+
 
 # Fields that steer one run without changing what it computes: a checkpoint may be
 # resumed with different values of these.
@@ -621,28 +685,70 @@ class LayerPlan:
     attn_gate: bool
     dc: bool
     value_embed: int | None  # which value-embedding table feeds this layer's values
-    ve_gate: int | None  # which row of ve_gates mixes it (None on the MUDD layer, whose MUDD net does)
+    ve_gate: int | None  # which row of ve_gates mixes it (None on the MUDD layer, whose MUDD net does; ve_gate_layers)
     shared_input: bool  # reads its attention input from the shared_input_layer's output
     skip_target: bool  # the gated skip replaces its attention
     mudd: bool  # the last layer: MUDD mixing around its attention and MLP
+    removed: bool = False  # no attention and no MLP: residual lambdas and injections only
+    narrow_qk: bool = False  # queries and keys of narrow_dim dims a head
+    narrow_value: bool = False  # values (and the output projection's inputs) of narrow_dim dims a head
+    parallel_mlp: bool = False  # a second MLP on the same normed input
+    x0_inject: bool = False  # adds the x0 injection after its attention (or its place)
+    bigram_inject: bool = False  # adds the bigram injection there (layer 0: before the first layer)
+    injects: bool = False  # owns an x0 and a bigram gate (every layer but the skip target and the MUDD layer)
+    retired: tuple = ()  # roles whose gates it keeps though it reads none (--retired_gates)
 
 
 def layer_plan(args: Hyperparameters) -> list[LayerPlan]:
     n = args.num_layers
-    no_attention = set(int_list(args, "no_attention_layers"))
-    sets = {name: set(int_list(args, name)) for name in ("paired_layers", "long_window_layers", "xsa_layers",
-                                                          "attn_gate_layers", "dc_layers")}
+    sets = {name: set(int_list(args, name)) for name in (
+        "no_attention_layers", "removed_layers", "paired_layers", "long_window_layers", "xsa_layers",
+        "attn_gate_layers", "dc_layers", "narrow_qk_layers", "narrow_value_layers", "parallel_mlp_layers",
+        "no_x0_layers", "no_bigram_layers")}
+    retired = retired_gates(args)
     ve_layers = int_list(args, "value_embed_layers")
+    gate_rows = ve_gate_layers(args)
     skip_from, skip_to = skip_pair(args)
     plans = []
     for i in range(n):
-        attention = i not in no_attention
+        attention = i not in sets["no_attention_layers"] | sets["removed_layers"]
         ve = ve_layers.index(i) if i in ve_layers else None
         mudd = i == n - 1
-        plans.append(LayerPlan(i, attention, i in sets["paired_layers"], i in sets["long_window_layers"],
-                               i in sets["xsa_layers"], i in sets["attn_gate_layers"], i in sets["dc_layers"], ve,
-                               None if ve is None or mudd else ve, i > args.shared_input_layer, i == skip_to, mudd))
+        injects = i != skip_to and not mudd
+        plans.append(LayerPlan(
+            i, attention, i in sets["paired_layers"], i in sets["long_window_layers"], i in sets["xsa_layers"],
+            i in sets["attn_gate_layers"], i in sets["dc_layers"], ve,
+            None if ve is None or mudd else gate_rows.index(i),
+            i > args.shared_input_layer, i == skip_to, mudd, removed=i in sets["removed_layers"],
+            narrow_qk=i in sets["narrow_qk_layers"], narrow_value=i in sets["narrow_value_layers"],
+            parallel_mlp=i in sets["parallel_mlp_layers"], x0_inject=injects and i not in sets["no_x0_layers"],
+            bigram_inject=injects and i not in sets["no_bigram_layers"], injects=injects,
+            retired=tuple(role for role, layer in retired if layer == i)))
     return plans
+
+
+# The per-head gates a layer's role gives it, which --retired_gates names: from the gate networks (GateLayout: XSA,
+# attention gates, DC) or a row of ve_gates (a value embedding's).
+GATE_ROLES = ("xsa", "attn", "dc", "ve")
+
+
+def ve_gate_layers(args: Hyperparameters) -> tuple[int, ...]:
+    """The layers whose value-embedding gates ve_gates holds, a row each in layer order: those with a value embedding
+    and those that keep a retired one's (--retired_gates=ve:N)."""
+    retired = {layer for role, layer in retired_gates(args) if role == "ve"}
+    return tuple(sorted(set(int_list(args, "value_embed_layers")) | retired))
+
+
+def retired_gates(args: Hyperparameters) -> tuple[tuple[str, int], ...]:
+    """--retired_gates=xsa:4,dc:10 as ((role, layer), ...)."""
+    pairs = []
+    for part in filter(None, (p.strip() for p in args.retired_gates.split(","))):
+        role, colon, layer = part.partition(":")
+        if not colon or role not in GATE_ROLES or not layer.strip().lstrip("-").isdigit():
+            raise ConfigError(f"--retired_gates={args.retired_gates}: expected role:layer pairs with role "
+                              f"{', '.join(GATE_ROLES)}, e.g. xsa:4,dc:10")
+        pairs.append((role, int(layer)))
+    return tuple(pairs)
 
 
 def skip_pair(args: Hyperparameters) -> tuple[int, int]:
@@ -651,6 +757,30 @@ def skip_pair(args: Hyperparameters) -> tuple[int, int]:
         return int(source), int(target)
     except ValueError:
         raise ConfigError(f"--skip_layers={args.skip_layers}: expected source:target, e.g. 3:6") from None
+
+
+def mlp_width(args: Hyperparameters) -> int:
+    """The MLPs' hidden width: --mlp_hidden, or --mlp_ratio times the model dim."""
+    return args.mlp_hidden or args.mlp_ratio * args.model_dim
+
+
+def rotary_dims(args: Hyperparameters) -> int:
+    """The leading dims of every head that rotary turns (--rotary_dims; default half the full head)."""
+    return args.rotary_dims or args.head_dim // 2
+
+
+def head_mix_states(args: Hyperparameters) -> tuple[str, ...]:
+    """--head_mix's states, in the order of the second MUDD net's outputs."""
+    states = tuple(part.strip() for part in args.head_mix.split(",") if part.strip())
+    tables = len(int_list(args, "value_embed_layers"))
+    for state in states:
+        table = state[2:] if state.startswith("ve") else None
+        if state not in HEAD_MIX_STATES and not (table and table.isdigit() and int(table) < tables):
+            raise ConfigError(f"--head_mix={args.head_mix}: {state!r} is not one of {', '.join(HEAD_MIX_STATES)} or "
+                              f"ve0..ve{tables - 1} (a value embedding's rows)")
+    if not states or len(set(states)) != len(states) or len(states) > MUDD_LAYER_COEFS:
+        raise ConfigError(f"--head_mix={args.head_mix}: expected 1 to {MUDD_LAYER_COEFS} different states")
+    return states
 
 
 # -----------------------------------------------------------------------------
@@ -662,13 +792,12 @@ def skip_pair(args: Hyperparameters) -> tuple[int, int]:
 
 GATE_CHANNELS = 12  # the smear gate reads this many leading channels of the token embedding
 VE_GATE_CHANNELS = 6  # a value-embedding gate reads this many channels of the attention input and of the embedding
-ATTN_SCALE = 0.1  # attention logit scale at the first window (record #85); YaRN raises it
-ROPE_MIN_FREQ = 1 / 1024  # rotary frequencies run from 1 down to this, over a quarter of each head's dims
+ROPE_MIN_FREQ = 1 / 1024  # rotary frequencies run from 1 down to this, one for each pair of rotating dims
 YARN_ALPHA, YARN_BETA = 1, 32  # frequencies turning fewer/more times than this over a window are fully/not rescaled
 # F.rms_norm's default eps, which the records leave it at: since PyTorch 2.7 (pytorch#142848) fp32's machine epsilon
-# for fp32, bf16 and fp16 inputs alike (the epsilon of the type it computes in). Fixed here so that every dtype
-# computes the same function. (Until 2026-11-29 this was bf16's epsilon, 2**-7: a misreading that the comparisons
-# with the records' code shared, patched into their side; PyTorch 2.10's bf16 runs never used it.)
+# for fp32, bf16 and fp16 inputs alike (the epsilon of the type it computes in); --norm_eps's default. (Until
+# 2026-11-29 this was bf16's epsilon, 2**-7: a misreading that the comparisons with records #85 and #89's code
+# shared, patched into their side; their PyTorch 2.10 bf16 runs never used it.)
 NORM_EPS = torch.finfo(torch.float32).eps
 XSA_EPS = 1e-4  # the record's F.normalize eps for the value direction XSA subtracts along
 DC_NORM_EPS = 1e-6  # the DC query-side weights are RMS-normalised over heads with this eps
@@ -677,7 +806,6 @@ RESIDUAL_INIT = 1.1 ** 0.5  # each sublayer scales the stream by this at init: 1
 MUDD_SCALE = 0.1  # the MUDD nets' outputs are MUDD_SCALE * (W2 h + b2); their biases are stored divided by it
 MUDD_HIDDEN = 64
 MUDD_LAYER_COEFS = 14  # the last layer's MUDD net: LayerMix names them
-MUDD_HEAD_COEFS = 5  # before the head: weights of 5 earlier states (HeadMix)
 BIGRAM_MULTIPLIERS = (36313, 27191)  # the record's hash of (current, previous) token, in int32 arithmetic
 # Record #92's n-gram table (--ngram_channels=2): its trigram rows hash (x[t], x[t-1], x[t-2]) with these, and the
 # sign rows of the two channels hash (x[t], x[t-1]) and (x[t], x[t-1], x[t-2]) with multipliers of their own, so that
@@ -689,8 +817,8 @@ NGRAM_MIN_ROWS = 6  # each channel needs two rows (one for its hashes, one for a
 BOS_ID = 50256  # <|endoftext|> starts every document
 
 
-def norm(x: Tensor) -> Tensor:
-    return F.rms_norm(x, (x.size(-1),), eps=NORM_EPS)
+def norm(x: Tensor, eps: float = NORM_EPS) -> Tensor:
+    return F.rms_norm(x, (x.size(-1),), eps=eps)
 
 
 def uniform_init_(weight: Tensor, std: float):
@@ -844,38 +972,41 @@ def positions_in_sequence(length: int, device, starts: Tensor | None = None, off
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding on adjacent pairs of the first half of each head's dimensions (the second
-    half carries no position), with YaRN: when the attention window grows, frequencies that turn only a few
-    times across the old window are slowed down in proportion, and the attention scale grows with
+    """Rotary position embedding on adjacent pairs of the first rotary_dims of each head's dimensions (the rest
+    carry no position; default: half the head), with YaRN: when the attention window grows, frequencies that turn
+    only a few times across the old window are slowed down in proportion, and the attention scale grows with
     log(new / old). The cos/sin tables hold bf16 values (as the record's) for twice the longest sequence:
-    paired layers place each token at two positions.
+    paired layers place each token at two positions. `scale`: the attention scale at the first window.
 
     Its state (frequencies, attention scale, the window they were fitted to) is in the state dict, so
     checkpoints resume exactly; the tables are recomputed from it."""
 
-    def __init__(self, head_dim: int, max_len: int, window_block: int, first_window: int):
+    def __init__(self, head_dim: int, max_len: int, window_block: int, first_window: int,
+                 rotary_dims: int | None = None, scale: float = 0.1):
         super().__init__()
         self.window_block, self.first_window = window_block, first_window
+        self.rotary_dims, self.initial_scale = rotary_dims or head_dim // 2, scale
         self.register_buffer("angular_freq", torch.zeros(head_dim))
         # bf16, the record's tables; sin holds -sin at odd indices (see apply_rotary)
         self.register_buffer("cos", torch.zeros(2 * max_len, head_dim, dtype=torch.bfloat16), persistent=False)
         self.register_buffer("sin", torch.zeros(2 * max_len, head_dim, dtype=torch.bfloat16), persistent=False)
         self.register_buffer("attn_scale", torch.zeros(()), persistent=False)  # a tensor: data, not a constant
-        self.window, self.scale = first_window, ATTN_SCALE
+        self.window, self.scale = first_window, scale
         self.register_load_state_dict_post_hook(lambda module, incompatible: module.refresh())
         self.reset()
 
     @torch.no_grad()
     def reset(self):
-        quarter = self.angular_freq.numel() // 4
-        freq = ROPE_MIN_FREQ ** torch.linspace(0, 1, quarter, device=self.angular_freq.device)
-        self.angular_freq.copy_(torch.cat([freq.repeat_interleave(2), freq.new_zeros(2 * quarter)]))
-        self.window, self.scale = self.first_window, ATTN_SCALE
+        turning = self.rotary_dims // 2  # frequencies, each turning one pair of dims
+        freq = ROPE_MIN_FREQ ** torch.linspace(0, 1, turning, device=self.angular_freq.device)
+        still = freq.new_zeros(self.angular_freq.numel() - 2 * turning)
+        self.angular_freq.copy_(torch.cat([freq.repeat_interleave(2), still]))
+        self.window, self.scale = self.first_window, self.initial_scale
         self.refresh()
 
     @torch.no_grad()
     def set_window(self, window: int):
-        """Fit the frequencies to a long window of `window` blocks (YaRN); nothing if it is the current one."""
+        """Fit the frequencies to a window of `window` blocks (YaRN); nothing if it is the current one."""
         if window == self.window:
             return
         old = self.window
@@ -922,8 +1053,15 @@ def window_tokens(windows: tuple[int, int], long_window: bool, window_block: int
     return window_block * windows[1 if long_window else 0]
 
 
-def document_ids(tokens: Tensor) -> Tensor:
-    return (tokens == BOS_ID).cumsum(0)
+def document_ids(tokens: Tensor, cap: int = 0) -> Tensor:
+    """Each position's document: a BOS token starts a new one. With cap (record #92's virtual attention segments,
+    --virtual_seq_cap), so does every cap-th token after a document's start: attention then stays within pieces of
+    at most cap tokens of a document."""
+    starts = tokens == BOS_ID
+    if cap:
+        position = positions_in_sequence(len(tokens), tokens.device, starts)
+        starts = starts | ((position % cap == 0) & (position > 0))
+    return starts.cumsum(0)
 
 
 def dense_attention_mask(docs: Tensor, window: int, num_queries: int | None = None) -> Tensor:
@@ -965,11 +1103,12 @@ def block_mask_parts(docs: Tensor, window: Tensor, block_size: int) -> tuple[Ten
             *_ordered_blocks(every.mT))
 
 
-def mask_parts(tokens: Tensor, kinds: tuple, windows: Tensor, block_size: int) -> tuple[Tensor, dict]:
-    """The document ids of a packed sequence and, for each kind of layer (long window, paired), its documents
-    (a paired layer's doubled), its window (a 0-dim tensor of `windows`: short, long, in tokens) and its
-    block mask's index tensors: everything build_masks computes on the device, one compiled call on CUDA."""
-    docs = document_ids(tokens)
+def mask_parts(tokens: Tensor, kinds: tuple, windows: Tensor, block_size: int, cap: int = 0) -> tuple[Tensor, dict]:
+    """The document ids of a packed sequence (cut every `cap` tokens: document_ids) and, for each kind of layer
+    (long window, paired), its documents (a paired layer's doubled), its window (a 0-dim tensor of `windows`:
+    short, long, in tokens) and its block mask's index tensors: everything build_masks computes on the device,
+    one compiled call on CUDA."""
+    docs = document_ids(tokens, cap)
     parts = {}
     for long_window, paired in kinds:
         layer_docs = docs.repeat_interleave(2) if paired else docs
@@ -1016,18 +1155,19 @@ class Masks:
 
 
 def build_masks(tokens: Tensor, plans: list[LayerPlan], windows: tuple[int, int], window_block: int,
-                use_flex: bool, parts: Callable = mask_parts) -> Masks:
+                use_flex: bool, parts: Callable = mask_parts, cap: int = 0) -> Masks:
     """One mask per kind of layer: (short or long window) x (paired or not); layers of a kind share it. With
-    FlexAttention, `parts` computes the block masks' tensors (the model's mask_parts: compiled on CUDA)."""
+    FlexAttention, `parts` computes the block masks' tensors (the model's mask_parts: compiled on CUDA). cap:
+    training's --virtual_seq_cap (document_ids)."""
     kinds = tuple(dict.fromkeys((plan.long_window, plan.paired) for plan in plans if plan.attention))
     tokens_of = lambda long_window: window_tokens(windows, long_window, window_block)
     if not use_flex:
-        docs = document_ids(tokens)
+        docs = document_ids(tokens, cap)
         return Masks({(long_window, paired): dense_attention_mask(docs.repeat_interleave(2) if paired else docs,
                                                                   tokens_of(long_window))
                       for long_window, paired in kinds}, docs, windows)
     window_t = host_to_device(torch.tensor([tokens_of(False), tokens_of(True)]), tokens.device)
-    docs, by_kind = parts(tokens, kinds, window_t, window_block)
+    docs, by_kind = parts(tokens, kinds, window_t, window_block, cap)
     return Masks({kind: flex_block_mask(kind_docs, window, window_block, parts)
                   for kind, (kind_docs, window, parts) in by_kind.items()}, docs, windows)
 
@@ -1090,9 +1230,9 @@ class AttentionCache:
     over them: after rotary and the key offset, interleaved for a paired layer; and the last token's
     unshifted stationary key dimensions, which the key offset moves to the next token."""
 
-    def __init__(self, max_len: int, heads: int, head_dim: int, device, dtype):
-        self.k = torch.zeros(1, max_len, heads, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
+    def __init__(self, max_len: int, heads: int, qk_dim: int, v_dim: int, device, dtype):
+        self.k = torch.zeros(1, max_len, heads, qk_dim, device=device, dtype=dtype)
+        self.v = torch.zeros(1, max_len, heads, v_dim, device=device, dtype=dtype)
         self.length = 0
         self.last_key_half: Tensor | None = None
 
@@ -1113,12 +1253,23 @@ def paired_view(t: Tensor) -> Tensor:
 class CausalSelfAttention(nn.Module):
     """One layer's attention. qk holds the query and key weights in blocks of two heads (the record's
     NorMuon units: each head pair's queries, then each pair's keys), vo the value and output weights;
-    both are scaled by the layer's two attention lambdas."""
+    both are scaled by the layer's two attention lambdas.
 
-    def __init__(self, plan: LayerPlan, dim: int, head_dim: int, dc_window: int, window_block: int):
+    Narrow heads (record #92): a narrow-QK layer's queries and keys have qk_dim < head_dim dims a head, from the
+    first qk_dim rows of each head's block of qk; a narrow-value layer's values have v_dim < head_dim dims, from
+    the first v_dim rows of each head's value weights, and its output projection reads the matching v_dim
+    columns of each head's block. The parameters keep the full shapes (the record's matrices, which its
+    optimizer updates whole: the rows no head reads take no gradient)."""
+
+    def __init__(self, plan: LayerPlan, args: Hyperparameters):
         super().__init__()
+        dim, head_dim = args.model_dim, args.head_dim
         self.plan, self.num_heads, self.head_dim = plan, dim // head_dim, head_dim
-        self.dc_window, self.window_block = dc_window, window_block
+        self.qk_dim = args.narrow_dim if plan.narrow_qk else head_dim
+        self.v_dim = args.narrow_dim if plan.narrow_value else head_dim
+        self.rotary_dims = rotary_dims(args)  # the key offset moves the dims past these (no position)
+        self.norm_eps = args.norm_eps
+        self.dc_window, self.window_block = args.dc_window, args.window_block
         self.qk = nn.Parameter(torch.empty(self.num_heads, 2 * head_dim, dim))
         self.vo = nn.Parameter(torch.empty(2, dim, dim))
         uniform_init_(self.qk, 0.5 * dim ** -0.5)
@@ -1127,34 +1278,56 @@ class CausalSelfAttention(nn.Module):
         # memory model a stand-in that only keeps what FlexAttention would
         self.attend = attention
 
+    def qkv_weight(self) -> Tensor:
+        """The Q, K and V rows the layer reads, (H (2 qk_dim + v_dim), dim): each head's first qk_dim rows of qk
+        and first v_dim rows of V."""
+        H, D, dim = self.num_heads, self.head_dim, self.vo.size(-1)
+        qk, v = self.qk.flatten(0, 1), self.vo[0]
+        if self.qk_dim != D:  # (H head pairs, 2 heads, D rows, dim): the first qk_dim rows of each head
+            qk = self.qk.view(H, 2, D, dim)[:, :, :self.qk_dim].reshape(2 * H * self.qk_dim, dim)
+        if self.v_dim != D:
+            v = v.view(H, D, dim)[:, :self.v_dim].reshape(H * self.v_dim, dim)
+        return torch.cat([qk, v])
+
+    def out_weight(self) -> Tensor:
+        """The output projection as the layer reads it, (dim, H v_dim): the columns of each head's values."""
+        o = self.vo[1]
+        if self.v_dim != self.head_dim:
+            o = o.unflatten(1, (self.num_heads, self.head_dim))[..., :self.v_dim].flatten(1)
+        return o
+
+    def live_weights(self) -> int:
+        """The weights the layer reads (the matmul FLOPs count these): Q, K, V and O."""
+        return self.num_heads * (2 * self.qk_dim + 2 * self.v_dim) * self.vo.size(-1)
+
     def forward(self, x: Tensor, lambdas: Tensor, extras: AttentionExtras, inputs: LayerInputs,
                 cache: AttentionCache | None = None) -> Tensor:
         B, T, dim = x.shape
-        H, D, plan = self.num_heads, self.head_dim, self.plan
-        masks, rotary, aux_v = inputs.masks, inputs.rotary, extras.aux_v
-        w_qkv = torch.cat([self.qk.flatten(0, 1), self.vo[0]])
-        q, k, v = F.linear(x, lambdas[0] * w_qkv.type_as(x)).view(B, T, 3 * H, D).chunk(3, dim=-2)  # (B, T, H, D) each
-        q, k = norm(q), norm(k)  # QK-norm bounds the logits
+        H, Dq, Dv, plan = self.num_heads, self.qk_dim, self.v_dim, self.plan
+        masks, rotary, aux_v = inputs.masks, inputs.rotary_of(plan), extras.aux_v
+        qkv = F.linear(x, lambdas[0] * self.qkv_weight().type_as(x))
+        q, k, v = (t.view(B, T, H, -1) for t in qkv.split([H * Dq, H * Dq, H * Dv], dim=-1))  # (B, T, H, D) each
+        q, k = norm(q, self.norm_eps), norm(k, self.norm_eps)  # QK-norm bounds the logits
         start = cache.length // (2 if plan.paired else 1) if cache is not None else 0
         # rotary positions: the packed sequence's (the record's), or each document's own (separate_documents)
         rows = torch.arange(start, start + T, device=x.device) if masks.positions is None else masks.positions
         if plan.paired:
             # each head pair's 2D dims turn at positions 2t (first head) and 2t+1 (second head)
             rows2 = (2 * rows[:, None] + torch.arange(2, device=x.device)).flatten()
-            cos, sin = rotary.cos[rows2].view(T, 1, 2 * D), rotary.sin[rows2].view(T, 1, 2 * D)
+            cos, sin = rotary.cos[rows2].view(T, 1, 2 * Dq), rotary.sin[rows2].view(T, 1, 2 * Dq)
             # (B, T, H/2, 2D): heads j and j + H/2 side by side, turned at their two positions
-            q = apply_rotary(q.reshape(B, T, H // 2, 2 * D), cos, sin)
-            k = apply_rotary(k.reshape(B, T, H // 2, 2 * D), cos, sin)
-            q, k, v = paired_view(q.view(B, T, H, D)), paired_view(k.view(B, T, H, D)), paired_view(v)
+            q = apply_rotary(q.reshape(B, T, H // 2, 2 * Dq), cos, sin)
+            k = apply_rotary(k.reshape(B, T, H // 2, 2 * Dq), cos, sin)
+            q, k, v = paired_view(q.view(B, T, H, Dq)), paired_view(k.view(B, T, H, Dq)), paired_view(v)
             if aux_v is not None:
-                v = v + aux_v.view_as(v)
+                v = v + self.value_part(aux_v).view_as(v)
         else:
             cos, sin = rotary.cos[rows, None], rotary.sin[rows, None]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             if plan.long_window:
                 k = self.key_offset(k, masks, cache)
             if aux_v is not None:
-                v = v + aux_v.view_as(v)
+                v = v + self.value_part(aux_v).view_as(v)
         scale = rotary.attn_scale
         if cache is None:  # the kernels take (B, H, T, D)
             y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -1164,25 +1337,31 @@ class CausalSelfAttention(nn.Module):
             y, keys, values, docs = self.attend_cached(q, k, v, inputs, cache)
         if extras.dc_w is not None:
             y = y + self.dc(q, keys, values, docs, extras.dc_w, scale)
-        y = y.reshape(B, T, H, D)  # a paired layer's interleaved heads back in order
+        y = y.reshape(B, T, H, Dv)  # a paired layer's interleaved heads back in order
         xsa_alpha, gate = extras.xsa_alpha, extras.gate
         if xsa_alpha is not None:  # XSA: take out a learned share of the output along the value's direction
             y = y - torch.tanh(xsa_alpha).type_as(y).view(B, T, H, 1) * along(y, v)
         if gate is not None:
             y = y * gate.type_as(y).view(B, T, H, 1)
-        return F.linear(y.reshape(B, T, dim), lambdas[1] * self.vo[1].type_as(y))
+        return F.linear(y.reshape(B, T, H * Dv), lambdas[1] * self.out_weight().type_as(y))
+
+    def value_part(self, aux_v: Tensor) -> Tensor:
+        """What the values take of an addition made at full width, (B, T, dim): each head's first v_dim dims."""
+        if self.v_dim == self.head_dim:
+            return aux_v
+        return aux_v.unflatten(-1, (self.num_heads, self.head_dim))[..., :self.v_dim].contiguous()
 
     def key_offset(self, k: Tensor, masks: Masks, cache: AttentionCache | None) -> Tensor:
-        """Each key's stationary half (no rotary) is the previous token's: one layer can then match a
-        token to what followed its earlier occurrences (induction). Position 0 keeps its own."""
-        half = self.head_dim // 2
-        first = k[:, :1, :, half:] if cache is None or cache.last_key_half is None else cache.last_key_half
+        """Each key's stationary dims (those rotary does not turn) are the previous token's: one layer can then
+        match a token to what followed its earlier occurrences (induction). Position 0 keeps its own."""
+        still = self.rotary_dims
+        first = k[:, :1, :, still:] if cache is None or cache.last_key_half is None else cache.last_key_half
         if cache is not None:
-            cache.last_key_half = k[:, -1:, :, half:]
-        shifted = torch.cat([first, k[:, :-1, :, half:]], dim=1)
+            cache.last_key_half = k[:, -1:, :, still:]
+        shifted = torch.cat([first, k[:, :-1, :, still:]], dim=1)
         if masks.fresh is not None:
-            shifted = torch.where(masks.fresh[None, :, None, None], k[..., half:], shifted)
-        return torch.cat([k[..., :half], shifted], dim=-1)
+            shifted = torch.where(masks.fresh[None, :, None, None], k[..., still:], shifted)
+        return torch.cat([k[..., :still], shifted], dim=-1)
 
     def dc(self, q: Tensor, keys: Tensor, values: Tensor, docs: Tensor, dc_w: tuple, scale: Tensor) -> Tensor:
         w1, w2 = dc_w
@@ -1211,7 +1390,7 @@ class CausalSelfAttention(nn.Module):
         window = window_tokens(inputs.masks.windows, self.plan.long_window, self.window_block)
         mask = dense_attention_mask(docs, window, num_queries=q.size(1))
         y = attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask,
-                      inputs.rotary.attn_scale).transpose(1, 2)
+                      inputs.rotary_of(self.plan).attn_scale).transpose(1, 2)
         return y, keys, values, docs
 
     def dc_cached(self, q: Tensor, keys: Tensor, values: Tensor, docs: Tensor, dc_w: tuple, scale: Tensor) -> Tensor:
@@ -1363,21 +1542,21 @@ class MLP(nn.Module):
     down-projection. scaled_down (--mlp_down_fp8): the down-projection's delayed scales are run state (buffers
     saved with the weights; the activation's is per rank), used where the up-projection runs in FP8."""
 
-    def __init__(self, dim: int, ratio: int, precision: str, scaled_down: bool = False):
+    def __init__(self, dim: int, hidden: int, precision: str, scaled_down: bool = False):
         super().__init__()
         self.precision = precision
-        self.fc = nn.Parameter(torch.empty(ratio * dim, dim))
-        self.proj = nn.Parameter(torch.zeros(ratio * dim, dim))  # zero init: each layer starts as the identity
+        self.fc = nn.Parameter(torch.empty(hidden, dim))
+        self.proj = nn.Parameter(torch.zeros(hidden, dim))  # zero init: each layer starts as the identity
         uniform_init_(self.fc, 0.5 * dim ** -0.5)
         self.down_fp8 = scaled_down and precision == "fp8"
         if scaled_down:
             for name in ("down_act_scale", "down_weight_scale", "down_weight_next_scale"):
                 self.register_buffer(name, torch.ones((), dtype=torch.float32))
         if precision == "fp8":
-            self.register_buffer("fc_f8", torch.zeros(ratio * dim, dim, dtype=torch.float8_e4m3fn), persistent=False)
+            self.register_buffer("fc_f8", torch.zeros(hidden, dim, dtype=torch.float8_e4m3fn), persistent=False)
             self.register_buffer("fc_scale", torch.ones((), dtype=torch.float32), persistent=False)
         if self.down_fp8:
-            self.register_buffer("proj_f8_t", torch.zeros(dim, ratio * dim, dtype=torch.float8_e4m3fn),
+            self.register_buffer("proj_f8_t", torch.zeros(dim, hidden, dtype=torch.float8_e4m3fn),
                                  persistent=False)
         self.refresh_fp8("exact")
 
@@ -1408,7 +1587,8 @@ class LayerInputs:
     """What every layer reads besides the stream: the embedding's normed state x0, the bigram injection,
     the value-embedding rows of each table (a (T, dim) tensor each), the per-token gates by name (GateLayout), the
     states MUDD and the skip read (0: the stream's start; the skip source; the shared-input layer; "last":
-    the MUDD layer's input), the masks (with their windows) and the rotary module."""
+    the MUDD layer's input; "mlp_in": its normed MLP input, where the head mix reads it), the masks (with their
+    windows) and the rotary modules (full-width heads', and narrow heads' where some layer has them)."""
     x0: Tensor
     x0_bigram: Tensor
     ve: tuple
@@ -1416,6 +1596,10 @@ class LayerInputs:
     saved: dict
     masks: Masks
     rotary: Rotary
+    narrow_rotary: Rotary | None = None
+
+    def rotary_of(self, plan: LayerPlan) -> Rotary:
+        return self.narrow_rotary if plan.narrow_qk else self.rotary
 
 
 class LayerMix(NamedTuple):
@@ -1439,15 +1623,10 @@ class LayerMix(NamedTuple):
     mlp_out: Tensor
 
 
-class HeadMix(NamedTuple):
-    """Before the head, what the stream adds of five earlier states, each weight (1, T, 1) (record #85's
-    order): the stream's start, the shared-input layer's output, the MUDD layer's input, the first value
-    embedding's rows, the skip source's output."""
-    x0: Tensor
-    shared: Tensor
-    last_input: Tensor
-    value_embedding: Tensor
-    skip_source: Tensor
+# The states the head mix can add (--head_mix), besides the value embeddings' rows ("ve<N>"): the stream's start,
+# the shared-input layer's output, the last layer's input, the skip source's output, the last layer's normed MLP
+# input, and the normed shared input (the attention input of the layers after the shared-input layer).
+HEAD_MIX_STATES = ("x0", "shared", "last", "skip", "mlp_in", "shared_in")
 
 
 @dataclass
@@ -1476,55 +1655,83 @@ class AttentionExtras:
 class Block(nn.Module):
     """One layer: attention (or, at the skip target, the gated skip) then the MLP, each added to the
     stream with the layer's residual and post lambdas, with the x0 and bigram injections; the MUDD layer
-    (LayerMix: its MUDD net's 14 coefficients) mixes earlier states around both. On CUDA each block is compiled
-    on its own: one graph per kind of layer and sequence length, and the gradient hooks of its parameters
-    fire as soon as its backward is done."""
+    (LayerMix: its MUDD net's 14 coefficients) mixes earlier states around both. A layer without attention
+    takes its residual lambda and injections alone before its MLP; a removed layer (record #92) takes them
+    alone, and its MLP's residual lambda, with no MLP. A parallel MLP (record #92) reads the MLP's input and
+    adds its output with the same post lambda. On CUDA each block is compiled on its own: one graph per kind of
+    layer and sequence length, and the gradient hooks of its parameters fire as soon as its backward is done."""
 
-    def __init__(self, plan: LayerPlan, args: Hyperparameters, mlp_precision: str):
+    def __init__(self, plan: LayerPlan, args: Hyperparameters, mlp_precision: str, saves_mlp_input: bool = False):
         super().__init__()
         self.plan = plan
         self.skip_from, self.shared_layer = skip_pair(args)[0], args.shared_input_layer  # the states it may read
-        self.attn = (CausalSelfAttention(plan, args.model_dim, args.head_dim, args.dc_window, args.window_block)
-                     if plan.attention else None)
-        self.mlp = MLP(args.model_dim, args.mlp_ratio, mlp_precision, args.mlp_down_fp8)
+        self.norm_eps, self.saves_mlp_input = args.norm_eps, saves_mlp_input
+        self.attn = CausalSelfAttention(plan, args) if plan.attention else None
+        make_mlp = lambda: MLP(args.model_dim, mlp_width(args), mlp_precision, args.mlp_down_fp8)
+        self.mlp = None if plan.removed else make_mlp()
+        self.parallel_mlp = make_mlp() if plan.parallel_mlp else None
+
+    def inject(self, x: Tensor, inputs: LayerInputs) -> Tensor:
+        """The x0 and bigram injections after a layer's attention (layer 0's bigram one came before the first
+        layer)."""
+        plan, gates = self.plan, inputs.gates
+        if plan.x0_inject:
+            x = x + inputs.x0 * gates[("x0", plan.index)]
+        if plan.bigram_inject and plan.index != 0:
+            x = x + inputs.x0_bigram * gates[("bigram", plan.index)]
+        return x
 
     def forward(self, x: Tensor, inputs: LayerInputs, weights: LayerWeights,
                 cache: AttentionCache | None = None) -> Tensor:
+        plan, saved = self.plan, inputs.saved
+        mu, resid, post = weights.mix, weights.resid, weights.post
+        if plan.removed:
+            return resid[1] * self.inject(resid[0] * x, inputs)
+        if plan.skip_target:
+            x = x + torch.sigmoid(weights.skip) * inputs.gates[("skip",)] * saved[self.skip_from]
+        elif not plan.attention:
+            x = self.inject(resid[0] * x, inputs)
+        else:
+            x = self.attention(x, inputs, weights, cache)
+        h = norm(x, self.norm_eps)
+        if self.saves_mlp_input:
+            saved["mlp_in"] = h
+        stream, out = (mu.mlp_stream, mu.mlp_out) if mu is not None else (resid[1], post[1])
+        x = stream * x + out * self.mlp(h)
+        if self.parallel_mlp is not None:
+            x = x + out * self.parallel_mlp(h)
+        return x
+
+    def attention(self, x: Tensor, inputs: LayerInputs, weights: LayerWeights, cache: AttentionCache | None) -> Tensor:
+        """The attention sublayer and what the stream takes of it (the MUDD layer: its MUDD coefficients')."""
         plan, i, saved, gates = self.plan, self.plan.index, inputs.saved, inputs.gates
         mu, resid, post = weights.mix, weights.resid, weights.post
         B, T, dim = x.shape
-        if plan.skip_target:
-            x = x + torch.sigmoid(weights.skip) * gates[("skip",)] * saved[self.skip_from]
+        attn_in = norm(saved[self.shared_layer] if plan.shared_input else x, self.norm_eps)
+        H = self.attn.num_heads
+        # this layer's value-embedding rows, per head: (1, T, H, D), like the values
+        table = inputs.ve[plan.value_embed].view(1, T, H, -1) if plan.value_embed is not None else None
+        if mu is not None:  # the MUDD layer
+            shared = saved[self.shared_layer]
+            v_mudd = (mu.value_x0 * saved[0] + mu.value_shared * shared + mu.value_stream * x).view(1, T, H, -1)
+            x = (1 + mu.input_stream) * x + mu.input_x0 * saved[0] + mu.input_shared * shared
+            gate = torch.cat([mu.ve_gate_first, mu.ve_gate_second], dim=-1).repeat_interleave(H // 2, dim=-1)
+            gate = gate.unsqueeze(-1)
+            aux_v = (gate * table + v_mudd).view(1, T, -1)
+        elif table is not None:
+            gate_in = torch.cat([attn_in[..., :VE_GATE_CHANNELS], table.view(1, T, -1)[..., :VE_GATE_CHANNELS]],
+                                dim=-1)
+            aux_v = (2 * torch.sigmoid(F.linear(gate_in, weights.ve_gate)).view(1, T, H, 1) * table).view(1, T, -1)
         else:
-            attn_in = norm(saved[self.shared_layer] if plan.shared_input else x)
-            H = self.attn.num_heads
-            # this layer's value-embedding rows, per head: (1, T, H, D), like the values
-            table = inputs.ve[plan.value_embed].view(1, T, H, -1) if plan.value_embed is not None else None
-            if mu is not None:  # the MUDD layer
-                shared = saved[self.shared_layer]
-                v_mudd = (mu.value_x0 * saved[0] + mu.value_shared * shared + mu.value_stream * x).view(1, T, H, -1)
-                x = (1 + mu.input_stream) * x + mu.input_x0 * saved[0] + mu.input_shared * shared
-                gate = torch.cat([mu.ve_gate_first, mu.ve_gate_second], dim=-1).repeat_interleave(H // 2, dim=-1)
-                gate = gate.unsqueeze(-1)
-                aux_v = (gate * table + v_mudd).view(1, T, -1)
-            elif table is not None:
-                gate_in = torch.cat([attn_in[..., :VE_GATE_CHANNELS], table.view(1, T, -1)[..., :VE_GATE_CHANNELS]],
-                                    dim=-1)
-                aux_v = (2 * torch.sigmoid(F.linear(gate_in, weights.ve_gate)).view(1, T, H, 1) * table).view(1, T, -1)
-            else:
-                aux_v = None
-            dc_w = (gates[("dc_w1", i)], gates[("dc_w2", i)]) if plan.dc else None
-            extras = AttentionExtras(aux_v, gates.get(("xsa", i)), gates.get(("attn", i)), dc_w)
-            attn_out = self.attn(attn_in, weights.lambdas, extras, inputs, cache)
-            if mu is not None:
-                x = (mu.attn_stream * x + mu.attn_out * attn_out + saved[0] * mu.attn_x0
-                     + inputs.x0_bigram * mu.attn_bigram)
-            else:
-                x = resid[0] * x + post[0] * attn_out + inputs.x0 * gates[("x0", i)]
-                if i != 0:  # layer 0's bigram injection came before the first layer
-                    x = x + inputs.x0_bigram * gates[("bigram", i)]
-        mlp_out = self.mlp(norm(x))
-        return mu.mlp_stream * x + mu.mlp_out * mlp_out if mu is not None else resid[1] * x + post[1] * mlp_out
+            aux_v = None
+        dc_w = (gates[("dc_w1", i)], gates[("dc_w2", i)]) if plan.dc else None
+        extras = AttentionExtras(aux_v, gates.get(("xsa", i)) if plan.xsa else None,
+                                 gates.get(("attn", i)) if plan.attn_gate else None, dc_w)
+        attn_out = self.attn(attn_in, weights.lambdas, extras, inputs, cache)
+        if mu is not None:
+            return (mu.attn_stream * x + mu.attn_out * attn_out + saved[0] * mu.attn_x0
+                    + inputs.x0_bigram * mu.attn_bigram)
+        return self.inject(resid[0] * x + post[0] * attn_out, inputs)
 
 
 class HeadLoss(NamedTuple):
@@ -1757,9 +1964,10 @@ class GateLayout:
     """Where each per-token gate sits in the outputs of the two MUDD gate networks (record #85's order): the
     first network (on x0) serves the layers before mudd_gate_layer, the second (on the stream entering that
     layer) the rest. In each: XSA strengths (one per head) of its XSA layers, attention gates (one per head),
-    the x0 and bigram injection weights of each attention layer (the MUDD layer has its own), then, in the
-    second, the skip weight and each DC layer's two per-head weight vectors. `slots[net]` maps a name such
-    as ("xsa", 3) to its slice; `bias[net]` holds the initial biases (stored divided by MUDD_SCALE)."""
+    the x0 and bigram injection weights of every layer but the skip target and the MUDD layer (which has its
+    own), then, in the second, the skip weight and each DC layer's two per-head weight vectors. A role a layer
+    keeps retired (record #92's, --retired_gates) keeps its slots, which nothing reads. `slots[net]` maps a name
+    such as ("xsa", 3) to its slice; `bias[net]` holds the initial biases (stored divided by MUDD_SCALE)."""
     slots: tuple
     bias: tuple
     widths: tuple
@@ -1769,15 +1977,15 @@ class GateLayout:
         slots, biases = [], []
         for net in (0, 1):
             layers = [p for p in plans if (p.index < split) == (net == 0)]
-            names: list[tuple] = [(("xsa", p.index), heads) for p in layers if p.xsa]
-            names += [(("attn", p.index), heads) for p in layers if p.attn_gate]
+            names: list[tuple] = [(("xsa", p.index), heads) for p in layers if p.xsa or "xsa" in p.retired]
+            names += [(("attn", p.index), heads) for p in layers if p.attn_gate or "attn" in p.retired]
             for p in layers:
-                if p.attention and not p.mudd:
+                if p.injects:
                     names += [(("x0", p.index), 1), (("bigram", p.index), 1)]
             if net == 1:
                 names += [(("skip",), 1)]
                 for p in layers:
-                    if p.dc:
+                    if p.dc or "dc" in p.retired:
                         names += [(("dc_w1", p.index), heads), (("dc_w2", p.index), heads)]
             table, offset = {}, 0
             bias = []
@@ -1813,6 +2021,8 @@ class GPT(nn.Module):
         self.skip_from, _ = skip_pair(args)
         self.shared_input_layer, self.mudd_gate_layer = args.shared_input_layer, args.mudd_gate_layer
         self.cap = (args.logit_cap, args.logit_cap_shift, args.logit_cap_width)
+        self.norm_eps = args.norm_eps
+        self.head_states, self.head_groups = head_mix_states(args), args.head_mix_groups
         # embeddings: the token embedding starts as (and, until the untie step, stays) the lm_head's transpose
         self.lm_head = nn.Parameter(torch.empty(dim, vocab))
         nn.init.normal_(self.lm_head, std=0.005)
@@ -1821,7 +2031,7 @@ class GPT(nn.Module):
             self.embed.weight.copy_(self.lm_head.T)
         tables = sum(p.value_embed is not None for p in self.plans)
         self.value_embeds = nn.Parameter(0.01 * torch.randn(tables * vocab, dim))
-        self.ve_gates = nn.Parameter(torch.zeros(tables, heads, 2 * VE_GATE_CHANNELS))
+        self.ve_gates = nn.Parameter(torch.zeros(len(ve_gate_layers(args)), heads, 2 * VE_GATE_CHANNELS))
         self.bigram_embed, self.ngram = None, None
         if args.ngram_channels == 1:
             self.bigram_embed = nn.Embedding(args.bigram_vocab_size, dim)
@@ -1839,6 +2049,8 @@ class GPT(nn.Module):
         self.mudd_w1 = nn.Parameter(torch.empty(2, MUDD_HIDDEN, dim))
         self.mudd_w2 = nn.Parameter(torch.zeros(2, MUDD_LAYER_COEFS, MUDD_HIDDEN))
         self.mudd_b2 = nn.Parameter(self._mudd_bias())
+        if self.head_groups:  # record #92: each head-mix weight's per-group deltas, from the same hidden layer
+            self.mudd_w2g = nn.Parameter(torch.zeros(MUDD_LAYER_COEFS, self.head_groups, MUDD_HIDDEN))
         self.gate_layout = GateLayout.build(self.plans, heads, args.mudd_gate_layer)
         widest = max(self.gate_layout.widths)
         self.mudd_gate_scale = nn.Parameter(torch.tensor(MUDD_SCALE))
@@ -1849,9 +2061,15 @@ class GPT(nn.Module):
         for w in (self.mudd_w1, self.mudd_gate_w1):
             for j in range(2):
                 nn.init.kaiming_uniform_(w.data[j], a=math.sqrt(5))
-        self.blocks = nn.ModuleList(Block(plan, args, self.numerics.mlp) for plan in self.plans)
+        self.blocks = nn.ModuleList(Block(plan, args, self.numerics.mlp, plan.mudd and "mlp_in" in self.head_states)
+                                    for plan in self.plans)
         schedule = Schedule(args)
-        self.rotary = Rotary(args.head_dim, max_positions(args), args.window_block, schedule.stages[0].windows[1])
+        # Full-width heads turn with a rotary fitted to the long window (record #85's); narrow heads (record #92's,
+        # all on short-window layers) with one of their own, fitted to the short window
+        first, positions, turned = schedule.stages[0].windows, max_positions(args), rotary_dims(args)
+        self.rotary = Rotary(args.head_dim, positions, args.window_block, first[1], turned, args.attn_scale)
+        self.narrow_rotary = (Rotary(args.narrow_dim, positions, args.window_block, first[0], turned,
+                                     args.narrow_attn_scale) if any(plan.narrow_qk for plan in self.plans) else None)
         if schedule.prefix_term:  # a row's prefix target is prefix_table[its next token]
             self.register_buffer("prefix_table", prefix_token_table(vocab), persistent=False)
         # compile_model puts compiled ones here
@@ -1868,12 +2086,13 @@ class GPT(nn.Module):
         2, the residual and post lambdas at sqrt(1.1) and 1, the bigram injection at 0.05); before the head,
         the state of the shared-input layer starts at -0.5 (the record's former "backout")."""
         bias = torch.zeros(2, MUDD_LAYER_COEFS)
-        layer, head = LayerMix._fields.index, HeadMix._fields.index
+        layer = LayerMix._fields.index
         bias[0, layer("ve_gate_first")] = bias[0, layer("ve_gate_second")] = 2.0
         bias[0, layer("attn_stream")] = bias[0, layer("mlp_stream")] = RESIDUAL_INIT
         bias[0, layer("attn_out")] = bias[0, layer("mlp_out")] = 1.0
         bias[0, layer("attn_bigram")] = 0.05
-        bias[1, head("shared")] = -0.5
+        if "shared" in self.head_states:
+            bias[1, self.head_states.index("shared")] = -0.5
         return bias / MUDD_SCALE
 
     def gates(self, x: Tensor, net: int) -> dict:
@@ -1926,9 +2145,9 @@ class GPT(nn.Module):
         resid = self.resid_lambdas.bfloat16().unbind(0)  # as the record, rounded to bf16
         post = self.post_lambdas.bfloat16().unbind(0)
         ve_gates = self.ve_gates.unbind(0)
-        x = x0 + x0_bigram * gates[("bigram", 0)]
+        x = x0 + x0_bigram * gates[("bigram", 0)] if self.plans[0].bigram_inject else x0
         saved = {0: x}  # states MUDD mixes in: the stream's start, the skip source, the shared input
-        inputs = LayerInputs(x0, x0_bigram, ve, gates, saved, masks, self.rotary)
+        inputs = LayerInputs(x0, x0_bigram, ve, gates, saved, masks, self.rotary, self.narrow_rotary)
         for plan, block in zip(self.plans, self.blocks):
             i = plan.index
             if i == self.mudd_gate_layer:
@@ -1945,7 +2164,7 @@ class GPT(nn.Module):
                 saved[i] = x
         if caches is not None:
             caches.length += T
-        return self.head_mix(x, saved, ve[0])
+        return self.head_mix(x, saved, ve)
 
     def stem(self, input_ids: Tensor, position: Tensor, before: Tensor | None, last_embedding: Tensor | None,
              x0_ngram: Tensor | None = None):
@@ -1959,7 +2178,7 @@ class GPT(nn.Module):
         previous_x = torch.cat([x[:1] if last_embedding is None else last_embedding, x[:-1]])
         smear = self.scalars[-2] * torch.sigmoid(self.smear_gate(x[:, :GATE_CHANNELS]))
         x = torch.where(has_previous[:, None], x + smear * previous_x, x)
-        x0 = norm(x)[None]
+        x0 = norm(x, self.norm_eps)[None]
         if x0_ngram is not None:
             x0_bigram = x0_ngram[None]
         else:  # bigram hash embedding, each row's sign flipped by a random table indexed by the bigram
@@ -1972,12 +2191,42 @@ class GPT(nn.Module):
         ve = tuple(table.clone() for table in rows.unbind(0))
         return x0, x0_bigram, ve, self.gates(x0, 0)
 
-    def head_mix(self, x: Tensor, saved: dict, ve0: Tensor) -> Tensor:
-        """Before the head: the second MUDD net's weights of five earlier states, then the final norm."""
-        mu = HeadMix(*self.mudd(x, 1, MUDD_HEAD_COEFS))
-        x = (x + mu.x0 * saved[0] + mu.shared * saved[self.shared_input_layer] + mu.last_input * saved["last"]
-             + mu.value_embedding * ve0[None].type_as(x) + mu.skip_source * saved[self.skip_from])
-        return norm(x)
+    def head_mix(self, x: Tensor, saved: dict, ve: tuple) -> Tensor:
+        """Before the head, the stream adds earlier states (--head_mix), each weighted by one of the second MUDD
+        net's outputs c_k: x + sum_k c_k s_k; then the final norm. With G head_mix_groups (record #92), the weight
+        is c_k + g_k[j] on channel group j of the model dim, g_k from the same hidden layer with weights of its own
+        (mudd_w2g, no bias): x_j + sum_k (c_k + g_k[j]) s_k,j."""
+        n = len(self.head_states)
+        if not self.head_groups:
+            for c, name in zip(self.mudd(x, 1, n), self.head_states):
+                x = x + c * self.head_state(name, saved, ve).type_as(x)
+            return norm(x, self.norm_eps)
+        hidden = F.gelu(F.linear(x, self.mudd_w1[1]))
+        c = (F.linear(hidden, self.mudd_w2[1, :n]) + self.mudd_b2[1, :n]) * MUDD_SCALE  # (1, T, n)
+        g = torch.einsum("btd,kgd->btkg", hidden, self.mudd_w2g[:n]) * MUDD_SCALE  # (1, T, n, G)
+        weights = (c[..., None] + g).unsqueeze(-1)  # (1, T, n, G, 1)
+        grouped = lambda t: t.unflatten(-1, (self.head_groups, -1))  # (1, T, G, dim / G)
+        x = grouped(x)
+        for k, name in enumerate(self.head_states):
+            x = x + weights[:, :, k] * grouped(self.head_state(name, saved, ve).type_as(x))
+        return norm(x.flatten(-2), self.norm_eps)
+
+    def head_state(self, name: str, saved: dict, ve: tuple) -> Tensor:
+        """One of --head_mix's states (HEAD_MIX_STATES, or "ve<N>"), (1, T, dim)."""
+        if name.startswith("ve"):
+            return ve[int(name[2:])][None]
+        where = {"x0": 0, "shared": self.shared_input_layer, "last": "last", "skip": self.skip_from,
+                 "mlp_in": "mlp_in"}
+        if name == "shared_in":
+            return norm(saved[self.shared_input_layer], self.norm_eps)
+        return saved[where[name]]
+
+    def set_windows(self, windows: tuple[int, int]):
+        """Fit the rotaries to a step's (short, long) windows (YaRN): the full-width heads' to the long, the narrow
+        heads' to the short."""
+        self.rotary.set_window(windows[1])
+        if self.narrow_rotary is not None:
+            self.narrow_rotary.set_window(windows[0])
 
     def logits(self, x: Tensor) -> Tensor:
         """Evaluation logits, squashed: bf16 (fp32 on CPU) as the record's evaluation."""
@@ -2031,8 +2280,8 @@ class KVCache:
     def __init__(self, model: GPT, max_len: int):
         p = model.embed.weight
         self.layers = [AttentionCache(max_len * (2 if plan.paired else 1), model.num_heads // (2 if plan.paired else 1),
-                                      model.head_dim, p.device, p.dtype) if plan.attention else None
-                       for plan in model.plans]
+                                      block.attn.qk_dim, block.attn.v_dim, p.device, p.dtype)
+                       if plan.attention else None for plan, block in zip(model.plans, model.blocks)]
         self.length = 0
         self.last_embedding = self.last_ids = None
 
@@ -3213,7 +3462,8 @@ class NgramAdam:
 # One training step: the optimizers' tables and set-up, the schedules a step follows, train_step and
 # evaluate. Everything after this keeps a run safe and measured
 
-# Record #85's Adam parameter table: (betas, lr multiplier, weight-decay multiplier) by parameter name.
+# Record #85's Adam parameter table: (betas, lr multiplier, weight-decay multiplier) by parameter name (a name the
+# model does not have, such as mudd_w2g without --head_mix_groups, has no group).
 ADAM_TABLE = {
     "embed.weight": ((0.5, 0.95), 1.0, 150.0),
     "lm_head": ((0.5, 0.95), 1.0, 150.0),
@@ -3227,6 +3477,7 @@ ADAM_TABLE = {
     "mudd_w1": ((0.9, 0.99), 0.25, 1.0),
     "mudd_w2": ((0.9, 0.99), 0.25, 1.0),
     "mudd_b2": ((0.9, 0.99), 0.25, 0.0),
+    "mudd_w2g": ((0.9, 0.99), 0.25, 1.0),  # record #92's head-mix deltas (--head_mix_groups), as its mudd_w2's
     "mudd_gate_w1": ((0.9, 0.99), 0.1, 1.0),
     "mudd_gate_w2": ((0.9, 0.99), 0.1, 1.0),
     "mudd_gate_b2": ((0.9, 0.99), 0.1, 0.0),
@@ -3314,7 +3565,8 @@ def refresh_fp8(model: GPT, scales: str = "stored"):
     step, loading): all of them in one call, compiled on CUDA. `scales`, for the down-projections' delayed
     scaling (mlp_down_fp8): "exact" at the start, then after each step "exact" or "delayed" (down_scales),
     "stored" after loading weights with their scales."""
-    mlps = [block.mlp for block in model.blocks if block.mlp.precision == "fp8"]
+    mlps = [mlp for block in model.blocks for mlp in (block.mlp, block.parallel_mlp)
+            if mlp is not None and mlp.precision == "fp8"]
     downs = [mlp for mlp in mlps if mlp.down_fp8]
     head = model.lm_head if model.numerics.head == "fp8" else None
     if not mlps and head is None:
@@ -3360,7 +3612,8 @@ def train_step(model: GPT, optimizers, batch, step: int, schedule: Schedule, arg
             adam.start_sparse_exchange()
         with contextlib.nullcontext() if reduce_now else adam.no_sync():
             # Summed over tokens, averaged over micro-batches and ranks (the record's gradient scale).
-            masks = build_masks(inputs, model.plans, windows, args.window_block, use_flex, model.mask_parts)
+            masks = build_masks(inputs, model.plans, windows, args.window_block, use_flex, model.mask_parts,
+                                args.virtual_seq_cap)
             loss = model(inputs, targets, masks, mtp, loss_scale=1 / len(batch), prefix_weight=prefix,
                          candidates=batch.candidates[i] if isinstance(batch, Batch) else None)
             loss.backward()
@@ -3655,6 +3908,12 @@ def size_bounds(args: Hyperparameters) -> list[tuple[str, tuple[int, ...], int]]
         ("model_dim", (args.model_dim,), MAX_WIDTH),
         ("head_dim", (args.head_dim,), MAX_WIDTH),
         ("mlp_ratio", (args.mlp_ratio,), MAX_MLP_RATIO),
+        ("narrow_dim", (args.narrow_dim,), MAX_WIDTH),
+        # 0 means a default for these: the bound is on what is given
+        ("mlp_hidden", (args.mlp_hidden,) if args.mlp_hidden else (), MAX_WIDTH),
+        ("rotary_dims", (args.rotary_dims,) if args.rotary_dims else (), MAX_WIDTH),
+        ("head_mix_groups", (args.head_mix_groups,) if args.head_mix_groups else (), MAX_WIDTH),
+        ("virtual_seq_cap", (args.virtual_seq_cap,) if args.virtual_seq_cap else (), MAX_POSITIONS),
         ("vocab_size", (args.vocab_size,), MAX_TABLE_ROWS),
         ("bigram_vocab_size", (args.bigram_vocab_size,), MAX_NGRAM_ROWS if args.ngram_channels == 2 else MAX_TABLE_ROWS),
         ("bigram_sign_rows", (args.bigram_sign_rows,), MAX_TABLE_ROWS),
@@ -3676,6 +3935,9 @@ def check_sizes(args: Hyperparameters):
     stages = len(int_list(args, "stage_batch_tokens"))
     if stages > MAX_STAGES:
         raise ConfigError(f"--stage_batch_tokens: {stages:,} stages, at most {MAX_STAGES}")
+    for name in ("mlp_hidden", "rotary_dims", "head_mix_groups", "virtual_seq_cap"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name}={getattr(args, name)}: must be zero (its default) or positive")
     for name, values, most in size_bounds(args):
         if min(values, default=1) <= 0:
             raise ConfigError(f"--{name}={getattr(args, name)}: must be positive")
@@ -3704,7 +3966,8 @@ def validate_config(args: Hyperparameters):
           "anvil_weight_decay"), lambda v: 0 <= v < math.inf, "a finite number >= 0"),
         (("muon_beta2", "muon_momentum_start", "muon_momentum_end", "anvil_beta2", "anvil_beta_start",
           "anvil_beta_end"), lambda v: 0 <= v < 1, "in [0, 1)"),
-        (("adam_eps", "logit_cap", "logit_cap_width"), lambda v: 0 < v < math.inf, "a finite number > 0"),
+        (("adam_eps", "logit_cap", "logit_cap_width", "attn_scale", "narrow_attn_scale", "norm_eps"),
+         lambda v: 0 < v < math.inf, "a finite number > 0"),
         (("logit_cap_shift",), lambda v: -math.inf < v < math.inf, "a finite number"),
         (("cooldown_frac",), lambda v: 0 <= v <= 1, "in [0, 1]"),
         (("pg_timeout_s",), lambda v: 0 < v <= MAX_TIMEOUT_S, f"in 1..{MAX_TIMEOUT_S} seconds (a week)"),
@@ -3800,46 +4063,82 @@ def validate_config(args: Hyperparameters):
                           f"least; with --micro_batches=auto, --window_block) to be multiples of 16; use bf16")
 
 
+LAYER_LISTS = ("no_attention_layers", "removed_layers", "paired_layers", "long_window_layers", "xsa_layers",
+               "attn_gate_layers", "dc_layers", "value_embed_layers", "narrow_qk_layers", "narrow_value_layers",
+               "parallel_mlp_layers", "no_x0_layers", "no_bigram_layers")
+
+
 def validate_layer_plan(args: Hyperparameters):
     """Layer roles that the record's forward cannot combine are refused here, naming the flag."""
     n = args.num_layers
-    for name in ("no_attention_layers", "paired_layers", "long_window_layers", "xsa_layers", "attn_gate_layers",
-                 "dc_layers", "value_embed_layers"):
+    for name in LAYER_LISTS:
         for layer in int_list(args, name):
             if not 0 <= layer < n:
                 raise ConfigError(f"--{name}: layer {layer} is not in 0..{n - 1}")
+    for role, layer in retired_gates(args):
+        if not 0 <= layer < n:
+            raise ConfigError(f"--retired_gates: layer {layer} is not in 0..{n - 1}")
     skip_from, skip_to = skip_pair(args)
     if not 0 <= skip_from < skip_to < n:
         raise ConfigError(f"--skip_layers={args.skip_layers}: needs 0 <= source < target < {n}")
-    if set(int_list(args, "no_attention_layers")) != {skip_to}:
-        raise ConfigError(f"--no_attention_layers={args.no_attention_layers}: must be the skip target alone "
-                          f"({skip_to}, --skip_layers): the skip takes the place of its attention")
+    if skip_to not in int_list(args, "no_attention_layers"):
+        raise ConfigError(f"--no_attention_layers={args.no_attention_layers}: must hold the skip target ({skip_to}, "
+                          f"--skip_layers): the skip takes the place of its attention")
     if not 1 <= args.mudd_gate_layer <= skip_to:
         raise ConfigError(f"--mudd_gate_layer={args.mudd_gate_layer}: must be in 1..{skip_to} (the first gate "
                           f"network serves the layers before it, the second the skip)")
     if not 0 <= args.shared_input_layer < n - 1:
         raise ConfigError(f"--shared_input_layer={args.shared_input_layer}: must be in 0..{n - 2}")
+    narrow_qk = bool(int_list(args, "narrow_qk_layers"))
+    narrow = narrow_qk or bool(int_list(args, "narrow_value_layers"))
+    if narrow and (args.narrow_dim > args.head_dim or args.narrow_dim % 2):
+        raise ConfigError(f"--narrow_dim={args.narrow_dim}: must be even and at most --head_dim={args.head_dim}")
+    turned = rotary_dims(args)
+    if turned % 2 or turned > args.head_dim or (narrow_qk and turned > args.narrow_dim):
+        raise ConfigError(f"--rotary_dims={args.rotary_dims}: must be even and at most --head_dim={args.head_dim}"
+                          + (f" and --narrow_dim={args.narrow_dim} (narrow heads turn too)" if narrow_qk else ""))
+    if args.head_mix_groups and args.model_dim % args.head_mix_groups:
+        raise ConfigError(f"--head_mix_groups={args.head_mix_groups}: must divide --model_dim={args.model_dim}")
+    head_mix_states(args)
     plans = layer_plan(args)
     for plan in plans:
-        where = f"layer {plan.index}"
-        if not plan.attention and (plan.paired or plan.long_window or plan.xsa or plan.attn_gate or plan.dc
-                                   or plan.value_embed is not None):
-            raise ConfigError(f"{where} has no attention (--no_attention_layers) but another attention role")
-        if plan.paired and (plan.long_window or plan.xsa or plan.dc):
-            raise ConfigError(f"{where} is paired (--paired_layers): paired layers have the short window and no "
-                              f"XSA or DC")
-        if plan.dc and plan.index < args.mudd_gate_layer:
-            raise ConfigError(f"{where}: DC layers must be at or after --mudd_gate_layer={args.mudd_gate_layer}")
+        check_plan(plan, args)
     last = plans[-1]
     if not last.attention or last.paired or last.value_embed is None:
         raise ConfigError(f"layer {n - 1} (the last, where MUDD mixes) needs attention, no pairing and a value "
                           f"embedding (--value_embed_layers)")
     if not plans[skip_from].attention and skip_from != 0:
         raise ConfigError(f"--skip_layers={args.skip_layers}: the source must be a layer with attention")
-    if args.dc_window > args.window_block:  # dc_correction's blocks see their own and the previous block's keys
+    if int_list(args, "dc_layers") and args.dc_window > args.window_block:  # a DC block sees itself and the one before
         raise ConfigError(f"--dc_window={args.dc_window}: at most --window_block={args.window_block}")
     if args.untie_stage > len(int_list(args, "stage_batch_tokens")) + 1:
         raise ConfigError(f"--untie_stage={args.untie_stage}: at most the number of stages + 1 (never)")
+
+
+def check_plan(plan: LayerPlan, args: Hyperparameters):
+    """One layer's roles, each of which needs another (validate_layer_plan)."""
+    where = f"layer {plan.index}"
+    if not plan.attention and (plan.paired or plan.long_window or plan.xsa or plan.attn_gate or plan.dc
+                               or plan.value_embed is not None or plan.narrow_qk or plan.narrow_value):
+        raise ConfigError(f"{where} has no attention (--no_attention_layers, --removed_layers) but another "
+                          f"attention role")
+    if plan.removed and (plan.skip_target or plan.mudd or plan.parallel_mlp):
+        raise ConfigError(f"{where} is removed (--removed_layers): it cannot be the skip target, the last layer "
+                          f"or have a parallel MLP")
+    if plan.paired and (plan.long_window or plan.xsa or plan.dc):
+        raise ConfigError(f"{where} is paired (--paired_layers): paired layers have the short window and no "
+                          f"XSA or DC")
+    if plan.dc and plan.index < args.mudd_gate_layer:
+        raise ConfigError(f"{where}: DC layers must be at or after --mudd_gate_layer={args.mudd_gate_layer}")
+    if plan.narrow_qk and plan.long_window:
+        raise ConfigError(f"{where}: narrow queries and keys (--narrow_qk_layers) turn with the rotary fitted to "
+                          f"the short window; the layer has the long one (--long_window_layers)")
+    for role in plan.retired:
+        active = {"xsa": plan.xsa, "attn": plan.attn_gate, "dc": plan.dc, "ve": plan.value_embed is not None}[role]
+        if active or (role == "dc" and plan.index < args.mudd_gate_layer):
+            raise ConfigError(f"--retired_gates={args.retired_gates}: {role}:{plan.index} is "
+                              + ("the layer's live role" if active else
+                                 f"before --mudd_gate_layer={args.mudd_gate_layer}, where no DC gate is"))
 
 
 def min_micro_tokens(args: Hyperparameters) -> int | None:
@@ -4980,27 +5279,31 @@ def matmul_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
 
 
 def model_flops_per_token(args: Hyperparameters, model: GPT, tokens: Tensor, windows: tuple[int, int]) -> float:
-    """6 FLOPs per matmul weight a token passes (forward 2, backward 4), plus attention: per attention
-    layer, 12 * width FLOPs for each key a token attends to (min(position in its document + 1, window + 1);
-    a paired layer's token is two positions with half the heads each, so the same count over its doubled
-    document), plus DC's 12 * width per key of its window."""
-    matmul_params = sum(p.numel() for block in model.blocks for p in block.parameters())
+    """6 FLOPs per matmul weight a token passes (forward 2, backward 4; an attention layer's narrow heads pass only
+    the rows they read), plus attention: per attention layer, 6 * (heads * (qk_dim + v_dim)) FLOPs for each key a
+    token attends to (12 * width at full width; min(position in its document + 1, window + 1); a paired layer's
+    token is two positions with half the heads each, so the same count over its doubled document), plus DC's per
+    key of its window."""
+    matmul_params = sum(p.numel() for block in model.blocks for mlp in (block.mlp, block.parallel_mlp)
+                        if mlp is not None for p in mlp.parameters())
+    matmul_params += sum(block.attn.live_weights() for block in model.blocks if block.attn is not None)
     matmul_params += model.lm_head.numel() + 2 * (model.mudd_w1.numel() + model.mudd_gate_w1.numel()) // 2
     index = np.arange(len(tokens))
     doc_start = np.maximum.accumulate(np.where(tokens.cpu().numpy() == BOS_ID, index, 0))
     keys_in_doc = index - doc_start + 1
     attention_flops = 0.0
-    for plan in model.plans:
+    for plan, block in zip(model.plans, model.blocks):
         if not plan.attention:
             continue
+        width = block.attn.num_heads * (block.attn.qk_dim + block.attn.v_dim) / 2  # model_dim at full width
         window = window_tokens(windows, plan.long_window, args.window_block)
         if plan.paired:  # positions 2p and 2p+1 of the doubled document: about twice the keys, half the heads
             keys = (np.minimum(2 * keys_in_doc - 1, window + 1) + np.minimum(2 * keys_in_doc, window + 1)) / 2
         else:
             keys = np.minimum(keys_in_doc, window + 1)
-        attention_flops += 12 * args.model_dim * keys.mean()
+        attention_flops += 12 * width * keys.mean()
         if plan.dc:
-            attention_flops += 12 * args.model_dim * np.minimum(keys_in_doc, args.dc_window).mean()
+            attention_flops += 12 * width * np.minimum(keys_in_doc, args.dc_window).mean()
     return 6 * matmul_params + float(attention_flops)
 
 
@@ -5032,7 +5335,7 @@ class FlexStandIn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v):
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:-1], v.size(-1))  # the values' width (narrow heads: not the queries')
         ctx.save_for_backward(q, k, v, out, torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
         return out
 
@@ -5985,7 +6288,7 @@ def read_weights(path: Path, args: Hyperparameters, skip=None) -> dict:
 def init_run_state(key: str) -> bool:
     """What --init_from does not take from its weights: the rotary state, which follows this run's schedule, and
     the down-projections' FP8 scales, which start over (so final weights of either preset start the other)."""
-    return key.startswith("rotary.") or ".mlp.down_" in key
+    return key.startswith(("rotary.", "narrow_rotary.")) or ".mlp.down_" in key
 
 
 FINAL_WEIGHTS_FORMAT = "train_gpt.py final weights, version 1"
@@ -6555,7 +6858,7 @@ def log_header(run: Run, model: GPT):
         elif precisions[name] == "bf16" and getattr(args, flag) == "auto":
             precisions[name] += " (this GPU has no FP8 tensor cores)"
     compiled = "per layer" if args.compile else ("FlexAttention only" if attention_kind == "flex" else "off")
-    down_fp8 = any(block.mlp.down_fp8 for block in model.blocks)
+    down_fp8 = any(block.mlp.down_fp8 for block in model.blocks if block.mlp is not None)
     down = "fp8 (delayed scaling)" if down_fp8 else PRECISION_NAMES[model.numerics.compute]
     log(f"attention: {attention_kind}  lm_head: {precisions['lm_head']}  mlp up-projection: {precisions['mlp']}  "
         f"mlp down-projection: {down}  compile: {compiled}")
@@ -6834,7 +7137,7 @@ def run_training(run: Run, model: GPT, loader, val_tokens: Tensor, resume: Resum
     clock.start()
     for step in range(start_step, args.num_iterations + 1):
         last_step = step == args.num_iterations
-        model.rotary.set_window(schedule.windows(step)[1])  # YaRN, when the long window grows
+        model.set_windows(schedule.windows(step))  # YaRN, when the windows grow
         if last_step and ships is not None:
             ships.ship()  # on the clock, as the record's
 
@@ -6899,7 +7202,7 @@ def untimed_warmup(run: Run, model: GPT, optimizers, loader, val_tokens: Tensor,
     initial_rank = host_copies(rank_buffers(model))  # (the n-gram table's shard is in no state dict)
     initial_optimizers = [opt.state_dict() for opt in optimizers]
     for step in warmup_steps(args, schedule):
-        model.rotary.set_window(schedule.windows(step)[1])
+        model.set_windows(schedule.windows(step))
         set_schedules(step, optimizers, schedule, args)
         train_step(model, optimizers, loader.next_batch(step), step, schedule, args, use_flex)
     evaluate(model, val_tokens[:args.val_seq_len * env.world_size + 1],

@@ -163,6 +163,43 @@ def test_the_memory_model_predicts_real_cpu_steps_and_validation():
     assert seen[0][1] > 4 * seen[1][1] and seen[1][2] == 2 * T.tensor_bytes([model.value_embeds])
 
 
+@pytest.mark.slow  # real forward and backward passes (15 s)
+def test_the_memory_model_predicts_record_92s_model_on_this_cpu():
+    # Record #92's plan (narrow heads, MLP-only and removed layers, the parallel MLP, the grouped head mix) at a
+    # test's size: a micro-batch's forward and backward, and a validation forward, against the count.
+    args = T.parse_args(["--preset=speedrun", *T.flags_of(T.RECORD92_MODEL), "--model_dim=96", "--head_dim=16",
+                         "--narrow_dim=8", "--rotary_dims=8", "--mlp_hidden=352", "--vocab_size=8000",
+                         "--bigram_vocab_size=4000", "--val_seq_len=512", "--stage_batch_tokens=2048,2048,2048",
+                         "--window_block=32", "--virtual_seq_cap=96", "--micro_batches=4"], False)
+    model = T.build_model(args, T.DistEnv(0, 0, 1, CPU))
+    memory = T.MemoryModel(args, 1, CPU, T.Numerics(), "sdpa")
+    assert memory.weights == T.tensor_bytes(model.parameters())
+    x = torch.randint(0, 7999, (513,), generator=torch.Generator().manual_seed(2))
+    x[::200] = 7999
+    windows, mtp, prefix = (1, 3), torch.tensor([1.0, 0.5, 0.25]), torch.tensor([0.25])
+    masks = T.build_masks(x[:-1], model.plans, windows, args.window_block, False, cap=args.virtual_seq_cap)
+    model(x[:-1], x[1:], masks, mtp, prefix_weight=prefix).backward()
+    live = T.LiveMemory("cpu")
+    live.track([*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters())])
+    with live:
+        live.start()
+        base = live.live
+        model(x[:-1], x[1:], masks, mtp, prefix_weight=prefix).backward()
+    row = memory.training(512, windows, 1)
+    predicted = max(row["saved activations"] + row["loss chunk"] + row["block masks"], row["embedding backward"])
+    assert abs(predicted / (live.peak - base) - 1) < 0.05, (predicted, live.peak - base)
+    model.eval()
+    live = T.LiveMemory("cpu")
+    live.track([*model.parameters(), *model.buffers()])
+    with torch.no_grad(), live:
+        live.start()
+        base = live.live
+        model(x[:-1], x[1:], T.build_masks(x[:-1], model.plans, (6, 20), args.window_block, False))
+    row = memory.validation(512, (6, 20))
+    predicted = row["forward's largest live tensors"] + row["block masks"]
+    assert abs(predicted / (live.peak - base) - 1) < 0.05, (predicted, live.peak - base)
+
+
 def test_auto_choices_are_multiples_of_the_world_size_that_split_the_batch_into_blocks():
     assert T.micro_batch_choices(3072, 1, 64) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]
     assert T.micro_batch_choices(3072, 2, 64) == [2, 4, 6, 8, 12, 16, 24, 48]

@@ -550,7 +550,7 @@ def test_relu_square_keeps_only_its_output_and_its_gradient_is_autograds_bit_for
 
 def test_fp8_mlp_matches_its_quantised_definition_and_backward_is_bf16():
     g = torch.Generator().manual_seed(6)
-    mlp = T.MLP(64, 4, "fp8")
+    mlp = T.MLP(64, 4 * 64, "fp8")
     with torch.no_grad():
         mlp.fc.copy_(torch.randn(256, 64, generator=g) * 0.05)
         mlp.proj.copy_(torch.randn(256, 64, generator=g) * 0.05)
@@ -612,7 +612,7 @@ def fp8_down_mlp(seed=7, dim=64):
     """An MLP with both projections' forwards in FP8 (record #89), its weights in bf16 and its scales in fp32 (as
     cast_parameters leaves them), at the scales of its start."""
     g = torch.Generator().manual_seed(seed)
-    mlp = T.MLP(dim, 4, "fp8", scaled_down=True)
+    mlp = T.MLP(dim, 4 * dim, "fp8", scaled_down=True)
     with torch.no_grad():
         mlp.fc.copy_(torch.randn(4 * dim, dim, generator=g) * 0.05)
         mlp.proj.copy_(torch.randn(4 * dim, dim, generator=g) * 0.05)
@@ -1092,7 +1092,7 @@ def test_config_overrides_and_errors():
         (["--stage_mtp_weights=1,0.5>1/1>1/1>1"], "as many weights after '>'"),
         (["--paired_layers=0,x"], "--paired_layers=0,x: expected comma-separated integers"),
         (["--long_window_layers=3,6"], "--long_window_layers: layer 6 is not in 0..5"),
-        (["--no_attention_layers=2"], "must be the skip target alone"),
+        (["--no_attention_layers=2"], "must hold the skip target"),
         (["--paired_layers=0,1"], "layer 1 is paired"),
         (["--dc_layers=1"], "DC layers must be at or after --mudd_gate_layer=2"),
         (["--value_embed_layers=1,2,4"], "needs attention, no pairing and a value embedding"),

@@ -116,8 +116,81 @@ def test_the_speedrun_model_has_the_records_parameters_in_use():
 
 def test_the_rotary_state_follows_the_schedule():
     state = W.rotary_state(SMOKE, SMOKE.num_iterations)
-    assert state["_extra_state"]["window"] == 7  # the smoke extension's long window
-    assert W.rotary_state(SMOKE, 0)["_extra_state"]["window"] == 2
+    assert state["rotary._extra_state"]["window"] == 7  # the smoke extension's long window
+    assert W.rotary_state(SMOKE, 0)["rotary._extra_state"]["window"] == 2
+
+
+# Record #92's model at a test's size (its flags, narrow heads of 8 of 16 dims, the MLP as 2816 / 768 of the width).
+RECORD92 = T.parse_args(["--preset=speedrun", *T.flags_of(T.RECORD92_MODEL), "--model_dim=96", "--head_dim=16",
+                         "--narrow_dim=8", "--rotary_dims=8", "--mlp_hidden=352", "--vocab_size=2000",
+                         "--bigram_vocab_size=4000", "--val_seq_len=256", "--stage_batch_tokens=2048,2048,2048",
+                         "--window_block=32"], False)
+
+
+def test_record_92s_compacted_banks_map_to_our_layers():
+    # From record #92's code: _BANKC2_ORDER = narrow (attention-bank slots 0, 2, 5: layers 0, 2, 5) ++ dv64 (1, 7:
+    # layers 1, 8) ++ wide (3, 9: layers 3, 10), 6 qk blocks and 2 vo matrices each, padded to 48 and 16; mlp_bank
+    # slot i is layer i's MLP (7's never read), slot 11 layer 8's parallel MLP; ve_gate_bank's rows are the gates of
+    # layers 1, 2, 8, 9, 10; every other tensor, mudd_w2g included, as it is. No record #89 FP8 scales.
+    record = record_like(RECORD92)
+    ours = W.record_to_ours(record, RECORD92)
+    for slot, layer in enumerate((0, 2, 5, 1, 8, 3, 10)):
+        assert torch.equal(ours[f"blocks.{layer}.attn.qk"], record[K + "qk_bank"][6 * slot:6 * slot + 6])
+        assert torch.equal(ours[f"blocks.{layer}.attn.vo"], record[K + "vo_bank"][2 * slot:2 * slot + 2])
+    assert record[K + "qk_bank"].shape == (48, 32, 96) and record[K + "vo_bank"].shape == (16, 96, 96)
+    assert record[K + "mlp_bank"].shape == (12, 2, 352, 96)
+    for layer in (*range(7), 8, 9, 10):
+        assert torch.equal(ours[f"blocks.{layer}.mlp.fc"], record[K + "mlp_bank"][layer, 0])
+        assert torch.equal(ours[f"blocks.{layer}.mlp.proj"], record[K + "mlp_bank"][layer, 1])
+    assert torch.equal(ours["blocks.8.parallel_mlp.fc"], record[K + "mlp_bank"][11, 0])
+    assert torch.equal(ours["blocks.8.parallel_mlp.proj"], record[K + "mlp_bank"][11, 1])
+    assert not any(k.startswith("blocks.7.mlp") for k in ours)
+    for theirs, mine in (("ve_gate_bank", "ve_gates"), ("value_embeds", "value_embeds"), ("mudd_w2g", "mudd_w2g"),
+                         ("mudd_gate_w2", "mudd_gate_w2"), ("bigram_embed.weight", "bigram_embed.weight")):
+        assert torch.equal(ours[mine], record[K + theirs]), theirs
+    assert ours["ve_gates"].shape == (5, 6, 12) and ours["mudd_gate_w2"].shape == (2, 41, 64)
+    assert not any(k.removeprefix(K) in W.DOWN_SCALES for k in record)
+    assert all(ours[f"blocks.8.parallel_mlp.{mine}"] == 1 for mine in W.DOWN_SCALES.values())  # initial values
+    assert {"rotary.angular_freq", "narrow_rotary.angular_freq"} <= set(ours)
+    model = T.GPT(RECORD92)
+    model.load_state_dict(ours)  # every key, every shape
+
+
+def test_record_92s_conversions_are_exact_inverses():
+    ours = random_state(RECORD92)
+    again = W.record_to_ours(W.ours_to_record(ours, RECORD92), RECORD92, step=RECORD92.num_iterations)
+    for name, tensor in ours.items():
+        if not name.startswith(("rotary.", "narrow_rotary.")) and ".down_" not in name:
+            assert torch.equal(again[name], tensor), name
+    record = record_like(RECORD92)
+    back = W.ours_to_record(W.record_to_ours(record, RECORD92), RECORD92, like=record)
+    assert back.keys() == record.keys() and all(torch.equal(back[k], record[k]) for k in record)
+    # without `like`, what only the record has is zero: the banks' padding and the removed layer's MLP slot
+    plain = W.ours_to_record(W.record_to_ours(record, RECORD92), RECORD92)
+    assert [k for k in record if not torch.equal(plain[k], record[k])] == [K + "qk_bank", K + "vo_bank", K + "mlp_bank"]
+    assert not plain[K + "mlp_bank"][7].any() and torch.equal(plain[K + "mlp_bank"][8], record[K + "mlp_bank"][8])
+    assert not plain[K + "qk_bank"][42:].any() and not plain[K + "vo_bank"][14:].any()
+
+
+def test_the_narrow_rotary_state_follows_the_short_window():
+    state = W.rotary_state(RECORD92, RECORD92.num_iterations)
+    assert state["rotary._extra_state"]["window"] == 13 and state["narrow_rotary._extra_state"]["window"] == 6
+    model = T.GPT(RECORD92)
+    for s in range(RECORD92.num_iterations + 1):
+        model.set_windows(T.Schedule(RECORD92).windows(s))
+    for name, value in state.items():
+        if name.endswith("_extra_state"):
+            assert model.state_dict()[name] == value, name
+        else:
+            assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_a_rank_shard_of_a_sharded_ngram_table_is_refused_with_a_pointer_to_its_hook():
+    record = record_like(RECORD92)
+    record[K + "bigram_embed.weight"] = record[K + "bigram_embed.weight"][:500]
+    with pytest.raises(W.WeightsError, match=r"'bigram_embed.weight' has shape \(500, 96\), expected \(4000, 96\): one "
+                                             r"rank's shard of a sharded n-gram table\? \(convert_ngram_table"):
+        W.record_to_ours(record, RECORD92)
 
 
 @pytest.fixture(scope="module")

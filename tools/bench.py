@@ -346,10 +346,12 @@ class Bench:
         return self.batches[stage_index]
 
     def fit_rotary(self, step: int):
-        """YaRN as the run leaves it at `step`: fitted window by window from the first stage's long window."""
-        self.model.rotary.reset()
+        """YaRN as the run leaves it at `step`: fitted window by window from the first stage's windows."""
+        for rotary in (self.model.rotary, self.model.narrow_rotary):
+            if rotary is not None:
+                rotary.reset()
         for stage in self.schedule.stages[:self.schedule.stage_index(step) + 1]:
-            self.model.rotary.set_window(stage.windows[1])
+            self.model.set_windows(stage.windows)
 
     def restore_initial(self):
         self.model.load_state_dict(self.initial)
@@ -927,8 +929,8 @@ def run_fp8(bench: Bench, row: dict, flush):
     with torch.no_grad():
         for precision in ("fp8", "bf16"):
             model.numerics = dataclasses.replace(model.numerics, head=precision)
-            for block in model.blocks:
-                block.mlp.precision = precision
+            for mlp in (m for block in model.blocks for m in (block.mlp, block.parallel_mlp) if m is not None):
+                mlp.precision = precision
             losses[precision] = float(model(inputs, targets, masks, mtp)) / len(inputs)
     row["loss_per_token"] = losses
     row["relative_difference"] = abs(losses["fp8"] - losses["bf16"]) / abs(losses["bf16"])

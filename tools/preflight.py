@@ -546,14 +546,14 @@ def run_steps(args: T.Hyperparameters, world_size: int, backend: str) -> Report:
                 parts.append("Adam")
             if step == schedule.untie_step:
                 parts.append("untie")
-            model.rotary.set_window(schedule.windows(step)[1])
+            model.set_windows(schedule.windows(step))
             T.set_schedules(step, optimizers, schedule, args)
             batch = loader.next_batch(step)
             with phase(f"training step {step}", ", ".join(parts), stage, training_step=True):
                 T.train_step(model, optimizers, batch, step, schedule, args, use_flex)
         report.seconds["training steps"] = time.perf_counter() - start - sum(report.seconds.values())
         windows = schedule.windows(args.num_iterations, final_validation=True)
-        model.rotary.set_window(windows[1])  # YaRN, as the trainer leaves it for the last validation
+        model.set_windows(windows)  # YaRN, as the trainer leaves it for the last validation
         with phase("validation", f"final windows {windows}, {args.val_seq_len:,}-token sequences", "validation"):
             T.evaluate(model, val_tokens, windows, args, env, use_flex)
         if args.save_every or args.save_final:
@@ -656,7 +656,7 @@ def _count_stages(args: T.Hyperparameters, world_size: int, kernels: bool, stage
                    "logits_per_micro_batch": stage.micro_tokens * model.vocab,
                    "steps_in_stage": stage.end - stage.start, "steps": {}}
             for i, step in enumerate(steps):
-                model.rotary.set_window(schedule.windows(step)[1])
+                model.set_windows(schedule.windows(step))
                 T.set_schedules(step, optimizers, schedule, args)
                 batch = loader.next_batch(step)
                 counted = i >= args.adam_every  # the second cycle: every graph compiled, every state made

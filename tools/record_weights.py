@@ -1,23 +1,36 @@
-"""Weights interop with public modded-nanogpt record #89 (its root train_gpt.py at f411b3d3, the speedrun
-preset) and record #85 v3 (--preset=record85): their GPT's state_dict <-> this repository's.
+"""Weights interop with public modded-nanogpt records #89 (its root train_gpt.py at f411b3d3, the speedrun preset),
+#85 v3 (--preset=record85) and #92's model (train_gpt.RECORD92_MODEL, its log's train_gpt.py): their GPT's
+state_dict <-> this repository's.
 
     python tools/record_weights.py to-ours state_step001285.pt ck/record89/final   # sample.py / --init_from
     python tools/record_weights.py to-record ck/run/final record_state.pt           # load into the record's GPT
     python tools/record_weights.py to-ours state_step001290.pt ck/record85/final -- --preset=record85
 
-to-ours builds the speedrun preset's model; train_gpt.py flags after `--` change that (record #85 v3's model, or
-the same architecture at another size, e.g. in the tests).
+to-ours builds the speedrun preset's model; train_gpt.py flags after `--` change that (record #85 v3's model, record
+#92's model flags, or the same architecture at another size, e.g. in the tests).
 
 In Python, record_to_ours(state) and ours_to_record(state) convert state dicts (tensors are shared, not
-copied). The record keeps its attention and MLP matrices in banks padded for 8 ranks (qk_bank: 6 head-pair
-blocks per attention layer, 60 used of 64; vo_bank: value and output per attention layer, 20 of 24;
-mlp_bank: fc and proj of 11 layers plus an unused 12th), and record #89 its down-projections' FP8 scales in
-vectors of 12 (the activation's, per rank: the file holds its rank 0's; the weight's used and next); this
-repository keeps them per layer, without the padding. The two functions are exact inverses on everything either model reads:
-record_to_ours(ours_to_record(s)) == s, and ours_to_record(record_to_ours(r), like=r) == r, where `like`
-supplies the record's padding (zeros, and the unused 12th MLP's initial fc and its scales, otherwise). The rotary state,
-which the record does not save, is the one after the schedule's window changes up to `step` (default: the
-end of training).
+copied). The records keep their attention and MLP matrices in banks padded for 8 ranks; this repository keeps them
+per layer, without the padding:
+  - qk_bank: per attention layer, its head pairs' query blocks then their key blocks (6 matrices of (256, dim));
+    vo_bank: per attention layer, the value then the output matrix. The layers in the record's bank order:
+    record #92's compacted banks hold its narrow layers first, then those with narrow values, then the full-width
+    ones, each in layer order (record #89's: every attention layer in layer order, which is the same rule). A
+    narrow layer's matrices keep their full shapes in both (the rows it does not read included).
+  - mlp_bank: fc and proj of layer i at slot i, then the parallel MLPs (record #92's layer 8's at slot 11); a
+    removed layer's slot is the record's alone (never read).
+  - record #89's three FP8 scale vectors of its down-projections, one entry per MLP of mlp_bank (the activation's,
+    per rank: the file holds its rank 0's; the weight's used and next). Record #92's GPT (the one with mudd_w2g,
+    --head_mix_groups) has none of these: its FP8 buffers (_attn_*) are the FP8 port's; our scales take their
+    initial values.
+The two functions are exact inverses on everything either model reads: record_to_ours(ours_to_record(s)) == s, and
+ours_to_record(record_to_ours(r), like=r) == r, where `like` supplies what only the record has (zeros, and the
+unused MLP slots' initial fc and their scales, otherwise). The rotary state, which the record does not save, is the
+one after the schedule's window changes up to `step` (default: the end of training).
+
+The n-gram table (record #92's bigram_embed.weight) converts as a whole table of our shape (a world-size-1 file); a
+rank's shard of record #92's sharded table is refused with a pointer to the hook, convert_ngram_table, which the
+n-gram port fills.
 
 Before converting, record_to_ours checks that the state dict is the record's GPT for the config: string keys,
 every tensor there, each dense, on the CPU, of a floating dtype, of its shape (a bank's rank and matrix shape, and
@@ -75,6 +88,7 @@ SAME = {
     "mudd_gate_b2": "mudd_gate_b2",
     "_mudd_gate_scale": "mudd_gate_scale",
 }
+HEAD_GROUP_DELTAS = {"mudd_w2g": "mudd_w2g"}  # record #92's head-mix deltas (--head_mix_groups)
 
 
 class WeightsError(ValueError):
@@ -85,17 +99,49 @@ def speedrun_args() -> T.Hyperparameters:
     return T.parse_args(["--preset=speedrun"], cuda_available=True)
 
 
+def same(args: T.Hyperparameters) -> dict[str, str]:
+    """The tensors with the same shape and meaning on both sides for this config: record name -> ours."""
+    return {**SAME, **(HEAD_GROUP_DELTAS if args.head_mix_groups else {})}
+
+
+def takes_down_scales(args: T.Hyperparameters) -> bool:
+    """Whether the record's state dict holds record #89's FP8 down-projection scales: --mlp_down_fp8 on #89's GPT,
+    not #92's (the one with the head mix's group deltas, --head_mix_groups)."""
+    return args.mlp_down_fp8 and not args.head_mix_groups
+
+
 def _attention_layers(args: T.Hyperparameters) -> list[int]:
-    return [plan.index for plan in T.layer_plan(args) if plan.attention]
+    """The attention layers in the record's bank order: narrow QK only, then narrow values, then full width, each
+    in layer order (record #92's compaction; record #89's banks, all full width, are in layer order)."""
+    plans = [plan for plan in T.layer_plan(args) if plan.attention]
+    kind = lambda plan: 1 if plan.narrow_value else 0 if plan.narrow_qk else 2
+    return [plan.index for plan in sorted(plans, key=lambda plan: (kind(plan), plan.index))]
+
+
+def _mlp_slots(args: T.Hyperparameters) -> list[str | None]:
+    """Our MLP (a key prefix) at each slot of the record's mlp_bank that some layer has: layer i's at slot i (None for
+    a removed layer: the record's alone), then the parallel MLPs in layer order."""
+    plans = T.layer_plan(args)
+    return ([None if plan.removed else f"blocks.{plan.index}.mlp" for plan in plans]
+            + [f"blocks.{plan.index}.parallel_mlp" for plan in plans if plan.parallel_mlp])
 
 
 def rotary_state(args: T.Hyperparameters, step: int) -> dict:
-    """Our rotary's state after the schedule's window changes up to `step` (what the record's Yarn holds)."""
+    """Our rotaries' state after the schedule's window changes up to `step` (what the record's Yarn tables hold),
+    named as in our state dict: the full-width heads' fitted to the long window, the narrow heads' (where some
+    layer has them) to the short one."""
     schedule = T.Schedule(args)
-    rotary = T.Rotary(args.head_dim, 1, args.window_block, schedule.stages[0].windows[1])
-    for s in range(min(step, args.num_iterations) + 1):
-        rotary.set_window(schedule.windows(s)[1])
-    return {k: v for k, v in rotary.state_dict().items()}
+    first = schedule.stages[0].windows
+    kinds = [("rotary", 1, args.head_dim, args.attn_scale)]
+    if any(plan.narrow_qk for plan in T.layer_plan(args)):
+        kinds.append(("narrow_rotary", 0, args.narrow_dim, args.narrow_attn_scale))
+    state = {}
+    for name, which, dims, scale in kinds:
+        rotary = T.Rotary(dims, 1, args.window_block, first[which], T.rotary_dims(args), scale)
+        for s in range(min(step, args.num_iterations) + 1):
+            rotary.set_window(schedule.windows(s)[which])
+        state.update({f"{name}.{k}": v for k, v in rotary.state_dict().items()})
+    return state
 
 
 def _take(state: dict, name: str):
@@ -106,17 +152,19 @@ def _take(state: dict, name: str):
 
 def _banks(state: dict, args: T.Hyperparameters) -> dict[str, torch.Tensor]:
     """Our per-layer matrices gathered into the record's banks, without its padding: qk_bank
-    (heads * attention layers, ...), vo_bank (2 * attention layers, ...), mlp_bank (layers, 2, ...); and with
-    --mlp_down_fp8, record #89's scale vectors (layers,)."""
-    layers = _attention_layers(args)
-    scales = {theirs: torch.stack([_take(state, f"blocks.{layer}.mlp.{mine}") for layer in range(args.num_layers)])
-              for theirs, mine in DOWN_SCALES.items()} if args.mlp_down_fp8 else {}
+    (heads * attention layers, ...), vo_bank (2 * attention layers, ...) in the record's bank order, mlp_bank
+    (slots, 2, ...) with zeros at a removed layer's slot; and record #89's scale vectors (slots,)."""
+    layers, slots = _attention_layers(args), _mlp_slots(args)
+    scale = lambda mlp, mine: _take(state, f"{mlp}.{mine}") if mlp is not None else torch.ones(())
+    scales = {theirs: torch.stack([scale(mlp, mine) for mlp in slots])
+              for theirs, mine in DOWN_SCALES.items()} if takes_down_scales(args) else {}
+    some = next(prefix for prefix in slots if prefix is not None)
+    pair = lambda prefix: torch.stack([_take(state, f"{prefix}.fc"), _take(state, f"{prefix}.proj")])
+    empty = torch.zeros_like(pair(some))
     return {**scales,
         "qk_bank": torch.cat([_take(state, f"blocks.{layer}.attn.qk") for layer in layers]),
         "vo_bank": torch.cat([_take(state, f"blocks.{layer}.attn.vo") for layer in layers]),
-        "mlp_bank": torch.stack([torch.stack([_take(state, f"blocks.{layer}.mlp.fc"),
-                                              _take(state, f"blocks.{layer}.mlp.proj")])
-                                 for layer in range(args.num_layers)]),
+        "mlp_bank": torch.stack([empty if prefix is None else pair(prefix) for prefix in slots]),
     }
 
 
@@ -125,7 +173,7 @@ def record_shapes(args: T.Hyperparameters) -> dict[str, tuple[int, ...]]:
     first size is the rows in use; the record's file holds at least as many (the rest is its padding)."""
     with torch.device("meta"):  # shapes only: no memory, even for the speedrun's model
         ours = T.GPT(args).state_dict()
-    shapes = {theirs: tuple(ours[mine].shape) for theirs, mine in SAME.items()}
+    shapes = {theirs: tuple(ours[mine].shape) for theirs, mine in same(args).items()}
     shapes.update({name: tuple(bank.shape) for name, bank in _banks(ours, args).items()})
     return shapes
 
@@ -162,6 +210,9 @@ def check_record_state(state: dict, args: T.Hyperparameters) -> dict:
             hint = (" (record #89's FP8 scales: a record #85 v3 state dict converts with `-- --preset=record85`)"
                     if name in DOWN_SCALES else "")
             problems.append(f"missing {name!r} (expected shape {shape}){hint}")
+        elif name == NGRAM_TABLE and isinstance(value, torch.Tensor) and tuple(value.shape) != shape:
+            problems.append(f"{name!r} has shape {tuple(value.shape)}, expected {shape}: one rank's shard of a sharded "
+                            f"n-gram table? (convert_ngram_table is where those will convert)")
         else:  # train_gpt.py's one check of a stored tensor: dense, on the CPU, floating (see T.check_weights)
             problems.append(T.tensor_problem(name, value) or _shape_problem(name, tuple(value.shape), shape))
     if not any(problems):  # each tensor's storage, from its strides: a bank of 2**24 rows broadcast from one passed
@@ -182,57 +233,75 @@ def unused_keys(state: dict, args: T.Hyperparameters) -> list[str]:
     return [k for k in (str(k).removeprefix(COMPILED_PREFIX) for k in state) if k not in expected]
 
 
+NGRAM_TABLE = "bigram_embed.weight"  # the record's n-gram (bigram) table, ours of the same name
+
+
+def convert_ngram_table(table: torch.Tensor, args: T.Hyperparameters) -> torch.Tensor:
+    """The n-gram table either way: the hook where the n-gram port converts record #92's table (its rows in two
+    hashed channels, sharded one slice per rank). Today the table is taken as it is, a whole table of our shape
+    (record #89's, or #92's at world size 1); record_shapes refuses a rank's shard."""
+    return table
+
+
 def record_to_ours(state: dict, args: T.Hyperparameters | None = None, step: int | None = None) -> dict:
     """Our model's state dict from the record's (compiled or not: the '_orig_mod.' prefix is optional),
     checked first (check_record_state)."""
     args = args or speedrun_args()
     state = check_record_state(state, args)
     heads = args.model_dim // args.head_dim
-    ours = {mine: state[theirs] for theirs, mine in SAME.items()}
+    ours = {mine: state[theirs] for theirs, mine in same(args).items()}
+    ours["bigram_embed.weight"] = convert_ngram_table(state[NGRAM_TABLE], args)
     qk, vo, mlp = state["qk_bank"], state["vo_bank"], state["mlp_bank"]
-    layers = _attention_layers(args)
-    for a, layer in enumerate(layers):
+    for a, layer in enumerate(_attention_layers(args)):
         ours[f"blocks.{layer}.attn.qk"] = qk[heads * a:heads * (a + 1)]
         ours[f"blocks.{layer}.attn.vo"] = vo[2 * a:2 * a + 2]
-    for layer in range(args.num_layers):
-        ours[f"blocks.{layer}.mlp.fc"] = mlp[layer, 0]
-        ours[f"blocks.{layer}.mlp.proj"] = mlp[layer, 1]
-        for theirs, mine in DOWN_SCALES.items() if args.mlp_down_fp8 else ():
-            ours[f"blocks.{layer}.mlp.{mine}"] = state[theirs][layer]
-    for name, value in rotary_state(args, args.num_iterations if step is None else step).items():
-        ours[f"rotary.{name}"] = value
+    for slot, prefix in enumerate(_mlp_slots(args)):
+        if prefix is not None:
+            ours[f"{prefix}.fc"], ours[f"{prefix}.proj"] = mlp[slot, 0], mlp[slot, 1]
+    if args.mlp_down_fp8:  # record #89's scales, by MLP slot; record #92's GPT has none: their initial values
+        for slot, mlp in enumerate(_mlp_slots(args)):
+            for theirs, mine in DOWN_SCALES.items() if mlp is not None else ():
+                ours[f"{mlp}.{mine}"] = state[theirs][slot] if takes_down_scales(args) else torch.ones(())
+    ours.update(rotary_state(args, args.num_iterations if step is None else step))
     return ours
 
 
 def ours_to_record(state: dict, args: T.Hyperparameters | None = None, like: dict | None = None,
                    prefix: str | None = None) -> dict:
     """The record's state dict (as its compiled model's state_dict() names it, unless prefix says
-    otherwise) from ours. The record's padding comes from `like` (a record state dict) when given, else
-    zeros, laid out for 8 ranks."""
+    otherwise) from ours. What only the record has (its padding, a removed layer's MLP slot) comes from `like` (a
+    record state dict) when given, else zeros (ones for record #89's scales, their initial values), laid out for 8
+    ranks."""
     args = args or speedrun_args()
     if like is not None:
         prefix = COMPILED_PREFIX if any(k.startswith(COMPILED_PREFIX) for k in like) else ""
         like = {k.removeprefix(COMPILED_PREFIX): v for k, v in like.items()}
     prefix = COMPILED_PREFIX if prefix is None else prefix
-    record = {theirs: _take(state, mine) for theirs, mine in SAME.items()}
+    record = {theirs: _take(state, mine) for theirs, mine in same(args).items()}
+    record[NGRAM_TABLE] = convert_ngram_table(_take(state, "bigram_embed.weight"), args)
     banks = _banks(state, args)
-    qk, vo, mlp = banks["qk_bank"], banks["vo_bank"], banks["mlp_bank"]
+    slots = _mlp_slots(args)
+    theirs_only = [slot for slot, mine in enumerate(slots) if mine is None]  # removed layers' MLP slots
 
-    def padded(used: torch.Tensor, name: str, rows: int, fill: float = 0.0) -> torch.Tensor:
+    def padded(used: torch.Tensor, name: str, rows: int, fill: float = 0.0, holes: list[int] = ()) -> torch.Tensor:
         if like is not None:
             full = _take(like, name).clone()
             if full.shape[1:] != used.shape[1:] or full.size(0) < used.size(0):
                 raise WeightsError(f"like[{name!r}] has shape {tuple(full.shape)}, not a padded {tuple(used.shape)}")
         else:
             full = used.new_full((rows, *used.shape[1:]), fill)
+        kept = full[list(holes)].clone()
         full[:used.size(0)] = used
+        full[list(holes)] = kept
         return full
 
-    record["qk_bank"] = padded(qk, "qk_bank", -(-qk.size(0) // RECORD_WORLD_SIZE) * RECORD_WORLD_SIZE)
-    record["vo_bank"] = padded(vo, "vo_bank", -(-vo.size(0) // RECORD_WORLD_SIZE) * RECORD_WORLD_SIZE)
-    record["mlp_bank"] = padded(mlp, "mlp_bank", max(RECORD_MLP_LAYERS, args.num_layers))
-    for name in DOWN_SCALES if args.mlp_down_fp8 else ():  # the record's initial scales: ones
-        record[name] = padded(banks[name], name, max(RECORD_MLP_LAYERS, args.num_layers), fill=1.0)
+    rows = lambda bank: -(-bank.size(0) // RECORD_WORLD_SIZE) * RECORD_WORLD_SIZE
+    record["qk_bank"] = padded(banks["qk_bank"], "qk_bank", rows(banks["qk_bank"]))
+    record["vo_bank"] = padded(banks["vo_bank"], "vo_bank", rows(banks["vo_bank"]))
+    mlp_rows = max(RECORD_MLP_LAYERS, len(slots))
+    record["mlp_bank"] = padded(banks["mlp_bank"], "mlp_bank", mlp_rows, holes=theirs_only)
+    for name in DOWN_SCALES if takes_down_scales(args) else ():  # the record's initial scales: ones
+        record[name] = padded(banks[name], name, mlp_rows, fill=1.0, holes=theirs_only)
     return {prefix + k: v for k, v in record.items()}
 
 
