@@ -247,36 +247,93 @@ RUN_CONTROL_FIELDS = ("run_id", "logs_dir", "pg_timeout_s", "save_every", "save_
                       "init_from", "memory_limit_gib")
 
 
-def int_list(args: Hyperparameters, name: str) -> tuple[int, ...]:
-    """A comma-separated field such as --paired_layers=0,2,5,9 as a tuple of ints."""
-    text = getattr(args, name).strip()
-    try:
-        return tuple(int(part) for part in text.split(",")) if text else ()
-    except ValueError:
-        raise ConfigError(f"--{name}={text}: expected comma-separated integers, e.g. 0,7") from None
+# The list flags, each read by one grammar (list_value) into the values the run uses, once per spelling: two spellings
+# of one value are one setting. "0.25,0.25>0.0,0" is the default "0.25,0.25>0,0"; "1>1", a weight that does not move
+# over its stage, is "1"; " 3, 10" is "3,10"; a role's layers are a set ("10,3" is "3,10"). The resume check compares
+# these values (comparable_config), and records/records.py, which does not import this file, holds a copy of this
+# grammar; tests/test_records_properties.py runs the same spellings through both. A truncated spelling ("1>", ">1",
+# "1,,2", "1,") is refused, naming the flag. Kinds:
+#   integers     comma-separated ints, in order ("" is none)         -> (int, ...)
+#   layer set    comma-separated ints, as a set ("" is none)         -> (int, ...) sorted, each once
+#   numbers      comma-separated finite numbers >= 0                 -> (float, ...)
+#   windows      comma-separated short:long, 0 < short <= long       -> ((int, int), ...)
+#   window       one short:long                                      -> (int, int)
+#   layer pair   source:target                                       -> (int, int)
+#   ramps        per stage, a number >= 0 or start>end               -> ((start, end), ...)
+#   ramp lists   per stage ('/' between), numbers or start>end lists -> (((start, ...), (end, ...)), ...)
+LIST_FLAGS = {"stage_batch_tokens": "integers", "stage_max_seq_len": "integers", "stage_lr": "numbers",
+              "stage_windows": "windows", "extension_windows": "window", "stage_mtp_weights": "ramp lists",
+              "stage_prefix_weights": "ramps", "no_attention_layers": "layer set", "paired_layers": "layer set",
+              "long_window_layers": "layer set", "xsa_layers": "layer set", "attn_gate_layers": "layer set",
+              "dc_layers": "layer set", "value_embed_layers": "integers", "skip_layers": "layer pair"}
 
 
-def number_list(args: Hyperparameters, name: str, text: str | None = None) -> tuple[float, ...]:
-    text = getattr(args, name).strip() if text is None else text
-    try:
-        values = tuple(float(part) for part in text.split(","))
-    except ValueError:
-        raise ConfigError(f"--{name}={getattr(args, name)}: expected comma-separated numbers") from None
-    if not all(math.isfinite(v) and v >= 0 for v in values):
-        raise ConfigError(f"--{name}={getattr(args, name)}: expected finite numbers >= 0")
-    return values
+def flag_list(args: Hyperparameters, name: str) -> tuple:
+    """The value of the list flag `name` of args (list_value)."""
+    return list_value(name, getattr(args, name))
 
 
-def window_pair(args: Hyperparameters, name: str, text: str) -> tuple[int, int]:
-    short, colon, long = text.strip().partition(":")
-    try:
-        pair = (int(short), int(long))
-    except ValueError:
-        pair = None
-    if not colon or pair is None or min(pair) <= 0 or pair[0] > pair[1]:
-        raise ConfigError(f"--{name}={getattr(args, name)}: expected short:long window blocks, positive and "
-                          f"short <= long, e.g. 1:3")
-    return pair
+@functools.lru_cache(maxsize=1024)
+def list_value(name: str, text: str) -> tuple:
+    """The value of the list flag `name` (LIST_FLAGS) spelled `text`, or a ConfigError naming the flag."""
+    kind = LIST_FLAGS[name]
+
+    def refuse(expected: str):
+        raise ConfigError(f"--{name}={text}: {expected}")
+
+    def integers(part: str) -> tuple[int, ...]:
+        try:
+            return tuple(int(item) for item in part.split(",")) if part.strip() else ()
+        except ValueError:
+            refuse("expected comma-separated integers, e.g. 0,7")
+
+    def numbers(part: str) -> tuple[float, ...]:
+        try:
+            values = tuple(float(item) for item in part.split(","))
+        except ValueError:
+            refuse("expected comma-separated numbers")
+        if not all(math.isfinite(v) and v >= 0 for v in values):
+            refuse("expected finite numbers >= 0")
+        return values
+
+    def pair(part: str, windows: bool) -> tuple[int, int]:
+        """short:long window blocks, or the skip's source:target (validate_layer_plan checks those layers)."""
+        first, colon, second = part.partition(":")
+        try:
+            values = (int(first), int(second))
+        except ValueError:
+            values = None
+        if not colon or values is None or windows and not 0 < values[0] <= values[1]:
+            refuse("expected short:long window blocks, positive and short <= long, e.g. 1:3" if windows else
+                   "expected source:target, e.g. 3:6")
+        return values
+
+    def ramp(stage: int, part: str) -> tuple[str, str]:
+        """A stage's start>end, or its one value for both."""
+        start, arrow, end = part.partition(">")
+        if arrow and not (start.strip() and end.strip()) or ">" in end:
+            what = "more than one" if ">" in end else f"nothing {'after' if start.strip() else 'before'} the"
+            refuse(f"stage {stage + 1} ({part.strip()!r}) has {what} '>'; write start>end, or one value for a weight "
+                   f"that does not move")
+        return start, end if arrow else start
+
+    if kind in ("integers", "layer set"):
+        values = integers(text)
+        return tuple(sorted(set(values))) if kind == "layer set" else values
+    if kind == "numbers":
+        return numbers(text)
+    if kind == "windows":
+        return tuple(pair(part, windows=True) for part in text.split(","))
+    if kind in ("window", "layer pair"):
+        return pair(text, windows=kind == "window")
+    # ramps: stages split at ',', each side one number; ramp lists: stages split at '/', each side a list
+    stages = tuple(tuple(numbers(side) for side in ramp(i, part))
+                   for i, part in enumerate(text.split("," if kind == "ramps" else "/")))
+    if kind == "ramp lists":
+        if any(len(start) != len(end) for start, end in stages):
+            refuse("each stage needs as many weights after '>' as before it")
+        return stages
+    return tuple((start[0], end[0]) for start, end in stages)  # (split at ',': one number a side)
 
 
 @dataclass(frozen=True)
@@ -307,26 +364,9 @@ class Schedule:
     multi-token weights with its own windows. Everything a step uses comes from here."""
 
     def __init__(self, args: Hyperparameters):
-        batches = int_list(args, "stage_batch_tokens")
-        lengths = int_list(args, "stage_max_seq_len")
-        windows = [window_pair(args, "stage_windows", w) for w in args.stage_windows.split(",")]
-        lrs = number_list(args, "stage_lr")
-        mtp = []
-        for part in args.stage_mtp_weights.split("/"):
-            start, arrow, end = part.partition(">")
-            pair = (number_list(args, "stage_mtp_weights", start), number_list(args, "stage_mtp_weights", end or start))
-            if len(pair[0]) != len(pair[1]) or not pair[0]:
-                raise ConfigError(f"--stage_mtp_weights={args.stage_mtp_weights}: each stage needs as many weights "
-                                  f"after '>' as before it")
-            mtp.append(pair)
-        prefix = []
-        for part in args.stage_prefix_weights.split(","):
-            start, arrow, end = part.partition(">")
-            pair = [number_list(args, "stage_prefix_weights", text) for text in (start, end or start)]
-            if any(len(p) != 1 for p in pair):
-                raise ConfigError(f"--stage_prefix_weights={args.stage_prefix_weights}: expected one weight per "
-                                  f"stage, or two as start>end")
-            prefix.append((pair[0][0], pair[1][0]))
+        batches, lengths = flag_list(args, "stage_batch_tokens"), flag_list(args, "stage_max_seq_len")
+        windows, lrs = flag_list(args, "stage_windows"), flag_list(args, "stage_lr")
+        mtp, prefix = flag_list(args, "stage_mtp_weights"), flag_list(args, "stage_prefix_weights")
         counts = {len(batches), len(lengths), len(windows), len(lrs), len(mtp), len(prefix)}
         if len(counts) != 1:
             raise ConfigError(f"--stage_batch_tokens, --stage_max_seq_len, --stage_windows, --stage_lr, "
@@ -342,7 +382,7 @@ class Schedule:
         self.stages = [Stage(s, e, batches[i], lengths[i], windows[i], lrs[i], *mtp[i], *prefix[i], counts[i])
                        for i, (s, e) in enumerate(zip(starts, ends))]
         self.stages.append(Stage(self.scheduled, self.total, batches[-1], lengths[-1],
-                                 window_pair(args, "extension_windows", args.extension_windows), lrs[-1],
+                                 flag_list(args, "extension_windows"), lrs[-1],
                                  mtp[-1][1], mtp[-1][1], prefix[-1][1], prefix[-1][1], counts[-1]))
         self.prefix_term = any(w > 0 for pair in prefix for w in pair)
         self.final_val_windows = (self.stages[-1].windows[0], args.final_val_window)
@@ -463,11 +503,11 @@ class LayerPlan:
 
 def layer_plan(args: Hyperparameters) -> list[LayerPlan]:
     n = args.num_layers
-    no_attention = set(int_list(args, "no_attention_layers"))
-    sets = {name: set(int_list(args, name)) for name in ("paired_layers", "long_window_layers", "xsa_layers",
-                                                          "attn_gate_layers", "dc_layers")}
-    ve_layers = int_list(args, "value_embed_layers")
-    skip_from, skip_to = skip_pair(args)
+    no_attention = set(flag_list(args, "no_attention_layers"))
+    sets = {name: set(flag_list(args, name)) for name in ("paired_layers", "long_window_layers", "xsa_layers",
+                                                           "attn_gate_layers", "dc_layers")}
+    ve_layers = flag_list(args, "value_embed_layers")
+    skip_from, skip_to = flag_list(args, "skip_layers")
     plans = []
     for i in range(n):
         attention = i not in no_attention
@@ -477,14 +517,6 @@ def layer_plan(args: Hyperparameters) -> list[LayerPlan]:
                                i in sets["xsa_layers"], i in sets["attn_gate_layers"], i in sets["dc_layers"], ve,
                                None if ve is None or mudd else ve, i > args.shared_input_layer, i == skip_to, mudd))
     return plans
-
-
-def skip_pair(args: Hyperparameters) -> tuple[int, int]:
-    source, colon, target = args.skip_layers.partition(":")
-    try:
-        return int(source), int(target)
-    except ValueError:
-        raise ConfigError(f"--skip_layers={args.skip_layers}: expected source:target, e.g. 3:6") from None
 
 
 # -----------------------------------------------------------------------------
@@ -1186,7 +1218,8 @@ class Block(nn.Module):
     def __init__(self, plan: LayerPlan, args: Hyperparameters, mlp_precision: str):
         super().__init__()
         self.plan = plan
-        self.skip_from, self.shared_layer = skip_pair(args)[0], args.shared_input_layer  # the states it may read
+        # the states it may read
+        self.skip_from, self.shared_layer = flag_list(args, "skip_layers")[0], args.shared_input_layer
         self.attn = (CausalSelfAttention(plan, args.model_dim, args.head_dim, args.dc_window, args.window_block)
                      if plan.attention else None)
         self.mlp = MLP(args.model_dim, args.mlp_ratio, mlp_precision, args.mlp_down_fp8)
@@ -1421,7 +1454,7 @@ def max_positions(args: Hyperparameters) -> int:
 def context_length(args: Hyperparameters) -> int:
     """The longest document the model can read: what training let a document contribute (the longest
     stage_max_seq_len), within max_positions."""
-    return min(max(int_list(args, "stage_max_seq_len")), max_positions(args))
+    return min(max(flag_list(args, "stage_max_seq_len")), max_positions(args))
 
 
 @dataclass(frozen=True)
@@ -1480,7 +1513,7 @@ class GPT(nn.Module):
         self.plans = layer_plan(args)
         self.num_heads, self.head_dim, self.vocab = dim // args.head_dim, args.head_dim, vocab
         heads = self.num_heads
-        self.skip_from, _ = skip_pair(args)
+        self.skip_from, _ = flag_list(args, "skip_layers")
         self.shared_input_layer, self.mudd_gate_layer = args.shared_input_layer, args.mudd_gate_layer
         self.cap = (args.logit_cap, args.logit_cap_shift, args.logit_cap_width)
         # embeddings: the token embedding starts as (and, until the untie step, stays) the lm_head's transpose
@@ -2628,7 +2661,7 @@ def canonical_micro_batches(args: Hyperparameters) -> str:
     """--micro_batches in one spelling per meaning: auto, one count when every stage has it ("4,4,4" and " 4"
     are "4"), else one per stage. parse_args stores it so, and logs, checkpoints and records compare the
     setting, not how it was typed."""
-    counts = stage_micro_batches(args, len(int_list(args, "stage_batch_tokens")))
+    counts = stage_micro_batches(args, len(flag_list(args, "stage_batch_tokens")))
     return "auto" if counts[0] is None else micro_batches_flag(counts)
 
 
@@ -2659,7 +2692,6 @@ MAX_STAGES = 64  # each stage is a shape torch.compile specialises on (the recor
 def size_bounds(args: Hyperparameters) -> list[tuple[str, tuple[int, ...], int]]:
     """(flag, its values, the most each may be) for every size the config gives, lists parsed (ConfigError if
     malformed) but nothing derived from them: check_sizes runs before anything is built."""
-    windows = [window_pair(args, "stage_windows", w) for w in args.stage_windows.split(",")]
     return [
         ("num_layers", (args.num_layers,), MAX_LAYERS),
         ("model_dim", (args.model_dim,), MAX_WIDTH),
@@ -2672,10 +2704,10 @@ def size_bounds(args: Hyperparameters) -> list[tuple[str, tuple[int, ...], int]]
         ("window_block", (args.window_block,), MAX_POSITIONS),
         ("dc_window", (args.dc_window,), MAX_POSITIONS),
         ("final_val_window", (args.final_val_window,), MAX_POSITIONS),
-        ("stage_windows", tuple(n for pair in windows for n in pair), MAX_POSITIONS),
-        ("extension_windows", window_pair(args, "extension_windows", args.extension_windows), MAX_POSITIONS),
-        ("stage_max_seq_len", int_list(args, "stage_max_seq_len"), MAX_POSITIONS),
-        ("stage_batch_tokens", int_list(args, "stage_batch_tokens"), MAX_BATCH_TOKENS),
+        ("stage_windows", tuple(n for pair in flag_list(args, "stage_windows") for n in pair), MAX_POSITIONS),
+        ("extension_windows", flag_list(args, "extension_windows"), MAX_POSITIONS),
+        ("stage_max_seq_len", flag_list(args, "stage_max_seq_len"), MAX_POSITIONS),
+        ("stage_batch_tokens", flag_list(args, "stage_batch_tokens"), MAX_BATCH_TOKENS),
         ("val_tokens", (args.val_tokens,), MAX_VAL_TOKENS),
     ]
 
@@ -2683,7 +2715,7 @@ def size_bounds(args: Hyperparameters) -> list[tuple[str, tuple[int, ...], int]]
 def check_sizes(args: Hyperparameters):
     """Every size of the config from 1 to its bound (the MAX_ constants above), and at most MAX_STAGES stages; a
     ConfigError names the flag."""
-    stages = len(int_list(args, "stage_batch_tokens"))
+    stages = len(flag_list(args, "stage_batch_tokens"))
     if stages > MAX_STAGES:
         raise ConfigError(f"--stage_batch_tokens: {stages:,} stages, at most {MAX_STAGES}")
     for name, values, most in size_bounds(args):
@@ -2776,13 +2808,13 @@ def validate_layer_plan(args: Hyperparameters):
     n = args.num_layers
     for name in ("no_attention_layers", "paired_layers", "long_window_layers", "xsa_layers", "attn_gate_layers",
                  "dc_layers", "value_embed_layers"):
-        for layer in int_list(args, name):
+        for layer in flag_list(args, name):
             if not 0 <= layer < n:
                 raise ConfigError(f"--{name}: layer {layer} is not in 0..{n - 1}")
-    skip_from, skip_to = skip_pair(args)
+    skip_from, skip_to = flag_list(args, "skip_layers")
     if not 0 <= skip_from < skip_to < n:
         raise ConfigError(f"--skip_layers={args.skip_layers}: needs 0 <= source < target < {n}")
-    if set(int_list(args, "no_attention_layers")) != {skip_to}:
+    if set(flag_list(args, "no_attention_layers")) != {skip_to}:
         raise ConfigError(f"--no_attention_layers={args.no_attention_layers}: must be the skip target alone "
                           f"({skip_to}, --skip_layers): the skip takes the place of its attention")
     if not 1 <= args.mudd_gate_layer <= skip_to:
@@ -2809,7 +2841,7 @@ def validate_layer_plan(args: Hyperparameters):
         raise ConfigError(f"--skip_layers={args.skip_layers}: the source must be a layer with attention")
     if args.dc_window > args.window_block:  # dc_correction's blocks see their own and the previous block's keys
         raise ConfigError(f"--dc_window={args.dc_window}: at most --window_block={args.window_block}")
-    if args.untie_stage > len(int_list(args, "stage_batch_tokens")):
+    if args.untie_stage > len(flag_list(args, "stage_batch_tokens")):
         raise ConfigError(f"--untie_stage={args.untie_stage}: at most the number of stages")
 
 
@@ -4829,8 +4861,13 @@ def comparable_config(saved: dict, args: Hyperparameters) -> dict:
     older checkpoints hold "auto", which resolves here as it would have in this run); --lm_head_precision and
     --mlp_precision as resolve_precision settles auto on this run's device (fp32 on a CPU: a resume that spelled
     that out was refused); --packing left to check_resume_shards, which compares what it resolved to for each
-    shard (auto on a shard of documents is documents)."""
+    shard (auto on a shard of documents is documents); the list flags as their values (list_value: "1>1" is "1"; a
+    spelling this grammar refuses stays text, and differs)."""
     saved = {k: v for k, v in saved.items() if k != "packing"}
+    for name in LIST_FLAGS:
+        if isinstance(saved.get(name), str):
+            with contextlib.suppress(ConfigError):
+                saved[name] = list_value(name, saved[name])
     if isinstance(saved.get("micro_batches"), (str, int)):
         with contextlib.suppress(ConfigError):
             saved["micro_batches"] = canonical_micro_batches(dataclasses.replace(args, micro_batches=str(

@@ -127,6 +127,35 @@ def test_a_resume_spelling_out_the_resolved_precisions_runs(at_end, tmp_path, wh
         one_error_line(proc, 1, f"config differs in {differ} (use --force_resume=true")
 
 
+# Issue 53 row 2: the stage lists compared as text. --stage_prefix_weights=0.25,0.25>0.0,0 is the smoke preset's
+# 0.25,0.25>0,0 written another way (the same losses at every validation), yet a resume was refused.
+LIST_CASES = [
+    # (what, the checkpoint config's values, flags of the resume, None if accepted, else the settings named)
+    ("the issue's: 0 written 0.0", {}, ["--stage_prefix_weights=0.25,0.25>0.0,0"], None),
+    ("a weight that does not move written A>A", {"stage_prefix_weights": "0.25>0.25,0.25>0,0>0"}, [], None),
+    ("multi-token weights with blanks and exponents", {}, ["--stage_mtp_weights=1, 0.5>1,0e0/1>1/1>1.0"], None),
+    ("windows and a role's layers", {"stage_windows": " 1:2,2:4, 3:6", "xsa_layers": "2,1,1"}, [], None),
+    ("an older checkpoint's truncated spelling", {"stage_prefix_weights": "0.25,0.25>,0"}, [],
+     "stage_prefix_weights"),
+    ("another value", {}, ["--stage_prefix_weights=0.25,0.25>0.1,0"], "stage_prefix_weights"),
+]
+
+
+@pytest.mark.parametrize("what, saved, flags, differ", LIST_CASES, ids=[c[0] for c in LIST_CASES])
+def test_list_flags_are_compared_as_their_values(what, saved, flags, differ):
+    args = T.parse_args([*TINY, *flags], False)
+    theirs = {**T.config_for_checkpoint(T.parse_args(TINY, False)), **saved}
+    ours, theirs = T.comparable_config(T.config_for_checkpoint(args), args), T.comparable_config(theirs, args)
+    assert sorted(k for k in ours if ours[k] != theirs[k]) == ([differ] if differ else [])
+
+
+@pytest.mark.slow  # resumes the untrained checkpoint: its final validation
+def test_a_resume_spelling_a_stage_list_otherwise_runs(at_end, tmp_path):
+    proc = resume(at_end, tmp_path, "--stage_prefix_weights=0.25,0.25>0.0,0", "--stage_lr=1,1.520,1.73e0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"resumed from {at_end} at step 2" in (tmp_path / "logs/again.txt").read_text()
+
+
 # -----------------------------------------------------------------------------
 # Rows 9 and 10: a shard is checked at every open (regular file, header, ids); a FIFO is never opened
 
