@@ -819,14 +819,98 @@ def canonical_micro_batches(value: str) -> str:
     return str(counts[0]) if len(set(counts)) == 1 else ",".join(map(str, counts))
 
 
+# The list flags of train_gpt.py, each read into its values by the grammar of train_gpt.list_value (this is a copy:
+# records.py does not import the trainer, which needs torch; tests/test_records_properties.py runs the same spellings
+# through both). Two spellings of one value are one setting: "0.25,0.25>0.0,0" is "0.25,0.25>0,0", "1>1" is "1", a
+# role's layers are a set. (The trainer refuses what this refuses, so a log it wrote holds only values this reads.)
+LIST_FLAGS = {"stage_batch_tokens": "integers", "stage_max_seq_len": "integers", "stage_lr": "numbers",
+              "stage_windows": "windows", "extension_windows": "window", "stage_mtp_weights": "ramp lists",
+              "stage_prefix_weights": "ramps", "no_attention_layers": "layer set", "paired_layers": "layer set",
+              "long_window_layers": "layer set", "xsa_layers": "layer set", "attn_gate_layers": "layer set",
+              "dc_layers": "layer set", "value_embed_layers": "integers", "skip_layers": "layer pair"}
+
+
+def list_value(name: str, text: str) -> tuple:
+    """The value of the list flag `name` (LIST_FLAGS) spelled `text`, as train_gpt.list_value reads it; a ValueError
+    where the trainer refuses the spelling."""
+    kind = LIST_FLAGS[name]
+
+    def integers(part: str) -> tuple[int, ...]:
+        return tuple(int(item) for item in part.split(",")) if part.strip() else ()
+
+    def numbers(part: str) -> tuple[float, ...]:
+        values = tuple(float(item) for item in part.split(","))
+        if not all(math.isfinite(v) and v >= 0 for v in values):
+            raise ValueError("expected finite numbers >= 0")
+        return values
+
+    def pair(part: str, windows: bool) -> tuple[int, int]:
+        first, colon, second = part.partition(":")
+        values = (int(first), int(second))
+        if not colon or windows and not 0 < values[0] <= values[1]:
+            raise ValueError("expected short:long window blocks, positive and short <= long" if windows else
+                             "expected source:target")
+        return values
+
+    def ramp(part: str) -> tuple[str, str]:
+        start, arrow, end = part.partition(">")
+        if arrow and not (start.strip() and end.strip()) or ">" in end:
+            raise ValueError("a stage with nothing before or after its '>', or more than one")
+        return start, end if arrow else start
+
+    if kind in ("integers", "layer set"):
+        values = integers(text)
+        return tuple(sorted(set(values))) if kind == "layer set" else values
+    if kind == "numbers":
+        return numbers(text)
+    if kind == "windows":
+        return tuple(pair(part, windows=True) for part in text.split(","))
+    if kind in ("window", "layer pair"):
+        return pair(text, windows=kind == "window")
+    stages = tuple(tuple(numbers(side) for side in ramp(part)) for part in text.split("," if kind == "ramps" else "/"))
+    if kind == "ramp lists":
+        if any(len(start) != len(end) for start, end in stages):
+            raise ValueError("each stage needs as many weights after '>' as before it")
+        return stages
+    return tuple((start[0], end[0]) for start, end in stages)
+
+
+def number_text(value: float) -> str:
+    """A number as list_text spells it: 1.0 as 1, 0.25 as 0.25 (repr: every float reads back as itself)."""
+    return str(int(value)) if value.is_integer() and abs(value) < 2 ** 53 else repr(value)
+
+
+def list_text(name: str, value: tuple) -> str:
+    """One spelling of each value of the list flag `name` (list_value's inverse): what experiments are compared
+    and shown by. A stage's weight that does not move is one number ("1", not "1>1")."""
+    kind = LIST_FLAGS[name]
+
+    def ramp(start: tuple, end: tuple) -> str:
+        both = [",".join(map(number_text, side)) for side in (start, end)]
+        return both[0] if start == end else ">".join(both)
+
+    if kind in ("integers", "layer set"):
+        return ",".join(map(str, value))
+    if kind == "numbers":
+        return ",".join(map(number_text, value))
+    if kind == "windows":
+        return ",".join(f"{a}:{b}" for a, b in value)
+    if kind in ("window", "layer pair"):
+        return f"{value[0]}:{value[1]}"
+    if kind == "ramps":
+        return ",".join(ramp((start,), (end,)) for start, end in value)
+    return "/".join(ramp(start, end) for start, end in value)
+
+
 def experiment_value(name: str, log: Log) -> str | None:
     """A hyperparameter's value in a log as experiments are compared: settings that train identically are equal,
     each as the trainer settled it. --attention, --lm_head_precision and --mlp_precision are what the header's
     `attention:` line says the run used (train_gpt.resolve_attention and resolve_precision; records.py reads the
     log rather than importing the trainer, which needs torch); where a log has no such line, an "auto" is resolved
     on the device the log ran on where that device alone decides it: --device, --attention (flex on a GPU, sdpa on
-    a CPU) and the precisions on a CPU (fp32; on a GPU, auto is fp8 or bf16 by the card). --micro_batches is
-    compared in one spelling. So on a CPU, --mlp_precision=fp32 and auto are one setting."""
+    a CPU) and the precisions on a CPU (fp32; on a GPU, auto is fp8 or bf16 by the card). --micro_batches and the
+    list flags (LIST_FLAGS: the stage schedule, the layer roles) are compared in one spelling of their values. So on
+    a CPU, --mlp_precision=fp32 and auto are one setting, and --stage_prefix_weights=0.25,0.25>0.0,0 is the default."""
     value = log.hyperparameters.get(name)
     if value is None:
         return None
@@ -834,6 +918,11 @@ def experiment_value(name: str, log: Log) -> str | None:
         return log.resolved[name]
     if name == "micro_batches":
         return canonical_micro_batches(value)
+    if name in LIST_FLAGS:
+        try:
+            return list_text(name, list_value(name, value))
+        except ValueError:   # not a spelling the trainer takes: compared as written
+            return value.strip()
     if value.strip() == "auto" and log.device in ("cpu", "cuda"):
         if name == "device":
             return log.device

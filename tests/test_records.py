@@ -1677,6 +1677,37 @@ def test_precisions_are_compared_as_resolved(capsys, tmp_path, values, line):
     assert code == 1 and f"{rerun1[0]} duplicates {logs[0]} (same seed 1 and config: one sample)" in out, out
 
 
+SPELLINGS = [   # (id, a list flag, its value in the first two logs, another spelling of it in the third, another value)
+    ("the issue's: a weight of 0 written 0.0", "stage_prefix_weights", "0.25,0.25>0,0", "0.25,0.25>0.0,0",
+     "0.25,0.25>0.1,0"),
+    ("a weight that does not move written A>A", "stage_prefix_weights", "0.25,0.25>0,0", "0.25>0.25,0.25>0,0>0",
+     "0.25>0,0.25>0,0"),
+    ("multi-token weights", "stage_mtp_weights", "1,0.5>1,0/1>1/1>1", "1,.5>1,0.0/1/1e0", "1,0.5>1,0/1>1/1>0.5"),
+    ("stage lrs", "stage_lr", "1.0,1.52,1.73", "1,1.520, 1.73", "1.0,1.52,1.74"),
+    ("windows with blanks", "stage_windows", "1:2,2:4,3:6", "1:2, 2:4 ,3:6", "1:2,2:4,3:7"),
+    ("a role's layers in another order", "paired_layers", "0,4", "4,0", "0,3"),
+]
+
+
+@pytest.mark.parametrize("flag,value,spelled,another", [c[1:] for c in SPELLINGS], ids=[c[0] for c in SPELLINGS])
+def test_list_flags_are_compared_as_their_values(capsys, tmp_path, flag, value, spelled, another):
+    """Issue 53 row 2: the stage lists were compared as text. --stage_prefix_weights=0.25,0.25>0.0,0 is the default
+    written another way, yet verify called the runs different experiments; with --allow-differences a same-seed
+    rerun spelling it so became a second sample (p 0.096 -> 0.025). Each list is read into its values by the
+    trainer's grammar (records.list_value) and compared in one spelling of them."""
+    logs = copies(tmp_path, SAME_CODE, lambda t, i: with_hparams(t, **{flag: (value, value, spelled)[i - 1]}))
+    code, out, _ = run(capsys, "verify", *logs, "--target", "7.5")
+    assert code == 0, out
+    rerun1 = copies(tmp_path, SAME_CODE[:1], lambda t, i: rerun(with_hparams(t, **{flag: spelled}), 7),
+                    names=["rerun1.txt"])
+    code, out, _ = run(capsys, "verify", *logs, *rerun1, "--target", "7.5", f"--allow-differences={flag}")
+    assert code == 1 and f"{rerun1[0]} duplicates {logs[0]} (same seed 1 and config: one sample)" in out, out
+    # another value is another experiment, named in its one spelling
+    other = copies(tmp_path, SAME_CODE[2:], lambda t, i: with_hparams(t, **{flag: another}), names=["other.txt"])
+    code, out, _ = run(capsys, "verify", *logs[:2], *other, "--target", "7.5")
+    assert code == 1 and f"FAIL not the same experiment: {flag} is " in out, out
+
+
 def test_precisions_that_may_differ_on_a_gpu_are_other_experiments(capsys, tmp_path):
     """On a GPU, auto is fp8 or bf16 by the card: without the header's line saying which, auto is not bf16; with it,
     the run's own resolved value is compared."""
