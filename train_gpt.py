@@ -408,10 +408,13 @@ class Schedule:
 
     def lr(self, step: int) -> float:
         """The stage's multiplier, then (from cooldown_start) a linear move to final_lr_frac at the last
-        scheduled step; across a stage boundary in the cooldown the multiplier it moves from jumps."""
+        scheduled step; across a stage boundary in the cooldown the multiplier it moves from jumps. A cooldown of no
+        steps (--cooldown_frac=0, or a fraction of the scheduled steps that rounds to none) has ended where the
+        extension starts: t is 1 there, the limit of the move as the cooldown shrinks (it divided 0 by 0)."""
         lr = self.stage(step).lr
         if step >= self.cooldown_start:
-            t = min(1.0, (step - self.cooldown_start) / (self.scheduled - self.cooldown_start))
+            steps = self.scheduled - self.cooldown_start
+            t = min(1.0, (step - self.cooldown_start) / steps) if steps else 1.0
             lr = lr * (1 - t) + self.final_lr_frac * t
         return lr
 
