@@ -1078,6 +1078,9 @@ def mlp_fp8(fc: Tensor) -> tuple[Tensor, Tensor]:
 # 1.12x the weight's absolute maximum after the previous step, but the exact maximum (no headroom) for the
 # first 16 steps and at the start. Both maxima come from passes that run anyway; values past a scale clip.
 DOWN_ACT_HEADROOM, DOWN_WEIGHT_HEADROOM, DOWN_EXACT_STEPS = 1.8, 1.12, 16
+# Those scales, each an MLP's buffer (run state, saved with the weights; the activation's differs between ranks):
+# a resume checks that a checkpoint holds positive ones (check_run_state).
+FP8_SCALES = ("down_act_scale", "down_weight_scale", "down_weight_next_scale")
 
 
 def mlp_down_fp8(proj: Tensor, used: Tensor, upcoming: Tensor, scales: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -1109,7 +1112,7 @@ class MLP(nn.Module):
         uniform_init_(self.fc, 0.5 * dim ** -0.5)
         self.down_fp8 = scaled_down and precision == "fp8"
         if scaled_down:
-            for name in ("down_act_scale", "down_weight_scale", "down_weight_next_scale"):
+            for name in FP8_SCALES:
                 self.register_buffer(name, torch.ones((), dtype=torch.float32))
         if precision == "fp8":
             self.register_buffer("fc_f8", torch.zeros(ratio * dim, dim, dtype=torch.float8_e4m3fn), persistent=False)
@@ -4481,6 +4484,16 @@ def nonfinite_problem(name: str, value: Tensor) -> str | None:
     return None
 
 
+def scale_problem(name: str, value: Tensor) -> str | None:
+    """Why a value stored under an FP8 scale's name (FP8_SCALES) is not one, or None: the down-projection's weight
+    is divided by its scale and its product multiplied by it, so 0 divides by zero and a negative one flips a sign (a
+    weight scale of 0 resumed and ended at 8.7606 instead of 8.7249, exit 0). Finiteness is nonfinite_problem's."""
+    if name.rpartition(".")[2] in FP8_SCALES and value.numel() and not bool((value > 0).all()):
+        return f"{name!r} holds {float(value.min()):g}, not an FP8 scale (a positive number: record #89's " \
+               f"down-projection divides its weight by it)"
+    return None
+
+
 def extra_state_problem(name: str, value, like) -> str | None:
     """A module's extra state (the rotary's window and attention scale): the keys the model's has, each a positive
     finite number of the same kind."""
@@ -4516,6 +4529,16 @@ def check_weights(state, expected: dict) -> dict:
         raise WeightsError(mismatch)
     refuse_first([nonfinite_problem(k, v) for k, v in state.items() if isinstance(v, Tensor)])  # reads every value:
     # finite and within MAX_WEIGHT
+    return state
+
+
+def check_run_state(state, expected: dict) -> dict:
+    """check_weights, and then what a resumed run continues with: the FP8 scales among them positive (scale_problem).
+    (--init_from starts them over, and sample.py's evaluation does not read them.)"""
+    problems = [p for k, v in check_weights(state, expected).items() if (p := scale_problem(k, v)) is not None]
+    if problems:
+        more = f"; and {len(problems) - 1} more scale(s) wrong" if len(problems) > 1 else ""
+        raise WeightsError(problems[0] + more)
     return state
 
 
@@ -4888,9 +4911,10 @@ def comparable_config(saved: dict, args: Hyperparameters) -> dict:
 
 def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: str) -> Resume:
     """Everything about a checkpoint that can be wrong, checked before the run creates anything:
-    meta.json's shape; that the checkpoint belongs to this run (world size, config, code); and that
+    meta.json's shape; that the checkpoint belongs to this run (world size, config, code); that
     meta.json describes the files beside it (their sizes and sha256, and the step this rank's
-    optimizer file was saved at)."""
+    optimizer file was saved at); and the run state the weights carry: model.pt's and this rank's FP8 scales,
+    exactly the model's keys and shapes, finite and positive (check_run_state)."""
     meta = read_checkpoint_meta(path)  # before the log exists: every field in range
     if meta.world_size != env.world_size:
         raise TrainingError(f"--resume={path}: written at world size {meta.world_size}, this run has "
@@ -4909,7 +4933,7 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
     try:
         listed = meta.files.get("model.pt")  # (read_checkpoint_file refuses a missing listing)
         check_fits_host(expected, listed.bytes if listed else 0)
-        model_state = check_weights(read_checkpoint_file(path, "model.pt", meta), expected)
+        model_state = check_run_state(read_checkpoint_file(path, "model.pt", meta), expected)
     except WeightsError as e:
         forced = "; --force_resume cannot change the architecture" if args.force_resume else ""
         raise TrainingError(f"--resume={path}: its model.pt does not fit the model this config builds ({e}){forced}") \
@@ -4919,6 +4943,11 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
     if saved_at != meta.step:
         raise TrainingError(f"--resume={path}: meta.json says step {meta.step}, but rank_{env.rank}.pt was "
                             f"saved at step {brief(saved_at)}")
+    try:  # this rank's FP8 activation scales, which replace model.pt's (rank 0's): checked as model.pt's are
+        check_run_state(rank_state.get("rank_buffers", {}), {k: v for k, v in expected.items() if is_rank_buffer(k)})
+    except WeightsError as e:
+        raise TrainingError(f"--resume={path}: its rank_{env.rank}.pt's activation scales do not fit the model this "
+                            f"config builds ({e})") from None
     if meta.step > args.num_iterations or (args.force_resume and meta.step == args.num_iterations):
         # (unforced, num_iterations matched: the same run's last checkpoint runs only its final validation)
         raise TrainingError(f"--resume={path}: the checkpoint is at step {meta.step}, at or past "
@@ -4971,10 +5000,15 @@ def check_resume_shards(resume: Resume, loader, args: Hyperparameters):
                                 f"{other}); use --force_resume=true to go on with these shards anyway")
 
 
-def rank_buffers(model: GPT) -> dict[str, Tensor]:
-    """The model's state that differs between ranks: the down-projections' activation scales (record #89: from
+def is_rank_buffer(name: str) -> bool:
+    """Whether a model's buffer differs between ranks: the down-projections' activation scales (record #89: from
     each rank's own forwards). model.pt holds rank 0's; rank_R.pt each rank's own."""
-    return {name: t for name, t in model.named_buffers() if name.endswith(".down_act_scale")}
+    return name.endswith(".down_act_scale")
+
+
+def rank_buffers(model: GPT) -> dict[str, Tensor]:
+    """The model's state that differs between ranks (is_rank_buffer)."""
+    return {name: t for name, t in model.named_buffers() if is_rank_buffer(name)}
 
 
 def load_checkpoint(resume: Resume, model: GPT, optimizers, loader, env: DistEnv) -> tuple[int, float]:
