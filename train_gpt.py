@@ -120,8 +120,8 @@ class Hyperparameters:
                                "(the extension keeps the last), or auto: per stage, the fewest (the largest "
                                "micro-batches) that the memory model fits into the device (--memory_limit_gib)", "8")
     memory_limit_gib: float = _help("per-rank memory the run must fit, in GiB, of which the memory model's "
-                                    "predicted peaks may take 85%; 0: the GPU's own memory (on CPU, checked only "
-                                    "with --micro_batches=auto, against the host's memory shared by its ranks)", 0.0)
+                                    "predicted peaks may take 85%; 0: the GPU's own memory (on CPU, the host's "
+                                    "physical memory shared by its ranks); every run is checked", 0.0)
     stage_max_seq_len: str = _help("per stage: a training document contributes at most its first N tokens",
                                    "896,2048,2048")
     stage_windows: str = _help("per stage: short:long attention windows in blocks of window_block tokens",
@@ -3828,7 +3828,8 @@ class MemoryModel:
         self.adam_state = dist_adam_bytes(self.adam, world_size, self.model.bigram_embed.weight, 0)[0]
         self.counted: dict = {}  # (micro_tokens, micro-batches per rank), or the validation's length -> its rows
         # what a forward pass keeps depends on none of the world size, the micro-batch counts or the run's controls
-        self.forward_key = (config_fields(args, ignored=("micro_batches",)), device.type, numerics, attention_kind)
+        self.forward_key = (config_fields(args, ignored=("micro_batches", *NOT_COUNTED)), device.type, numerics,
+                            attention_kind)
 
     def state(self) -> int:
         """What a training rank holds whatever the phase: weights, buffers, gradients, optimizer state."""
@@ -3936,11 +3937,14 @@ class MemoryModel:
 # another card), and a model's counts are kept with it.
 MEMORY_MODELS: dict[tuple, MemoryModel] = {}
 FORWARD_COUNTS: dict[tuple, tuple[int, int]] = {}  # MemoryModel._shared_count's
+# Fields no count depends on (which tokens are read, the seed of the weights; a model's tensors are fake): left out
+# of those keys, so that runs of one model on other data share one count (every run on CPU is counted).
+NOT_COUNTED = ("train_files", "val_files", "val_tokens", "synthetic", "repeat_data", "packing", "seed")
 
 
 def memory_model(args: Hyperparameters, world_size: int, device: torch.device, numerics: Numerics,
                  attention_kind: str) -> MemoryModel:
-    key = (config_fields(args), world_size, device.type, numerics, attention_kind)
+    key = (config_fields(args, ignored=NOT_COUNTED), world_size, device.type, numerics, attention_kind)
     return kept(MEMORY_MODELS, key, lambda: MemoryModel(args, world_size, device, numerics, attention_kind), 64)
 
 
@@ -3963,20 +3967,23 @@ class DoesNotFitError(ConfigError):
     and what would fit."""
 
 
-def memory_budget(args: Hyperparameters, device: torch.device) -> tuple[int, str] | None:
-    """(bytes, whose) that the predicted peaks must fit, before the margin; None where nothing is checked:
-    on CPU, unless --micro_batches=auto or --memory_limit_gib asks."""
+def memory_budget(args: Hyperparameters, device: torch.device) -> tuple[int, str]:
+    """(bytes, whose) that the predicted peaks must fit, before the margin: the GPU's memory, or --memory_limit_gib;
+    on CPU, the host's physical memory (device_memory_bytes) shared by the ranks torchrun started on it. Every run
+    is checked: on CPU a config of sizes within check_sizes' bounds (--model_dim=65536, --bigram_vocab_size=2**25)
+    was built unchecked and failed in an allocation traceback. Physical memory, not what is free now
+    (/proc/meminfo's MemAvailable): the verdict is the same for the same config on the same machine, a refusal
+    means the run cannot fit here at all (not that other processes hold memory now), and it is the count that
+    --micro_batches=auto, check_fits_host and the dense-mask check (resolve_attention) use."""
     if device.type == "cuda":
         return card_memory(args, device_memory_bytes(device), f"{device} ({torch.cuda.get_device_name(device)})")
     if args.memory_limit_gib:
         return card_memory(args, 0, "")
-    if args.micro_batches.strip() == "auto":  # the host's memory, shared by the ranks torchrun started on it
-        text = os.environ.get("LOCAL_WORLD_SIZE", "1")
-        if not text.isdigit() or int(text) < 1:
-            raise ConfigError(f"LOCAL_WORLD_SIZE={text!r} in the environment is not a number of ranks (torchrun sets it)")
-        ranks = int(text)
-        return device_memory_bytes(device) // ranks, "this host" + (f" shared by {ranks} ranks" if ranks > 1 else "")
-    return None
+    text = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"LOCAL_WORLD_SIZE={text!r} in the environment is not a number of ranks (torchrun sets it)")
+    ranks = int(text)
+    return device_memory_bytes(device) // ranks, "this host" + (f" shared by {ranks} ranks" if ranks > 1 else "")
 
 
 def card_memory(args: Hyperparameters, memory: int, whose: str) -> tuple[int, str]:
@@ -4086,15 +4093,11 @@ class MemoryPlan:
 
 
 def plan_memory(args: Hyperparameters, world_size: int, device: torch.device, numerics: Numerics,
-                attention_kind: str) -> MemoryPlan | None:
+                attention_kind: str) -> MemoryPlan:
     """Checks, before anything is built, that every phase fits this device's memory (memory_budget) by the
     memory model, and chooses the counts of --micro_batches=auto (in the plan's copy of the config, which the
-    run then logs, checkpoints and trains by). None where nothing is checked. Raises DoesNotFitError, naming
-    what would fit."""
-    budget_of = memory_budget(args, device)
-    if budget_of is None:
-        return None
-    budget, within = within_margin(*budget_of)
+    run then logs, checkpoints and trains by). Raises DoesNotFitError, naming what would fit."""
+    budget, within = within_margin(*memory_budget(args, device))
     auto = args.micro_batches.strip() == "auto"
     counts, rows = fit_micro_batches(args, world_size, device, numerics, attention_kind, budget, within)
     stages = len(counts)
