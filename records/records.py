@@ -737,8 +737,18 @@ def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[i
 # =============================================================================
 # n copies of one run are not n runs: they shrink the spread and fake a p-value.
 
+# What a run computed identifies it: no header edit changes its losses. Two distinct runs tie at one logged loss now
+# and then (4 decimals: for the speedrun's spread of final losses, about 0.0015, one tie in about 50 pairs), so a
+# rule on losses alone needs several: at MIN_SAME_LOSSES values that all tie, distinct runs are about 1 in 100,000.
+MIN_SAME_LOSSES = 3
+
+
 def duplicate_reason(first: Log, later: Log) -> str | None:
-    """Why `later` is the same run as `first`, or None."""
+    """Why `later` is the same run as `first`, or None. In order: the same file; the same run id; identical step
+    lines (a renamed copy); the same seed and config (a rerun: one sample of the seeds, whatever its losses, which
+    repeat up to the hardware's nondeterminism); the same losses at every validation and step line (same_losses: a
+    copy whose seed, run id and times were edited, however its times drift); and for logs with too few losses to
+    tell, the same losses with step times shifted by one constant (time_shift)."""
     if first.file_id is not None and first.file_id == later.file_id:
         return "the same file"
     why = []
@@ -748,16 +758,34 @@ def duplicate_reason(first: Log, later: Log) -> str | None:
         why.append("identical step lines")
     elif same_seed_and_config(first, later):
         why.append(f"same seed {first.hyperparameters['seed'].strip()} and config: one sample")
+    elif count := same_losses(first, later):
+        why.append(f"identical losses at all {count} logged values: one computation, whatever its times, seed and "
+                   f"run id say")
     elif (shift := time_shift(first, later)) is not None:
         why.append("identical losses and step times" + (f", shifted by {shift:+g} ms" if shift else ""))
     return " and ".join(why) or None
 
 
+def same_losses(first: Log, later: Log) -> int | None:
+    """How many losses two logs hold, where they hold the same at every validation and step line (the same steps,
+    each the same val and train loss or none) and at least MIN_SAME_LOSSES of them; else None. The rule for a copy:
+    what a run computed, not what its header or times say (a copy of one run under another seed and run id, its
+    times drifting by a growing 1-4 ms, was once a third sample: p 0.0024 -> 1.3e-5). Logs of other code (both
+    hashes known, and different) are exempt: a change that keeps the math computes the same losses at other step
+    times, and compare takes such runs as samples of time."""
+    if first.code_hash and later.code_hash and first.code_hash != later.code_hash:
+        return None
+    if not first.losses or first.losses != later.losses:
+        return None
+    count = sum(loss is not None for _, val, train in first.losses for loss in (val, train))
+    return count if count >= MIN_SAME_LOSSES else None
+
+
 def time_shift(first: Log, later: Log) -> float | None:
     """How many ms later's step times lie after first's, where the two logs hold the same losses at the same timed
-    steps and step times that differ by that one constant; else None. No header edit changes losses and step
-    times (a copy of one run under another seed and run id, its times +2 ms, was once a third sample), and two
-    runs hold the same together only as copies: a change that keeps the math runs at other step times."""
+    steps and step times that differ by that one constant; else None. For logs with fewer than MIN_SAME_LOSSES
+    losses (a run that logs only its final validation), where the losses alone cannot tell a copy from a tie, the
+    times add what they can: a copy shifted by a constant is found, one whose times drift is not."""
     if not first.losses or first.losses != later.losses or len(first.step_times) != len(later.step_times):
         return None
     shifts = [b - a for a, b in zip(first.step_times, later.step_times) if a is not None and b is not None]

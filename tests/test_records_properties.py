@@ -185,6 +185,29 @@ def test_a_copy_under_any_seed_run_id_and_time_shift_is_one_run(tmp_path_factory
         assert reason is None or reason.startswith(f"same seed {seed} and config"), reason
 
 
+@settings(max_examples=30)
+@given(st.lists(st.integers(min_value=-900, max_value=10 ** 6), min_size=9, max_size=9),
+       st.integers(min_value=0, max_value=10 ** 9), st.text(alphabet="abcdefgh0123456789-", min_size=1, max_size=20),
+       st.integers(min_value=0, max_value=8), st.sampled_from([-1e-4, 1e-4, 0.5]))
+def test_a_copy_under_any_times_is_one_run_and_one_other_loss_another(tmp_path_factory, moves, seed, run_id, line,
+                                                                       change):
+    """Issue 53 row 3's neighbours: a copy of seed 1's log under any seed and run id, each timed step's time moved by
+    its own amount (drifting, jumping, never one constant), is the run it copies: the losses at every validation
+    and step line decide, not the times. Its neighbour, the same copy with one loss another (by 1e-4, the logs'
+    last decimal), is another run."""
+    moved = iter(moves)
+    text = re.sub(r"^(step:[1-9]\d*/.*train_time:)(\d+)ms", lambda m: f"{m[1]}{int(m[2]) + next(moved)}ms", LOG,
+                  flags=re.M)
+    text = with_hparams(text, seed=seed + 2).replace("run_id: handmade-cpu-run1", f"run_id: {run_id}")
+    folder = tmp_path_factory.getbasetemp()
+    original = rec.read_log(SAME_CODE[0])
+    assert rec.duplicate_reason(original, rec.read_log(write(folder, "moved.txt", text))) is not None
+    losses = list(re.finditer(r"^step:[1-9]\d*/\S* (?:val|train)_loss:(\S+)", text, flags=re.M))
+    at = losses[line]
+    other = text[:at.start(1)] + f"{float(at[1]) + change:.4f}" + text[at.end(1):]
+    assert rec.duplicate_reason(original, rec.read_log(write(folder, "other.txt", other))) is None
+
+
 @FAST
 @given(st.sampled_from(["auto", "fp32", " auto", "auto "]), st.sampled_from(["auto", "fp32"]),
        st.sampled_from(["", "attention: sdpa  lm_head: fp32  mlp up-projection: fp32  compile: off\n"]))
