@@ -121,7 +121,9 @@ class Hyperparameters:
                                "micro-batches) that the memory model fits into the device (--memory_limit_gib)", "8")
     memory_limit_gib: float = _help("per-rank memory the run must fit, in GiB, of which the memory model's "
                                     "predicted peaks may take 85%; 0: the GPU's own memory (on CPU, the host's "
-                                    "physical memory shared by its ranks); every run is checked", 0.0)
+                                    "physical memory shared by its ranks). Every run's weights, gradients and "
+                                    "optimizer state are checked; each phase's peak on a GPU, and on CPU with this "
+                                    "flag or --micro_batches=auto", 0.0)
     stage_max_seq_len: str = _help("per stage: a training document contributes at most its first N tokens",
                                    "896,2048,2048")
     stage_windows: str = _help("per stage: short:long attention windows in blocks of window_block tokens",
@@ -3970,11 +3972,11 @@ class DoesNotFitError(ConfigError):
 def memory_budget(args: Hyperparameters, device: torch.device) -> tuple[int, str]:
     """(bytes, whose) that the predicted peaks must fit, before the margin: the GPU's memory, or --memory_limit_gib;
     on CPU, the host's physical memory (device_memory_bytes) shared by the ranks torchrun started on it. Every run
-    is checked: on CPU a config of sizes within check_sizes' bounds (--model_dim=65536, --bigram_vocab_size=2**25)
-    was built unchecked and failed in an allocation traceback. Physical memory, not what is free now
-    (/proc/meminfo's MemAvailable): the verdict is the same for the same config on the same machine, a refusal
-    means the run cannot fit here at all (not that other processes hold memory now), and it is the count that
-    --micro_batches=auto, check_fits_host and the dense-mask check (resolve_attention) use."""
+    is checked (plan_memory): on CPU a config of sizes within check_sizes' bounds (--model_dim=65536,
+    --bigram_vocab_size=2**25) was built unchecked and failed in an allocation traceback. Physical memory, not what
+    is free now (/proc/meminfo's MemAvailable): the verdict is the same for the same config on the same machine, a
+    refusal means the run cannot fit here at all (not that other processes hold memory now), and it is the count
+    that check_fits_host and the dense-mask check (resolve_attention) use."""
     if device.type == "cuda":
         return card_memory(args, device_memory_bytes(device), f"{device} ({torch.cuda.get_device_name(device)})")
     if args.memory_limit_gib:
@@ -4022,6 +4024,17 @@ def phase_stage(name: str, stages: int) -> int | None:
     return stages - 1 if name == "extension" else None if name == "validation" else int(name.split()[1]) - 1
 
 
+def check_state(model: MemoryModel, budget: int, within: str) -> int:
+    """What a rank holds in every phase (MemoryModel.state: weights, buffers, gradients, optimizer state), or
+    DoesNotFitError when it is over `budget`: no micro-batch helps then. Known without the forward passes, which
+    are slow at such sizes."""
+    state = model.state()
+    if state > budget:
+        raise DoesNotFitError(f"the weights, gradients and optimizer state alone take {state / GIB:.2f} GiB per rank, "
+                              f"over {within}; more GPUs share the optimizer state")
+    return state
+
+
 def fit_micro_batches(args: Hyperparameters, world_size: int, device: torch.device, numerics: Numerics,
                       attention_kind: str, budget: int, within: str) -> tuple[tuple[int, ...], dict[str, dict[str, int]]]:
     """The micro-batch count of each stage, and every phase's rows with them: --micro_batches as given, or
@@ -4036,11 +4049,8 @@ def fit_micro_batches(args: Hyperparameters, world_size: int, device: torch.devi
                               f"split over {world_size} ranks into micro-batches of a multiple of --window_block="
                               f"{args.window_block} tokens")
     most = [options[-1] if count is None else count for count, options in zip(given, choices)]
-    state = memory_model(dataclasses.replace(args, micro_batches=micro_batches_flag(most)), world_size, device,
-                         numerics, attention_kind).state()
-    if state > budget:  # no micro-batch helps; known without the forward passes, which are slow at such sizes
-        raise DoesNotFitError(f"the weights, gradients and optimizer state alone take {state / GIB:.2f} GiB per rank, "
-                              f"over {within}; more GPUs share the optimizer state")
+    state = check_state(memory_model(dataclasses.replace(args, micro_batches=micro_batches_flag(most)), world_size,
+                                     device, numerics, attention_kind), budget, within)
     counts = [options[0] if count is None else count for count, options in zip(given, choices)]
     searching = {i for i, count in enumerate(given) if count is None}
 
@@ -4092,13 +4102,27 @@ class MemoryPlan:
     config: Hyperparameters  # the config with --micro_batches=auto's counts chosen (a copy: nothing is mutated)
 
 
+def counts_phases(args: Hyperparameters, device: torch.device) -> bool:
+    """Whether the start-up check counts every phase (a forward pass on fake tensors for each micro-batch size, and a
+    validation pass) or only the state, which no phase goes below (check_state): every phase on a GPU, and on a CPU
+    where --micro_batches=auto chooses by them or --memory_limit_gib asks. A CPU run without either is checked
+    for its state alone: what a config too large for the host is refused by before its model is built, in
+    0.04-0.12 s of CPU time. Counting its phases too took 1.3-2.1 s for each of the tests' small configs (TINY,
+    SHORT, the smoke preset), most of the 17% more CPU time the quick tests, which start many CPU runs, took so."""
+    return device.type == "cuda" or bool(args.memory_limit_gib) or args.micro_batches.strip() == "auto"
+
+
 def plan_memory(args: Hyperparameters, world_size: int, device: torch.device, numerics: Numerics,
-                attention_kind: str) -> MemoryPlan:
+                attention_kind: str) -> MemoryPlan | None:
     """Checks, before anything is built, that every phase fits this device's memory (memory_budget) by the
     memory model, and chooses the counts of --micro_batches=auto (in the plan's copy of the config, which the
-    run then logs, checkpoints and trains by). Raises DoesNotFitError, naming what would fit."""
+    run then logs, checkpoints and trains by). Raises DoesNotFitError, naming what would fit. Where it counts only
+    the state (counts_phases), that is checked and the plan is None."""
     budget, within = within_margin(*memory_budget(args, device))
     auto = args.micro_batches.strip() == "auto"
+    if not counts_phases(args, device):  # (the counts are explicit: auto counts the phases)
+        check_state(memory_model(args, world_size, device, numerics, attention_kind), budget, within)
+        return None
     counts, rows = fit_micro_batches(args, world_size, device, numerics, attention_kind, budget, within)
     stages = len(counts)
     validation = rows["validation"]["peak"]

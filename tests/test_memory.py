@@ -278,8 +278,11 @@ def test_auto_on_cpu_without_a_limit_shares_the_host_among_its_ranks(monkeypatch
     assert T.memory_budget(args, CPU) == (host, "this host")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert T.memory_budget(args, CPU) == (host // 4, "this host shared by 4 ranks")
-    # explicit counts on CPU: checked against the host too (issue 53 row 10: they were not, without a limit)
+    # explicit counts on CPU: their state checked against the host too (issue 53 row 10: nothing was, without a
+    # limit), their phases only with a limit or auto
     assert T.memory_budget(smoke_args(), CPU) == (host // 4, "this host shared by 4 ranks")
+    assert not T.counts_phases(smoke_args(), CPU) and T.counts_phases(args, CPU)
+    assert T.counts_phases(smoke_args("--memory_limit_gib=2"), CPU)
     assert T.memory_budget(smoke_args("--memory_limit_gib=2"), CPU) == (2 * GIB, "--memory_limit_gib=2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "x")
     with pytest.raises(T.ConfigError, match="LOCAL_WORLD_SIZE='x' in the environment"):
@@ -287,9 +290,10 @@ def test_auto_on_cpu_without_a_limit_shares_the_host_among_its_ranks(monkeypatch
 
 
 # Issue 53 row 10: on CPU, sizes within check_sizes' bounds were built with no memory check unless
-# --memory_limit_gib (or --micro_batches=auto) asked for one: an allocation traceback, or the OOM killer. Every run is
-# now checked against the host's memory, before anything is built. The host here has 16 GiB
-# (device_memory_bytes is set so, for every check that reads it): the verdicts are the same on every machine.
+# --memory_limit_gib (or --micro_batches=auto) asked for one: an allocation traceback, or the OOM killer. Every run's
+# weights, gradients and optimizer state are now checked against the host's memory, before anything is built. The
+# host here has 16 GiB (device_memory_bytes is set so, for every check that reads it): the verdicts are the same on
+# every machine.
 TINY = ["--preset=smoke", "--num_iterations=2", "--extension_steps=1", "--val_loss_every=0",
         "--stage_batch_tokens=256,256,256", "--micro_batches=1", "--val_tokens=1024", "--warmup_steps=0"]
 HOST = "over 13.60 GiB per rank (85% of the 16.00 GiB of this host)"
