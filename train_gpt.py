@@ -4108,7 +4108,9 @@ def counts_phases(args: Hyperparameters, device: torch.device) -> bool:
     where --micro_batches=auto chooses by them or --memory_limit_gib asks. A CPU run without either is checked
     for its state alone: what a config too large for the host is refused by before its model is built, in
     0.04-0.12 s of CPU time. Counting its phases too took 1.3-2.1 s for each of the tests' small configs (TINY,
-    SHORT, the smoke preset), most of the 17% more CPU time the quick tests, which start many CPU runs, took so."""
+    SHORT, the smoke preset), most of the 17% more CPU time the quick tests, which start many CPU runs, took so.
+    Either way the memory model's FakeTensorMode imports torch._dynamo's config, 1.6 s of a CPU process's start-up
+    (test_bad_input.py's TINY run: 4.1 s, now 5.6 s), which no other part of a CPU run pays (tests/test_speed.py)."""
     return device.type == "cuda" or bool(args.memory_limit_gib) or args.micro_batches.strip() == "auto"
 
 
