@@ -223,6 +223,37 @@ def test_a_resume_with_bad_fp8_scales_creates_nothing(at_end, tmp_path):
         assert not (tmp_path / "logs").exists() and not (tmp_path / "ck").exists()
 
 
+# The FP8 scales of the SCALES model, on the meta device: their names, shapes and dtypes.
+SCALE_STATE = {k: v for k, v in T.model_state_shapes(T.parse_args(SCALES, False)).items()
+               if k.rpartition(".")[2] in T.FP8_SCALES}
+scale_values = st.sampled_from([0.0, -0.0, -1.0, 5e-324, 1e-45, 1.0, 448.0, 3e38, float("nan"), float("inf"),
+                                float("-inf")]) | st.floats(allow_nan=True, allow_infinity=True)
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(st.sampled_from(sorted(SCALE_STATE)), st.booleans(), scale_values,
+       st.sampled_from([(), (1,), (2,), (1, 1)]), st.sampled_from([torch.float32, torch.bfloat16, torch.float64,
+                                                                   torch.int32]))
+def test_a_scale_is_run_state_only_when_positive_finite_and_of_its_shape(name, rank_file, value, shape, dtype):
+    """Row 4's neighbours, in-process: any value, shape and dtype under any FP8 scale's name, in model.pt's state or
+    (an activation scale) in a rank's file. check_run_state keeps exactly the positive finite floating scales of
+    the model's shape and refuses the rest in one line naming the key."""
+    rank_file = rank_file and T.is_rank_buffer(name)
+    expected = {k: v for k, v in SCALE_STATE.items() if T.is_rank_buffer(k) or not rank_file}
+    state = {k: torch.ones(v.shape, dtype=v.dtype) for k, v in expected.items()}
+    state[name] = (torch.full(shape, value, dtype=torch.float64).to(dtype) if dtype.is_floating_point
+                   else torch.ones(shape, dtype=dtype))
+    stored = state[name].double()
+    fine = (dtype.is_floating_point and shape == () and bool(torch.isfinite(stored).all())
+            and bool((stored > 0).all()) and float(stored.abs().max()) <= T.MAX_WEIGHT)
+    try:
+        T.check_run_state(state, expected)
+    except T.WeightsError as e:
+        assert not fine and name in str(e) and "\n" not in str(e), str(e)
+        return
+    assert fine, (name, value, shape, dtype)
+
+
 # Issue 53 row 2: the stage lists compared as text. --stage_prefix_weights=0.25,0.25>0.0,0 is the smoke preset's
 # 0.25,0.25>0,0 written another way (the same losses at every validation), yet a resume was refused.
 LIST_CASES = [
