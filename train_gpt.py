@@ -132,8 +132,10 @@ class Hyperparameters:
                                "(the extension keeps the last), or auto: per stage, the fewest (the largest "
                                "micro-batches) that the memory model fits into the device (--memory_limit_gib)", "8")
     memory_limit_gib: float = _help("per-rank memory the run must fit, in GiB, of which the memory model's "
-                                    "predicted peaks may take 85%; 0: the GPU's own memory (on CPU, checked only "
-                                    "with --micro_batches=auto, against the host's memory shared by its ranks)", 0.0)
+                                    "predicted peaks may take 85%; 0: the GPU's own memory (on CPU, the host's "
+                                    "physical memory shared by its ranks). Every run's weights, gradients and "
+                                    "optimizer state are checked; each phase's peak on a GPU, and on CPU with this "
+                                    "flag or --micro_batches=auto", 0.0)
     stage_max_seq_len: str = _help("per stage: a training document contributes at most its first N tokens",
                                    "896,2048,2048")
     stage_windows: str = _help("per stage: short:long attention windows in blocks of window_block tokens",
@@ -153,8 +155,8 @@ class Hyperparameters:
                                           "(record #92's sampled softmax: each micro-batch's targets, then "
                                           "deterministic negatives; the lm_head learns on those columns only), a "
                                           "multiple of 16; 0: the whole vocabulary. A stage of several counts joined "
-                                          "by '/' runs them in equal parts of it (record #92's third stage: "
-                                          "14336/14336/24576); one entry for every stage or one per stage; the "
+                                          "by '|' runs them in equal parts of it (record #92's third stage: "
+                                          "14336|14336|24576); one entry for every stage or one per stage; the "
                                           "extension keeps the last. Validation always uses the whole vocabulary",
                                           "0")
     cooldown_frac: float = _help("the lr multiplier moves linearly to final_lr_frac over this last fraction of the "
@@ -383,36 +385,107 @@ RUN_CONTROL_FIELDS = ("run_id", "logs_dir", "pg_timeout_s", "save_every", "save_
                       "init_from", "memory_limit_gib")
 
 
-def int_list(args: Hyperparameters, name: str) -> tuple[int, ...]:
-    """A comma-separated field such as --paired_layers=0,2,5,9 as a tuple of ints."""
-    text = getattr(args, name).strip()
-    try:
-        return tuple(int(part) for part in text.split(",")) if text else ()
-    except ValueError:
-        raise ConfigError(f"--{name}={text}: expected comma-separated integers, e.g. 0,7") from None
+# The list flags, each read by one grammar (list_value) into the values the run uses, once per spelling: two spellings
+# of one value are one setting. "0.25,0.25>0.0,0" is the default "0.25,0.25>0,0"; "1>1", a weight that does not move
+# over its stage, is "1"; " 3, 10" is "3,10"; a role's layers are a set ("10,3" is "3,10"). The resume check compares
+# these values (comparable_config), and records/records.py, which does not import this file, holds a copy of this
+# grammar; tests/test_records_properties.py runs the same spellings through both. A truncated spelling ("1>", ">1",
+# "1,,2", "1,") is refused, naming the flag. Kinds:
+#   integers     comma-separated ints, in order ("" is none)         -> (int, ...)
+#   layer set    comma-separated ints, as a set ("" is none)         -> (int, ...) sorted, each once
+#   numbers      comma-separated finite numbers >= 0                 -> (float, ...)
+#   windows      comma-separated short:long, 0 < short <= long       -> ((int, int), ...)
+#   window       one short:long                                      -> (int, int)
+#   layer pair   source:target                                       -> (int, int)
+#   ramps        per stage, a number >= 0, start>end, or a|b|c      -> (((start, end), False) or ((a, b, c), True), ...)
+#                (a|b|c: one weight for each equal part of the stage)
+#   ramp lists   per stage ('/' between), numbers or start>end lists -> (((start, ...), (end, ...)), ...)
+#   counts       per stage, an int >= 0, or a|b|c for equal parts     -> ((count, ...), ...)
+LIST_FLAGS = {"stage_batch_tokens": "integers", "stage_max_seq_len": "integers", "stage_lr": "numbers",
+              "stage_fractions": "numbers", "stage_windows": "windows", "extension_windows": "window",
+              "stage_mtp_weights": "ramp lists", "stage_prefix_weights": "ramps",
+              "stage_softmax_candidates": "counts", "skip_layers": "layer pair", "value_embed_layers": "integers",
+              **{name: "layer set" for name in (
+                  "no_attention_layers", "removed_layers", "paired_layers", "long_window_layers", "xsa_layers",
+                  "attn_gate_layers", "dc_layers", "narrow_qk_layers", "narrow_value_layers", "parallel_mlp_layers",
+                  "no_x0_layers", "no_bigram_layers")}}
 
 
-def number_list(args: Hyperparameters, name: str, text: str | None = None) -> tuple[float, ...]:
-    text = getattr(args, name).strip() if text is None else text
-    try:
-        values = tuple(float(part) for part in text.split(","))
-    except ValueError:
-        raise ConfigError(f"--{name}={getattr(args, name)}: expected comma-separated numbers") from None
-    if not all(math.isfinite(v) and v >= 0 for v in values):
-        raise ConfigError(f"--{name}={getattr(args, name)}: expected finite numbers >= 0")
-    return values
+def flag_list(args: Hyperparameters, name: str) -> tuple:
+    """The value of the list flag `name` of args (list_value)."""
+    return list_value(name, getattr(args, name))
 
 
-def window_pair(args: Hyperparameters, name: str, text: str) -> tuple[int, int]:
-    short, colon, long = text.strip().partition(":")
-    try:
-        pair = (int(short), int(long))
-    except ValueError:
-        pair = None
-    if not colon or pair is None or min(pair) <= 0 or pair[0] > pair[1]:
-        raise ConfigError(f"--{name}={getattr(args, name)}: expected short:long window blocks, positive and "
-                          f"short <= long, e.g. 1:3")
-    return pair
+@functools.lru_cache(maxsize=1024)
+def list_value(name: str, text: str) -> tuple:
+    """The value of the list flag `name` (LIST_FLAGS) spelled `text`, or a ConfigError naming the flag."""
+    kind = LIST_FLAGS[name]
+
+    def refuse(expected: str):
+        raise ConfigError(f"--{name}={text}: {expected}")
+
+    def integers(part: str) -> tuple[int, ...]:
+        try:
+            return tuple(int(item) for item in part.split(",")) if part.strip() else ()
+        except ValueError:
+            refuse("expected comma-separated integers, e.g. 0,7")
+
+    def numbers(part: str) -> tuple[float, ...]:
+        try:
+            values = tuple(float(item) for item in part.split(","))
+        except ValueError:
+            refuse("expected comma-separated numbers")
+        if not all(math.isfinite(v) and v >= 0 for v in values):
+            refuse("expected finite numbers >= 0")
+        return values
+
+    def pair(part: str, windows: bool) -> tuple[int, int]:
+        """short:long window blocks, or the skip's source:target (validate_layer_plan checks those layers)."""
+        first, colon, second = part.partition(":")
+        try:
+            values = (int(first), int(second))
+        except ValueError:
+            values = None
+        if not colon or values is None or windows and not 0 < values[0] <= values[1]:
+            refuse("expected short:long window blocks, positive and short <= long, e.g. 1:3" if windows else
+                   "expected source:target, e.g. 3:6")
+        return values
+
+    def ramp(stage: int, part: str) -> tuple[str, str]:
+        """A stage's start>end, or its one value for both."""
+        start, arrow, end = part.partition(">")
+        if arrow and not (start.strip() and end.strip()) or ">" in end:
+            what = "more than one" if ">" in end else f"nothing {'after' if start.strip() else 'before'} the"
+            refuse(f"stage {stage + 1} ({part.strip()!r}) has {what} '>'; write start>end, or one value for a weight "
+                   f"that does not move")
+        return start, end if arrow else start
+
+    if kind in ("integers", "layer set"):
+        values = integers(text)
+        return tuple(sorted(set(values))) if kind == "layer set" else values
+    if kind == "numbers":
+        return numbers(text)
+    if kind == "windows":
+        return tuple(pair(part, windows=True) for part in text.split(","))
+    if kind in ("window", "layer pair"):
+        return pair(text, windows=kind == "window")
+    if kind == "counts":
+        try:
+            counts = tuple(tuple(int(item) for item in part.split("|")) for part in text.split(","))
+        except ValueError:
+            refuse("expected counts, one per stage, a stage's equal parts joined by '|', e.g. 10240,14336|24576")
+        if min(min(entry) for entry in counts) < 0:
+            refuse("counts must be 0 (the whole vocabulary) or positive")
+        return counts
+    if kind == "ramps":  # stages split at ',' (so each item below holds one number)
+        return tuple((tuple(numbers(item)[0] for item in part.split("|")), True) if "|" in part else
+                     (tuple(numbers(side)[0] for side in ramp(i, part)), False)
+                     for i, part in enumerate(text.split(",")))
+    # ramp lists: stages split at '/', each side a list
+    stages = tuple(tuple(numbers(side) for side in ramp(i, part)) for i, part in enumerate(text.split("/")))
+    if any(len(start) != len(end) for start, end in stages):
+        refuse("each stage needs as many weights after '>' as before it")
+    return stages
 
 
 @dataclass(frozen=True)
@@ -444,19 +517,9 @@ class Schedule:
     unless --extension_batch_tokens, with its own windows. Everything a step uses comes from here."""
 
     def __init__(self, args: Hyperparameters):
-        batches = int_list(args, "stage_batch_tokens")
-        lengths = int_list(args, "stage_max_seq_len")
-        windows = [window_pair(args, "stage_windows", w) for w in args.stage_windows.split(",")]
-        lrs = number_list(args, "stage_lr")
-        mtp = []
-        for part in args.stage_mtp_weights.split("/"):
-            start, arrow, end = part.partition(">")
-            pair = (number_list(args, "stage_mtp_weights", start), number_list(args, "stage_mtp_weights", end or start))
-            if len(pair[0]) != len(pair[1]) or not pair[0]:
-                raise ConfigError(f"--stage_mtp_weights={args.stage_mtp_weights}: each stage needs as many weights "
-                                  f"after '>' as before it")
-            mtp.append(pair)
-        prefix = [stage_weight(args, "stage_prefix_weights", part) for part in args.stage_prefix_weights.split(",")]
+        batches, lengths = flag_list(args, "stage_batch_tokens"), flag_list(args, "stage_max_seq_len")
+        windows, lrs = flag_list(args, "stage_windows"), flag_list(args, "stage_lr")
+        mtp, prefix = flag_list(args, "stage_mtp_weights"), flag_list(args, "stage_prefix_weights")
         counts = {len(batches), len(lengths), len(windows), len(lrs), len(mtp), len(prefix)}
         if len(counts) != 1:
             raise ConfigError(f"--stage_batch_tokens, --stage_max_seq_len, --stage_windows, --stage_lr, "
@@ -472,7 +535,7 @@ class Schedule:
                        for i, (s, e) in enumerate(zip(starts, ends))]
         last_prefix = prefix[-1][0][-1]
         self.stages.append(Stage(self.scheduled, self.total, args.extension_batch_tokens or batches[-1], lengths[-1],
-                                 window_pair(args, "extension_windows", args.extension_windows), lrs[-1],
+                                 flag_list(args, "extension_windows"), lrs[-1],
                                  mtp[-1][1], mtp[-1][1], (last_prefix, last_prefix), False, counts[-1]))
         self.prefix_term = any(w > 0 for weights, _ in prefix for w in weights)
         parts = stage_candidates(args, n)
@@ -507,10 +570,13 @@ class Schedule:
 
     def lr(self, step: int) -> float:
         """The stage's multiplier, then (from cooldown_start) a linear move to final_lr_frac at the last
-        scheduled step; across a stage boundary in the cooldown the multiplier it moves from jumps."""
+        scheduled step; across a stage boundary in the cooldown the multiplier it moves from jumps. A cooldown of no
+        steps (--cooldown_frac=0, or a fraction of the scheduled steps that rounds to none) has ended where the
+        extension starts: t is 1 there, the limit of the move as the cooldown shrinks (it divided 0 by 0)."""
         lr = self.stage(step).lr
         if step >= self.cooldown_start:
-            t = min(1.0, (step - self.cooldown_start) / (self.scheduled - self.cooldown_start))
+            steps = self.scheduled - self.cooldown_start
+            t = min(1.0, (step - self.cooldown_start) / steps) if steps else 1.0
             lr = lr * (1 - t) + self.final_lr_frac * t
         return lr
 
@@ -604,28 +670,12 @@ class Schedule:
         return max(stage.micro_tokens for stage in self.stages)
 
 
-def stage_weight(args: Hyperparameters, name: str, text: str) -> tuple[tuple[float, ...], bool]:
-    """One stage's entry of a per-stage weight: a constant, start>end (linear over the stage) or a|b|c (one weight
-    per equal part of it); (the weights, whether they are parts)."""
-    if "|" in text:
-        parts = [number_list(args, name, part) for part in text.split("|")]
-        if any(len(p) != 1 for p in parts):
-            raise ConfigError(f"--{name}={getattr(args, name)}: expected one weight per part, as a|b|c")
-        return tuple(p[0] for p in parts), True
-    start, arrow, end = text.partition(">")
-    pair = [number_list(args, name, part) for part in (start, end or start)]
-    if any(len(p) != 1 for p in pair):
-        raise ConfigError(f"--{name}={getattr(args, name)}: expected one weight per stage, two as start>end, or "
-                          f"one per equal part as a|b|c")
-    return (pair[0][0], pair[1][0]), False
-
-
 def stage_ends(args: Hyperparameters, stages: int, scheduled: int) -> list[int]:
     """Where each stage ends. The scheduled steps less the grown ones are cut at round(s * steps), s the shares
     summed so far (record #92's rule; record #85's: equal thirds, round(steps * (i + 1) / n)); then the grown stage
     and every stage after it end --grown_steps later."""
     base = scheduled - args.grown_steps
-    shares = number_list(args, "stage_fractions") if args.stage_fractions.strip() else None
+    shares = flag_list(args, "stage_fractions") if args.stage_fractions.strip() else None
     if shares is None:
         ends = [round(base * (i + 1) / stages) for i in range(stages)]
     else:
@@ -659,18 +709,12 @@ def stage_micro_batches(args: Hyperparameters, stages: int) -> tuple[int | None,
 def stage_candidates(args: Hyperparameters, stages: int) -> tuple[tuple[int, ...], ...]:
     """--stage_softmax_candidates for each of the stages: its candidate counts, run in equal parts of the stage
     (one count: the whole stage; 0: the whole vocabulary). One entry for all stages, or one per stage."""
-    text = args.stage_softmax_candidates.strip()
-    try:
-        entries = tuple(tuple(int(part) for part in entry.split("/")) for entry in text.split(","))
-    except ValueError:
-        raise ConfigError(f"--stage_softmax_candidates={text}: expected counts, one per stage, a stage's parts joined "
-                          f"by '/', e.g. 10240,10240,14336/14336/24576") from None
+    entries = flag_list(args, "stage_softmax_candidates")
     if len(entries) == 1:
         entries *= stages
     if len(entries) != stages:
-        raise ConfigError(f"--stage_softmax_candidates={text}: one entry for every stage, or one per stage ({stages})")
-    if min(min(entry) for entry in entries) < 0:
-        raise ConfigError(f"--stage_softmax_candidates={text}: counts must be 0 (the whole vocabulary) or positive")
+        raise ConfigError(f"--stage_softmax_candidates={args.stage_softmax_candidates}: one entry for every stage, or "
+                          f"one per stage ({stages})")
     return entries
 
 
@@ -701,12 +745,12 @@ class LayerPlan:
 
 def layer_plan(args: Hyperparameters) -> list[LayerPlan]:
     n = args.num_layers
-    sets = {name: set(int_list(args, name)) for name in (
+    sets = {name: set(flag_list(args, name)) for name in (
         "no_attention_layers", "removed_layers", "paired_layers", "long_window_layers", "xsa_layers",
         "attn_gate_layers", "dc_layers", "narrow_qk_layers", "narrow_value_layers", "parallel_mlp_layers",
         "no_x0_layers", "no_bigram_layers")}
     retired = retired_gates(args)
-    ve_layers = int_list(args, "value_embed_layers")
+    ve_layers = flag_list(args, "value_embed_layers")
     gate_rows = ve_gate_layers(args)
     skip_from, skip_to = skip_pair(args)
     plans = []
@@ -736,7 +780,7 @@ def ve_gate_layers(args: Hyperparameters) -> tuple[int, ...]:
     """The layers whose value-embedding gates ve_gates holds, a row each in layer order: those with a value embedding
     and those that keep a retired one's (--retired_gates=ve:N)."""
     retired = {layer for role, layer in retired_gates(args) if role == "ve"}
-    return tuple(sorted(set(int_list(args, "value_embed_layers")) | retired))
+    return tuple(sorted(set(flag_list(args, "value_embed_layers")) | retired))
 
 
 def retired_gates(args: Hyperparameters) -> tuple[tuple[str, int], ...]:
@@ -752,11 +796,7 @@ def retired_gates(args: Hyperparameters) -> tuple[tuple[str, int], ...]:
 
 
 def skip_pair(args: Hyperparameters) -> tuple[int, int]:
-    source, colon, target = args.skip_layers.partition(":")
-    try:
-        return int(source), int(target)
-    except ValueError:
-        raise ConfigError(f"--skip_layers={args.skip_layers}: expected source:target, e.g. 3:6") from None
+    return flag_list(args, "skip_layers")
 
 
 def mlp_width(args: Hyperparameters) -> int:
@@ -772,7 +812,7 @@ def rotary_dims(args: Hyperparameters) -> int:
 def head_mix_states(args: Hyperparameters) -> tuple[str, ...]:
     """--head_mix's states, in the order of the second MUDD net's outputs."""
     states = tuple(part.strip() for part in args.head_mix.split(",") if part.strip())
-    tables = len(int_list(args, "value_embed_layers"))
+    tables = len(flag_list(args, "value_embed_layers"))
     for state in states:
         table = state[2:] if state.startswith("ve") else None
         if state not in HEAD_MIX_STATES and not (table and table.isdigit() and int(table) < tables):
@@ -1519,6 +1559,9 @@ def mlp_fp8(fc: Tensor) -> tuple[Tensor, Tensor]:
 # 1.12x the weight's absolute maximum after the previous step, but the exact maximum (no headroom) for the
 # first 16 steps and at the start. Both maxima come from passes that run anyway; values past a scale clip.
 DOWN_ACT_HEADROOM, DOWN_WEIGHT_HEADROOM, DOWN_EXACT_STEPS = 1.8, 1.12, 16
+# Those scales, each an MLP's buffer (run state, saved with the weights; the activation's differs between ranks):
+# a resume checks that a checkpoint holds positive ones (check_run_state).
+FP8_SCALES = ("down_act_scale", "down_weight_scale", "down_weight_next_scale")
 
 
 def mlp_down_fp8(proj: Tensor, used: Tensor, upcoming: Tensor, scales: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -1550,7 +1593,7 @@ class MLP(nn.Module):
         uniform_init_(self.fc, 0.5 * dim ** -0.5)
         self.down_fp8 = scaled_down and precision == "fp8"
         if scaled_down:
-            for name in ("down_act_scale", "down_weight_scale", "down_weight_next_scale"):
+            for name in FP8_SCALES:
                 self.register_buffer(name, torch.ones((), dtype=torch.float32))
         if precision == "fp8":
             self.register_buffer("fc_f8", torch.zeros(hidden, dim, dtype=torch.float8_e4m3fn), persistent=False)
@@ -1956,7 +1999,7 @@ def max_positions(args: Hyperparameters) -> int:
 def context_length(args: Hyperparameters) -> int:
     """The longest document the model can read: what training let a document contribute (the longest
     stage_max_seq_len), within max_positions."""
-    return min(max(int_list(args, "stage_max_seq_len")), max_positions(args))
+    return min(max(flag_list(args, "stage_max_seq_len")), max_positions(args))
 
 
 @dataclass(frozen=True)
@@ -2018,7 +2061,7 @@ class GPT(nn.Module):
         self.plans = layer_plan(args)
         self.num_heads, self.head_dim, self.vocab = dim // args.head_dim, args.head_dim, vocab
         heads = self.num_heads
-        self.skip_from, _ = skip_pair(args)
+        self.skip_from, _ = flag_list(args, "skip_layers")
         self.shared_input_layer, self.mudd_gate_layer = args.shared_input_layer, args.mudd_gate_layer
         self.cap = (args.logit_cap, args.logit_cap_shift, args.logit_cap_width)
         self.norm_eps = args.norm_eps
@@ -3867,7 +3910,7 @@ def canonical_micro_batches(args: Hyperparameters) -> str:
     """--micro_batches in one spelling per meaning: auto, one count when every stage has it ("4,4,4" and " 4"
     are "4"), else one per stage. parse_args stores it so, and logs, checkpoints and records compare the
     setting, not how it was typed."""
-    counts = stage_micro_batches(args, len(int_list(args, "stage_batch_tokens")))
+    counts = stage_micro_batches(args, len(flag_list(args, "stage_batch_tokens")))
     return "auto" if counts[0] is None else micro_batches_flag(counts)
 
 
@@ -3902,7 +3945,6 @@ MAX_STAGES = 64  # each stage is a shape torch.compile specialises on (the recor
 def size_bounds(args: Hyperparameters) -> list[tuple[str, tuple[int, ...], int]]:
     """(flag, its values, the most each may be) for every size the config gives, lists parsed (ConfigError if
     malformed) but nothing derived from them: check_sizes runs before anything is built."""
-    windows = [window_pair(args, "stage_windows", w) for w in args.stage_windows.split(",")]
     return [
         ("num_layers", (args.num_layers,), MAX_LAYERS),
         ("model_dim", (args.model_dim,), MAX_WIDTH),
@@ -3921,10 +3963,10 @@ def size_bounds(args: Hyperparameters) -> list[tuple[str, tuple[int, ...], int]]
         ("window_block", (args.window_block,), MAX_POSITIONS),
         ("dc_window", (args.dc_window,), MAX_POSITIONS),
         ("final_val_window", (args.final_val_window,), MAX_POSITIONS),
-        ("stage_windows", tuple(n for pair in windows for n in pair), MAX_POSITIONS),
-        ("extension_windows", window_pair(args, "extension_windows", args.extension_windows), MAX_POSITIONS),
-        ("stage_max_seq_len", int_list(args, "stage_max_seq_len"), MAX_POSITIONS),
-        ("stage_batch_tokens", int_list(args, "stage_batch_tokens"), MAX_BATCH_TOKENS),
+        ("stage_windows", tuple(n for pair in flag_list(args, "stage_windows") for n in pair), MAX_POSITIONS),
+        ("extension_windows", flag_list(args, "extension_windows"), MAX_POSITIONS),
+        ("stage_max_seq_len", flag_list(args, "stage_max_seq_len"), MAX_POSITIONS),
+        ("stage_batch_tokens", flag_list(args, "stage_batch_tokens"), MAX_BATCH_TOKENS),
         ("val_tokens", (args.val_tokens,), MAX_VAL_TOKENS),
     ]
 
@@ -3932,7 +3974,7 @@ def size_bounds(args: Hyperparameters) -> list[tuple[str, tuple[int, ...], int]]
 def check_sizes(args: Hyperparameters):
     """Every size of the config from 1 to its bound (the MAX_ constants above), and at most MAX_STAGES stages; a
     ConfigError names the flag."""
-    stages = len(int_list(args, "stage_batch_tokens"))
+    stages = len(flag_list(args, "stage_batch_tokens"))
     if stages > MAX_STAGES:
         raise ConfigError(f"--stage_batch_tokens: {stages:,} stages, at most {MAX_STAGES}")
     for name in ("mlp_hidden", "rotary_dims", "head_mix_groups", "virtual_seq_cap"):
@@ -3994,7 +4036,7 @@ def validate_config(args: Hyperparameters):
     if args.extension_steps >= args.num_iterations:
         raise ConfigError(f"--extension_steps={args.extension_steps} must be less than "
                           f"--num_iterations={args.num_iterations}")
-    stages = len(int_list(args, "stage_batch_tokens"))
+    stages = len(flag_list(args, "stage_batch_tokens"))
     if args.grown_stage >= stages:
         raise ConfigError(f"--grown_stage={args.grown_stage}: a stage, 0..{stages - 1}")
     if args.grown_steps >= args.num_iterations - args.extension_steps:
@@ -4072,7 +4114,7 @@ def validate_layer_plan(args: Hyperparameters):
     """Layer roles that the record's forward cannot combine are refused here, naming the flag."""
     n = args.num_layers
     for name in LAYER_LISTS:
-        for layer in int_list(args, name):
+        for layer in flag_list(args, name):
             if not 0 <= layer < n:
                 raise ConfigError(f"--{name}: layer {layer} is not in 0..{n - 1}")
     for role, layer in retired_gates(args):
@@ -4081,7 +4123,7 @@ def validate_layer_plan(args: Hyperparameters):
     skip_from, skip_to = skip_pair(args)
     if not 0 <= skip_from < skip_to < n:
         raise ConfigError(f"--skip_layers={args.skip_layers}: needs 0 <= source < target < {n}")
-    if skip_to not in int_list(args, "no_attention_layers"):
+    if skip_to not in flag_list(args, "no_attention_layers"):
         raise ConfigError(f"--no_attention_layers={args.no_attention_layers}: must hold the skip target ({skip_to}, "
                           f"--skip_layers): the skip takes the place of its attention")
     if not 1 <= args.mudd_gate_layer <= skip_to:
@@ -4089,8 +4131,8 @@ def validate_layer_plan(args: Hyperparameters):
                           f"network serves the layers before it, the second the skip)")
     if not 0 <= args.shared_input_layer < n - 1:
         raise ConfigError(f"--shared_input_layer={args.shared_input_layer}: must be in 0..{n - 2}")
-    narrow_qk = bool(int_list(args, "narrow_qk_layers"))
-    narrow = narrow_qk or bool(int_list(args, "narrow_value_layers"))
+    narrow_qk = bool(flag_list(args, "narrow_qk_layers"))
+    narrow = narrow_qk or bool(flag_list(args, "narrow_value_layers"))
     if narrow and (args.narrow_dim > args.head_dim or args.narrow_dim % 2):
         raise ConfigError(f"--narrow_dim={args.narrow_dim}: must be even and at most --head_dim={args.head_dim}")
     turned = rotary_dims(args)
@@ -4109,9 +4151,9 @@ def validate_layer_plan(args: Hyperparameters):
                           f"embedding (--value_embed_layers)")
     if not plans[skip_from].attention and skip_from != 0:
         raise ConfigError(f"--skip_layers={args.skip_layers}: the source must be a layer with attention")
-    if int_list(args, "dc_layers") and args.dc_window > args.window_block:  # a DC block sees itself and the one before
+    if flag_list(args, "dc_layers") and args.dc_window > args.window_block:  # a DC block sees itself and the one before
         raise ConfigError(f"--dc_window={args.dc_window}: at most --window_block={args.window_block}")
-    if args.untie_stage > len(int_list(args, "stage_batch_tokens")) + 1:
+    if args.untie_stage > len(flag_list(args, "stage_batch_tokens")) + 1:
         raise ConfigError(f"--untie_stage={args.untie_stage}: at most the number of stages + 1 (never)")
 
 
@@ -5528,7 +5570,8 @@ class MemoryModel:
         # (micro_tokens, micro-batches per rank, candidates or None), or the validation's length -> its rows
         self.counted: dict = {}
         # what a forward pass keeps depends on none of the world size, the micro-batch counts or the run's controls
-        self.forward_key = (config_fields(args, ignored=("micro_batches",)), device.type, numerics, attention_kind)
+        self.forward_key = (config_fields(args, ignored=("micro_batches", *NOT_COUNTED)), device.type, numerics,
+                            attention_kind)
 
     def state(self) -> int:
         """What a training rank holds whatever the phase: weights, buffers, gradients, optimizer state, the ships'
@@ -5679,11 +5722,14 @@ class MemoryModel:
 # another card), and a model's counts are kept with it.
 MEMORY_MODELS: dict[tuple, MemoryModel] = {}
 FORWARD_COUNTS: dict[tuple, tuple[int, int]] = {}  # MemoryModel._shared_count's
+# Fields no count depends on (which tokens are read, the seed of the weights; a model's tensors are fake): left out
+# of those keys, so that runs of one model on other data share one count (every run on CPU is counted).
+NOT_COUNTED = ("train_files", "val_files", "val_tokens", "synthetic", "repeat_data", "packing", "seed")
 
 
 def memory_model(args: Hyperparameters, world_size: int, device: torch.device, numerics: Numerics,
                  attention_kind: str) -> MemoryModel:
-    key = (config_fields(args), world_size, device.type, numerics, attention_kind)
+    key = (config_fields(args, ignored=NOT_COUNTED), world_size, device.type, numerics, attention_kind)
     return kept(MEMORY_MODELS, key, lambda: MemoryModel(args, world_size, device, numerics, attention_kind), 64)
 
 
@@ -5706,20 +5752,23 @@ class DoesNotFitError(ConfigError):
     and what would fit."""
 
 
-def memory_budget(args: Hyperparameters, device: torch.device) -> tuple[int, str] | None:
-    """(bytes, whose) that the predicted peaks must fit, before the margin; None where nothing is checked:
-    on CPU, unless --micro_batches=auto or --memory_limit_gib asks."""
+def memory_budget(args: Hyperparameters, device: torch.device) -> tuple[int, str]:
+    """(bytes, whose) that the predicted peaks must fit, before the margin: the GPU's memory, or --memory_limit_gib;
+    on CPU, the host's physical memory (device_memory_bytes) shared by the ranks torchrun started on it. Every run
+    is checked (plan_memory): on CPU a config of sizes within check_sizes' bounds (--model_dim=65536,
+    --bigram_vocab_size=2**25) was built unchecked and failed in an allocation traceback. Physical memory, not what
+    is free now (/proc/meminfo's MemAvailable): the verdict is the same for the same config on the same machine, a
+    refusal means the run cannot fit here at all (not that other processes hold memory now), and it is the count
+    that check_fits_host and the dense-mask check (resolve_attention) use."""
     if device.type == "cuda":
         return card_memory(args, device_memory_bytes(device), f"{device} ({torch.cuda.get_device_name(device)})")
     if args.memory_limit_gib:
         return card_memory(args, 0, "")
-    if args.micro_batches.strip() == "auto":  # the host's memory, shared by the ranks torchrun started on it
-        text = os.environ.get("LOCAL_WORLD_SIZE", "1")
-        if not text.isdigit() or int(text) < 1:
-            raise ConfigError(f"LOCAL_WORLD_SIZE={text!r} in the environment is not a number of ranks (torchrun sets it)")
-        ranks = int(text)
-        return device_memory_bytes(device) // ranks, "this host" + (f" shared by {ranks} ranks" if ranks > 1 else "")
-    return None
+    text = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"LOCAL_WORLD_SIZE={text!r} in the environment is not a number of ranks (torchrun sets it)")
+    ranks = int(text)
+    return device_memory_bytes(device) // ranks, "this host" + (f" shared by {ranks} ranks" if ranks > 1 else "")
 
 
 def card_memory(args: Hyperparameters, memory: int, whose: str) -> tuple[int, str]:
@@ -5758,6 +5807,20 @@ def phase_stage(name: str, stages: int) -> int | None:
     return stages - 1 if name == "extension" else None if name == "validation" else int(name.split()[1]) - 1
 
 
+def check_state(model: MemoryModel, budget: int, within: str, args: Hyperparameters, world_size: int) -> int:
+    """What a rank holds in every phase (MemoryModel.state: weights, buffers, gradients, optimizer state), or
+    DoesNotFitError when it is over `budget`: no micro-batch helps then (a smaller n-gram table may). Known without
+    the forward passes, which are slow at such sizes."""
+    state = model.state()
+    if state > budget:
+        table = (f"; or a smaller --bigram_vocab_size: the n-gram table's {args.bigram_vocab_size:,} rows take "
+                 f"{args.bigram_vocab_size // world_size * args.model_dim * model.model.numerics.compute.itemsize / GIB:.2f}"
+                 f" GiB per rank" if args.ngram_channels == 2 else "")
+        raise DoesNotFitError(f"the weights, gradients and optimizer state alone take {state / GIB:.2f} GiB per rank, "
+                              f"over {within}; more GPUs share the optimizer state{table}")
+    return state
+
+
 def fit_micro_batches(args: Hyperparameters, world_size: int, device: torch.device, numerics: Numerics,
                       attention_kind: str, budget: int, within: str) -> tuple[tuple[int, ...], dict[str, dict[str, int]]]:
     """The micro-batch count of each stage, and every phase's rows with them: --micro_batches as given, or
@@ -5772,15 +5835,8 @@ def fit_micro_batches(args: Hyperparameters, world_size: int, device: torch.devi
                               f"split over {world_size} ranks into micro-batches of a multiple of --window_block="
                               f"{args.window_block} tokens")
     most = [options[-1] if count is None else count for count, options in zip(given, choices)]
-    state = memory_model(dataclasses.replace(args, micro_batches=micro_batches_flag(most)), world_size, device,
-                         numerics, attention_kind).state()
-    if state > budget:  # no micro-batch helps; known without the forward passes, which are slow at such sizes
-        table = (f"; or a smaller --bigram_vocab_size: the n-gram table's {args.bigram_vocab_size:,} rows take "
-                 f"{args.bigram_vocab_size // world_size * args.model_dim * numerics.compute.itemsize / GIB:.2f} "
-                 f"GiB per rank"
-                 if args.ngram_channels == 2 else "")
-        raise DoesNotFitError(f"the weights, gradients and optimizer state alone take {state / GIB:.2f} GiB per rank, "
-                              f"over {within}; more GPUs share the optimizer state{table}")
+    state = check_state(memory_model(dataclasses.replace(args, micro_batches=micro_batches_flag(most)), world_size,
+                                     device, numerics, attention_kind), budget, within, args, world_size)
     counts = [options[0] if count is None else count for count, options in zip(given, choices)]
     searching = {i for i, count in enumerate(given) if count is None}
 
@@ -5832,17 +5888,29 @@ class MemoryPlan:
     config: Hyperparameters  # the config with --micro_batches=auto's counts chosen (a copy: nothing is mutated)
 
 
+def counts_phases(args: Hyperparameters, device: torch.device) -> bool:
+    """Whether the start-up check counts every phase (a forward pass on fake tensors for each micro-batch size, and a
+    validation pass) or only the state, which no phase goes below (check_state): every phase on a GPU, and on a CPU
+    where --micro_batches=auto chooses by them or --memory_limit_gib asks. A CPU run without either is checked
+    for its state alone: what a config too large for the host is refused by before its model is built, in
+    0.04-0.12 s of CPU time. Counting its phases too took 1.3-2.1 s for each of the tests' small configs (TINY,
+    SHORT, the smoke preset), most of the 17% more CPU time the quick tests, which start many CPU runs, took so.
+    Either way the memory model's FakeTensorMode imports torch._dynamo's config, 1.6 s of a CPU process's start-up
+    (test_bad_input.py's TINY run: 4.1 s, now 5.6 s), which no other part of a CPU run pays (tests/test_speed.py)."""
+    return device.type == "cuda" or bool(args.memory_limit_gib) or args.micro_batches.strip() == "auto"
+
+
 def plan_memory(args: Hyperparameters, world_size: int, device: torch.device, numerics: Numerics,
                 attention_kind: str) -> MemoryPlan | None:
     """Checks, before anything is built, that every phase fits this device's memory (memory_budget) by the
     memory model, and chooses the counts of --micro_batches=auto (in the plan's copy of the config, which the
-    run then logs, checkpoints and trains by). None where nothing is checked. Raises DoesNotFitError, naming
-    what would fit."""
-    budget_of = memory_budget(args, device)
-    if budget_of is None:
-        return None
-    budget, within = within_margin(*budget_of)
+    run then logs, checkpoints and trains by). Raises DoesNotFitError, naming what would fit. Where it counts only
+    the state (counts_phases), that is checked and the plan is None."""
+    budget, within = within_margin(*memory_budget(args, device))
     auto = args.micro_batches.strip() == "auto"
+    if not counts_phases(args, device):  # (the counts are explicit: auto counts the phases)
+        check_state(memory_model(args, world_size, device, numerics, attention_kind), budget, within, args, world_size)
+        return None
     counts, rows = fit_micro_batches(args, world_size, device, numerics, attention_kind, budget, within)
     stages = len(counts)
     validation = rows["validation"]["peak"]
@@ -6137,6 +6205,16 @@ def nonfinite_problem(name: str, value: Tensor) -> str | None:
     return None
 
 
+def scale_problem(name: str, value: Tensor) -> str | None:
+    """Why a value stored under an FP8 scale's name (FP8_SCALES) is not one, or None: the down-projection's weight
+    is divided by its scale and its product multiplied by it, so 0 divides by zero and a negative one flips a sign (a
+    weight scale of 0 resumed and ended at 8.7606 instead of 8.7249, exit 0). Finiteness is nonfinite_problem's."""
+    if name.rpartition(".")[2] in FP8_SCALES and value.numel() and not bool((value > 0).all()):
+        return f"{name!r} holds {float(value.min()):g}, not an FP8 scale (a positive number: record #89's " \
+               f"down-projection divides its weight by it)"
+    return None
+
+
 def extra_state_problem(name: str, value, like) -> str | None:
     """A module's extra state (the rotary's window and attention scale): the keys the model's has, each a positive
     finite number of the same kind."""
@@ -6174,6 +6252,16 @@ def check_weights(state, expected: dict) -> dict:
     refuse_first([storage_problem(k, v) for k, v in tensors.items()])  # from strides: before any value is read
     refuse_first([nonfinite_problem(k, v) for k, v in tensors.items()])  # reads every value: finite and within
     # MAX_WEIGHT
+    return state
+
+
+def check_run_state(state, expected: dict) -> dict:
+    """check_weights, and then what a resumed run continues with: the FP8 scales among them positive (scale_problem).
+    (--init_from starts them over, and sample.py's evaluation does not read them.)"""
+    problems = [p for k, v in check_weights(state, expected).items() if (p := scale_problem(k, v)) is not None]
+    if problems:
+        more = f"; and {len(problems) - 1} more scale(s) wrong" if len(problems) > 1 else ""
+        raise WeightsError(problems[0] + more)
     return state
 
 
@@ -6609,8 +6697,13 @@ def comparable_config(saved: dict, args: Hyperparameters) -> dict:
     older checkpoints hold "auto", which resolves here as it would have in this run); --lm_head_precision and
     --mlp_precision as resolve_precision settles auto on this run's device (fp32 on a CPU: a resume that spelled
     that out was refused); --packing left to check_resume_shards, which compares what it resolved to for each
-    shard (auto on a shard of documents is documents)."""
+    shard (auto on a shard of documents is documents); the list flags as their values (list_value: "1>1" is "1"; a
+    spelling this grammar refuses stays text, and differs)."""
     saved = {k: v for k, v in saved.items() if k != "packing"}
+    for name in LIST_FLAGS:
+        if isinstance(saved.get(name), str):
+            with contextlib.suppress(ConfigError):
+                saved[name] = list_value(name, saved[name])
     if isinstance(saved.get("micro_batches"), (str, int)):
         with contextlib.suppress(ConfigError):
             saved["micro_batches"] = canonical_micro_batches(dataclasses.replace(args, micro_batches=str(
@@ -6628,9 +6721,10 @@ def comparable_config(saved: dict, args: Hyperparameters) -> dict:
 
 def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: str) -> Resume:
     """Everything about a checkpoint that can be wrong, checked before the run creates anything:
-    meta.json's shape; that the checkpoint belongs to this run (world size, config, code); and that
+    meta.json's shape; that the checkpoint belongs to this run (world size, config, code); that
     meta.json describes the files beside it (their sizes and sha256, and the step this rank's
-    optimizer file was saved at)."""
+    optimizer file was saved at); and the run state the weights carry: model.pt's and this rank's FP8 scales,
+    exactly the model's keys and shapes, finite and positive (check_run_state)."""
     meta = read_checkpoint_meta(path)  # before the log exists: every field in range
     if meta.world_size != env.world_size:
         raise TrainingError(f"--resume={path}: written at world size {meta.world_size}, this run has "
@@ -6648,7 +6742,7 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
     expected = model_state_shapes(args)
     model_state = read_checkpoint_file(path, "model.pt", meta, expected)
     try:
-        model_state = check_weights(model_state, expected)
+        model_state = check_run_state(model_state, expected)
     except WeightsError as e:
         forced = "; --force_resume cannot change the architecture" if args.force_resume else ""
         raise TrainingError(f"--resume={path}: its model.pt does not fit the model this config builds ({e}){forced}") \
@@ -6658,6 +6752,11 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
     if saved_at != meta.step:
         raise TrainingError(f"--resume={path}: meta.json says step {meta.step}, but rank_{env.rank}.pt was "
                             f"saved at step {brief(saved_at)}")
+    try:  # this rank's FP8 activation scales, which replace model.pt's (rank 0's): checked as model.pt's are
+        check_run_state(rank_state.get("rank_buffers", {}), {k: v for k, v in expected.items() if is_rank_buffer(k)})
+    except WeightsError as e:
+        raise TrainingError(f"--resume={path}: its rank_{env.rank}.pt's activation scales do not fit the model this "
+                            f"config builds ({e})") from None
     if meta.step > args.num_iterations or (args.force_resume and meta.step == args.num_iterations):
         # (unforced, num_iterations matched: the same run's last checkpoint runs only its final validation)
         raise TrainingError(f"--resume={path}: the checkpoint is at step {meta.step}, at or past "
@@ -6716,11 +6815,16 @@ def check_resume_shards(resume: Resume, loader, args: Hyperparameters):
                                 f"{other}); use --force_resume=true to go on with these shards anyway")
 
 
-def rank_buffers(model: GPT) -> dict[str, Tensor]:
-    """The model's state that differs between ranks: the down-projections' activation scales (record #89: from
+def is_rank_buffer(name: str) -> bool:
+    """Whether a model's buffer differs between ranks: the down-projections' activation scales (record #89: from
     each rank's own forwards; model.pt holds rank 0's too) and the shard of record #92's n-gram table (in no
     state dict). rank_R.pt holds each rank's own."""
-    return {name: t for name, t in model.named_buffers() if name.endswith(".down_act_scale") or name == "ngram.weight"}
+    return name.endswith(".down_act_scale") or name == "ngram.weight"
+
+
+def rank_buffers(model: GPT) -> dict[str, Tensor]:
+    """The model's state that differs between ranks (is_rank_buffer)."""
+    return {name: t for name, t in model.named_buffers() if is_rank_buffer(name)}
 
 
 def host_copies(tensors: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -738,8 +738,18 @@ def find_problems(log: Log, body: dict, cut: str, extended: bool, totals: list[i
 # =============================================================================
 # n copies of one run are not n runs: they shrink the spread and fake a p-value.
 
+# What a run computed identifies it: no header edit changes its losses. Two distinct runs tie at one logged loss now
+# and then (4 decimals: for the speedrun's spread of final losses, about 0.0015, one tie in about 50 pairs), so a
+# rule on losses alone needs several: at MIN_SAME_LOSSES values that all tie, distinct runs are about 1 in 100,000.
+MIN_SAME_LOSSES = 3
+
+
 def duplicate_reason(first: Log, later: Log) -> str | None:
-    """Why `later` is the same run as `first`, or None."""
+    """Why `later` is the same run as `first`, or None. In order: the same file; the same run id; identical step
+    lines (a renamed copy); the same seed and config (a rerun: one sample of the seeds, whatever its losses, which
+    repeat up to the hardware's nondeterminism); the same losses at every validation and step line (same_losses: a
+    copy whose seed, run id and times were edited, however its times drift); and for logs with too few losses to
+    tell, the same losses with step times shifted by one constant (time_shift)."""
     if first.file_id is not None and first.file_id == later.file_id:
         return "the same file"
     why = []
@@ -749,16 +759,34 @@ def duplicate_reason(first: Log, later: Log) -> str | None:
         why.append("identical step lines")
     elif same_seed_and_config(first, later):
         why.append(f"same seed {first.hyperparameters['seed'].strip()} and config: one sample")
+    elif count := same_losses(first, later):
+        why.append(f"identical losses at all {count} logged values: one computation, whatever its times, seed and "
+                   f"run id say")
     elif (shift := time_shift(first, later)) is not None:
         why.append("identical losses and step times" + (f", shifted by {shift:+g} ms" if shift else ""))
     return " and ".join(why) or None
 
 
+def same_losses(first: Log, later: Log) -> int | None:
+    """How many losses two logs hold, where they hold the same at every validation and step line (the same steps,
+    each the same val and train loss or none) and at least MIN_SAME_LOSSES of them; else None. The rule for a copy:
+    what a run computed, not what its header or times say (a copy of one run under another seed and run id, its
+    times drifting by a growing 1-4 ms, was once a third sample: p 0.0024 -> 1.3e-5). Logs of other code (both
+    hashes known, and different) are exempt: a change that keeps the math computes the same losses at other step
+    times, and compare takes such runs as samples of time."""
+    if first.code_hash and later.code_hash and first.code_hash != later.code_hash:
+        return None
+    if not first.losses or first.losses != later.losses:
+        return None
+    count = sum(loss is not None for _, val, train in first.losses for loss in (val, train))
+    return count if count >= MIN_SAME_LOSSES else None
+
+
 def time_shift(first: Log, later: Log) -> float | None:
     """How many ms later's step times lie after first's, where the two logs hold the same losses at the same timed
-    steps and step times that differ by that one constant; else None. No header edit changes losses and step
-    times (a copy of one run under another seed and run id, its times +2 ms, was once a third sample), and two
-    runs hold the same together only as copies: a change that keeps the math runs at other step times."""
+    steps and step times that differ by that one constant; else None. For logs with fewer than MIN_SAME_LOSSES
+    losses (a run that logs only its final validation), where the losses alone cannot tell a copy from a tie, the
+    times add what they can: a copy shifted by a constant is found, one whose times drift is not."""
     if not first.losses or first.losses != later.losses or len(first.step_times) != len(later.step_times):
         return None
     shifts = [b - a for a, b in zip(first.step_times, later.step_times) if a is not None and b is not None]
@@ -820,14 +848,110 @@ def canonical_micro_batches(value: str) -> str:
     return str(counts[0]) if len(set(counts)) == 1 else ",".join(map(str, counts))
 
 
+# The list flags of train_gpt.py, each read into its values by the grammar of train_gpt.list_value (this is a copy:
+# records.py does not import the trainer, which needs torch; tests/test_records_properties.py runs the same spellings
+# through both). Two spellings of one value are one setting: "0.25,0.25>0.0,0" is "0.25,0.25>0,0", "1>1" is "1", a
+# role's layers are a set. (The trainer refuses what this refuses, so a log it wrote holds only values this reads.)
+LIST_FLAGS = {"stage_batch_tokens": "integers", "stage_max_seq_len": "integers", "stage_lr": "numbers",
+              "stage_fractions": "numbers", "stage_windows": "windows", "extension_windows": "window",
+              "stage_mtp_weights": "ramp lists", "stage_prefix_weights": "ramps",
+              "stage_softmax_candidates": "counts", "skip_layers": "layer pair", "value_embed_layers": "integers",
+              **{name: "layer set" for name in (
+                  "no_attention_layers", "removed_layers", "paired_layers", "long_window_layers", "xsa_layers",
+                  "attn_gate_layers", "dc_layers", "narrow_qk_layers", "narrow_value_layers", "parallel_mlp_layers",
+                  "no_x0_layers", "no_bigram_layers")}}
+
+
+def list_value(name: str, text: str) -> tuple:
+    """The value of the list flag `name` (LIST_FLAGS) spelled `text`, as train_gpt.list_value reads it; a ValueError
+    where the trainer refuses the spelling."""
+    kind = LIST_FLAGS[name]
+
+    def integers(part: str) -> tuple[int, ...]:
+        return tuple(int(item) for item in part.split(",")) if part.strip() else ()
+
+    def numbers(part: str) -> tuple[float, ...]:
+        values = tuple(float(item) for item in part.split(","))
+        if not all(math.isfinite(v) and v >= 0 for v in values):
+            raise ValueError("expected finite numbers >= 0")
+        return values
+
+    def pair(part: str, windows: bool) -> tuple[int, int]:
+        first, colon, second = part.partition(":")
+        values = (int(first), int(second))
+        if not colon or windows and not 0 < values[0] <= values[1]:
+            raise ValueError("expected short:long window blocks, positive and short <= long" if windows else
+                             "expected source:target")
+        return values
+
+    def ramp(part: str) -> tuple[str, str]:
+        start, arrow, end = part.partition(">")
+        if arrow and not (start.strip() and end.strip()) or ">" in end:
+            raise ValueError("a stage with nothing before or after its '>', or more than one")
+        return start, end if arrow else start
+
+    if kind in ("integers", "layer set"):
+        values = integers(text)
+        return tuple(sorted(set(values))) if kind == "layer set" else values
+    if kind == "numbers":
+        return numbers(text)
+    if kind == "windows":
+        return tuple(pair(part, windows=True) for part in text.split(","))
+    if kind in ("window", "layer pair"):
+        return pair(text, windows=kind == "window")
+    if kind == "counts":
+        counts = tuple(tuple(int(item) for item in part.split("|")) for part in text.split(","))
+        if min(min(entry) for entry in counts) < 0:
+            raise ValueError("counts must be 0 or positive")
+        return counts
+    if kind == "ramps":  # a stage: one number, start>end, or a|b|c (one number an equal part)
+        return tuple((tuple(numbers(item)[0] for item in part.split("|")), True) if "|" in part else
+                     (tuple(numbers(side)[0] for side in ramp(part)), False) for part in text.split(","))
+    stages = tuple(tuple(numbers(side) for side in ramp(part)) for part in text.split("/"))
+    if any(len(start) != len(end) for start, end in stages):
+        raise ValueError("each stage needs as many weights after '>' as before it")
+    return stages
+
+
+def number_text(value: float) -> str:
+    """A number as list_text spells it: 1.0 as 1, 0.25 as 0.25 (repr: every float reads back as itself)."""
+    return str(int(value)) if value.is_integer() and abs(value) < 2 ** 53 else repr(value)
+
+
+def list_text(name: str, value: tuple) -> str:
+    """One spelling of each value of the list flag `name` (list_value's inverse): what experiments are compared
+    and shown by. A stage's weight that does not move is one number ("1", not "1>1")."""
+    kind = LIST_FLAGS[name]
+
+    def ramp(start: tuple, end: tuple) -> str:
+        both = [",".join(map(number_text, side)) for side in (start, end)]
+        return both[0] if start == end else ">".join(both)
+
+    if kind in ("integers", "layer set"):
+        return ",".join(map(str, value))
+    if kind == "numbers":
+        return ",".join(map(number_text, value))
+    if kind == "windows":
+        return ",".join(f"{a}:{b}" for a, b in value)
+    if kind in ("window", "layer pair"):
+        return f"{value[0]}:{value[1]}"
+    if kind == "counts":
+        return ",".join("|".join(map(str, entry)) for entry in value)
+    if kind == "ramps":
+        return ",".join("|".join(map(number_text, weights)) if parts else ramp((weights[0],), (weights[1],))
+                        for weights, parts in value)
+    return "/".join(ramp(start, end) for start, end in value)
+
+
 def experiment_value(name: str, log: Log) -> str | None:
     """A hyperparameter's value in a log as experiments are compared: settings that train identically are equal,
     each as the trainer settled it. --attention, --lm_head_precision and --mlp_precision are what the header's
     `attention:` line says the run used (train_gpt.resolve_attention and resolve_precision; records.py reads the
     log rather than importing the trainer, which needs torch); where a log has no such line, an "auto" is resolved
     on the device the log ran on where that device alone decides it: --device, --attention (flex on a GPU, sdpa on
-    a CPU) and the precisions on a CPU (fp32; on a GPU, auto is fp8 or bf16 by the card). --micro_batches is
-    compared in one spelling. So on a CPU, --mlp_precision=fp32 and auto are one setting."""
+    a CPU) and the precisions on a CPU (fp32; on a GPU, auto is fp8 or bf16 by the card). --micro_batches and the
+    list flags (LIST_FLAGS: the stage schedule, the layer roles) are compared in one spelling of their values. So on
+    a CPU, --mlp_precision=fp32 and auto are one setting, and --stage_prefix_weights=0.25,0.25>0.0,0 is the default."""
     value = log.hyperparameters.get(name)
     if value is None:
         return None
@@ -835,6 +959,11 @@ def experiment_value(name: str, log: Log) -> str | None:
         return log.resolved[name]
     if name == "micro_batches":
         return canonical_micro_batches(value)
+    if name in LIST_FLAGS:
+        try:
+            return list_text(name, list_value(name, value))
+        except ValueError:   # not a spelling the trainer takes: compared as written
+            return value.strip()
     if value.strip() == "auto" and log.device in ("cpu", "cuda"):
         if name == "device":
             return log.device

@@ -301,6 +301,9 @@ def test_ranks_that_chose_different_counts_are_refused_before_training(monkeypat
     other = zlib.crc32(b"8,16,16")
     monkeypatch.setattr(T, "distributed", lambda: True)
     monkeypatch.setattr(T.dist, "all_reduce", lambda t, op: t.copy_(torch.maximum(t, torch.tensor([other, -other]))))
+    # this rank is rank 0 of the world it reports: what the start-up's memory model (its DistAdam) asks of the group
+    monkeypatch.setattr(T.dist, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(T.dist, "get_rank", lambda group=None: 0)
     assert T.same_on_every_rank("8,16,16", CPU) and not T.same_on_every_rank("8,16,24", CPU)
     proc = in_process(T.main, "--preset=smoke", "--micro_batches=4,4,8", f"--logs_dir={tmp_path}")
     one_line_error(proc, "--micro_batches: rank 0 trains 4,4,8 micro-batches a step and another rank other counts")
@@ -313,8 +316,45 @@ def test_auto_on_cpu_without_a_limit_shares_the_host_among_its_ranks(monkeypatch
     assert T.memory_budget(args, CPU) == (host, "this host")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert T.memory_budget(args, CPU) == (host // 4, "this host shared by 4 ranks")
-    assert T.memory_budget(smoke_args(), CPU) is None  # explicit counts on CPU: not checked without a limit
+    # explicit counts on CPU: their state checked against the host too (issue 53 row 10: nothing was, without a
+    # limit), their phases only with a limit or auto
+    assert T.memory_budget(smoke_args(), CPU) == (host // 4, "this host shared by 4 ranks")
+    assert not T.counts_phases(smoke_args(), CPU) and T.counts_phases(args, CPU)
+    assert T.counts_phases(smoke_args("--memory_limit_gib=2"), CPU)
     assert T.memory_budget(smoke_args("--memory_limit_gib=2"), CPU) == (2 * GIB, "--memory_limit_gib=2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "x")
     with pytest.raises(T.ConfigError, match="LOCAL_WORLD_SIZE='x' in the environment"):
         T.memory_budget(args, CPU)
+
+
+# Issue 53 row 10: on CPU, sizes within check_sizes' bounds were built with no memory check unless
+# --memory_limit_gib (or --micro_batches=auto) asked for one: an allocation traceback, or the OOM killer. Every run's
+# weights, gradients and optimizer state are now checked against the host's memory, before anything is built. The
+# host here has 16 GiB (device_memory_bytes is set so, for every check that reads it): the verdicts are the same on
+# every machine.
+TINY = ["--preset=smoke", "--num_iterations=2", "--extension_steps=1", "--val_loss_every=0",
+        "--stage_batch_tokens=256,256,256", "--micro_batches=1", "--val_tokens=1024", "--warmup_steps=0"]
+HOST = "over 13.60 GiB per rank (85% of the 16.00 GiB of this host)"
+HOST_CASES = [
+    # (flags, fragments of the error line)
+    (["--bigram_vocab_size=33554432"], ["the weights, gradients and optimizer state alone take 32.29 GiB per rank, "
+                                        f"{HOST}"]),  # the issue's
+    (["--model_dim=65536"], [f"the weights, gradients and optimizer state alone take 3613.13 GiB per rank, {HOST}"]),
+    (["--model_dim=65536", "--micro_batches=auto"], ["3613.13 GiB per rank", HOST]),
+    (["--bigram_vocab_size=33554432", "--memory_limit_gib=8"], ["32.29 GiB per rank, over 6.80 GiB per rank (85% of "
+                                                                "the 8.00 GiB of --memory_limit_gib=8)"]),
+    (["--bigram_vocab_size=8388608"], ["8.29 GiB per rank", "over 6.80 GiB per rank (85% of the 8.00 GiB of this "
+                                                            "host shared by 2 ranks)"]),
+]
+
+
+@pytest.mark.parametrize("flags, fragments", HOST_CASES, ids=[" ".join(f) for f, _ in HOST_CASES])
+def test_a_config_that_cannot_fit_the_host_is_refused_before_it_is_built(monkeypatch, tmp_path, flags, fragments):
+    monkeypatch.setattr(T, "device_memory_bytes", lambda device: 16 * GIB)
+    if "--bigram_vocab_size=8388608" in flags:  # two ranks started by torchrun on this host share it
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(T, "build_model", lambda *args: pytest.fail("built"))
+    proc = in_process(T.main, *TINY, *flags, f"--logs_dir={tmp_path}/logs", f"--checkpoint_dir={tmp_path}/ck",
+                      "--save_every=2")
+    one_line_error(proc, *fragments)
+    assert list(tmp_path.iterdir()) == []

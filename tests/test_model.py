@@ -407,7 +407,7 @@ def test_prefix_weights_follow_their_stage_schedule():
     assert all(schedule.prefix_weight(step) is None for step in (20, 29, 30, 33))  # no prefix column at all
     assert schedule.prefix_term and not T.Schedule(T.parse_args(["--preset=record85"], True)).prefix_term
     for flags, message in ((["--stage_prefix_weights=0.25,0"], "must list one value per stage"),
-                           (["--stage_prefix_weights=0.1>0.2>0.3,0,0"], "expected comma-separated numbers"),
+                           (["--stage_prefix_weights=0.1>0.2>0.3,0,0"], "stage 1 .* has more than one '>'"),
                            (["--stage_prefix_weights=-1,0,0"], "expected finite numbers >= 0")):
         with pytest.raises(T.ConfigError, match=message):
             T.Schedule(T.parse_args(["--preset=smoke", *flags], False))

@@ -3,11 +3,15 @@ batch sizes, sequence lengths, multi-token weights, the untie step) against reco
 by hand; the speedrun preset's (record #89's) where they differ; and the loader's BOS-aligned packing across
 stages and world sizes."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import train_gpt as T
+from conftest import run_main
 
 RECORD85 = T.parse_args(["--preset=record85"], True)
 SCHEDULE = T.Schedule(RECORD85)
@@ -304,3 +308,84 @@ def test_record89_preset_is_the_speedrun_until_record_92s_port_lands():
     record89 = T.parse_args(["--preset=record89"], True)
     assert T.dataclasses.replace(record89, preset="speedrun") == SPEEDRUN
     assert T.RECIPES["record89"].startswith("record #89")
+
+
+# -----------------------------------------------------------------------------
+# Issue 53 row 9: --cooldown_frac=0 passed validation, then divided by zero at the first step of the extension
+# (the log ended ZeroDivisionError). Every value a schedule flag's check admits gives a finite value at every step,
+# or the check refuses it; the edges of the fractions and stages, each against its value written out.
+
+def smoke_schedule(*flags: str) -> T.Schedule:
+    return T.Schedule(T.parse_args(["--preset=smoke", *flags], False))
+
+
+def every_step_is_finite(schedule: T.Schedule):
+    """Every number a step uses, at every step and at the final validation, is finite."""
+    for step in range(schedule.total + 1):
+        values = [schedule.lr(step), schedule.momentum(step), *schedule.mtp_weights(step),
+                  schedule.prefix_weight(step) or 0.0, schedule.stage_fraction(step), schedule.micro_tokens(step),
+                  *schedule.windows(step), *schedule.windows(step, final_validation=True)]
+        assert all(math.isfinite(v) for v in values), (step, values)
+
+
+# The smoke preset: 27 scheduled steps (stages 0-9, 9-18, 18-27), 3 extension steps, lr 1, 1.52, 1.73, cooldown from
+# int(27 * 0.7) = 18 to 0.15.
+EDGES = [
+    # (id, flags, {step: the lr multiplier there})
+    ("the issue's: no cooldown", ["--cooldown_frac=0"], {0: 1.0, 17: 1.52, 18: 1.73, 26: 1.73, 27: 0.15, 29: 0.15}),
+    ("a cooldown that rounds to no steps", ["--cooldown_frac=1e-20"], {26: 1.73, 27: 0.15}),
+    ("a cooldown of one step", ["--cooldown_frac=0.03"], {25: 1.73, 26: 1.73, 27: 0.15}),
+    ("the whole schedule", ["--cooldown_frac=1"], {0: 1.0, 9: 1.52 * (1 - 9 / 27) + 0.15 * 9 / 27, 27: 0.15}),
+    ("to zero", ["--final_lr_frac=0", "--cooldown_frac=0"], {26: 1.73, 27: 0.0}),
+    ("above the stages", ["--final_lr_frac=1e6", "--cooldown_frac=1"], {0: 1.0, 27: 1e6}),
+    ("one-step stages, no extension", ["--num_iterations=3", "--extension_steps=0", "--cooldown_frac=0"],
+     {0: 1.0, 1: 1.52, 2: 1.73}),
+    ("fewer steps than stages", ["--num_iterations=2", "--extension_steps=1", "--cooldown_frac=0"], {0: 1.52, 1: 0.15}),
+    ("no momentum warmup or cooldown", ["--muon_momentum_warmup=0", "--muon_momentum_cooldown=0"], {}),
+]
+
+
+@pytest.mark.parametrize("flags, lrs", [c[1:] for c in EDGES], ids=[c[0] for c in EDGES])
+def test_the_schedule_s_edges_give_finite_values_at_every_step(flags, lrs):
+    schedule = smoke_schedule(*flags)
+    every_step_is_finite(schedule)
+    assert {step: schedule.lr(step) for step in lrs} == pytest.approx(lrs, rel=1e-12)
+
+
+fractions = st.sampled_from([0.0, 1.0, 5e-324, 1e-20, 1 - 1e-16, 0.5]) | st.floats(min_value=0, max_value=1)
+multipliers = st.sampled_from([0.0, 1.0, 1e-300, 1e300]) | st.floats(min_value=0, max_value=1e6)
+
+
+@settings(max_examples=60)
+@given(st.integers(1, 40), st.integers(0, 40), st.integers(1, 4), fractions, multipliers,
+       st.lists(multipliers, min_size=8, max_size=8), st.tuples(*[st.integers(0, 50)] * 3), st.integers(1, 4),
+       st.integers(0, 5))
+def test_every_admitted_schedule_gives_finite_values_at_every_step(iterations, extension, stages, cooldown, final,
+                                                                   weights, steps, adam_every, untie):
+    """Schedules of any length, stage count, cooldown and final fraction (the edges 0, 1 and the smallest floats
+    among them), multipliers and moving weights from 0 to 1e300, momentum ramps of any length: parse_args refuses
+    the schedule, or every step's numbers are finite."""
+    flags = [f"--num_iterations={iterations}", f"--extension_steps={extension}", f"--cooldown_frac={cooldown!r}",
+             f"--final_lr_frac={final!r}", f"--muon_momentum_warmup={steps[0]}",
+             f"--muon_momentum_cooldown={steps[1]}", f"--val_loss_every={steps[2]}", f"--adam_every={adam_every}",
+             f"--untie_stage={untie}", "--micro_batches=1", "--stage_batch_tokens=" + ",".join(["256"] * stages),
+             "--stage_max_seq_len=" + ",".join(["64"] * stages), "--stage_windows=" + ",".join(["1:2"] * stages),
+             "--stage_lr=" + ",".join(map(repr, weights[:stages])),
+             "--stage_mtp_weights=" + "/".join(f"{weights[i]!r},1>{weights[i + 4]!r},0" for i in range(stages)),
+             "--stage_prefix_weights=" + ",".join(f"{weights[i + 4]!r}>{weights[i]!r}" for i in range(stages))]
+    try:
+        schedule = smoke_schedule(*flags)
+    except T.ConfigError:
+        return
+    every_step_is_finite(schedule)
+    T.warmup_steps(T.parse_args(["--preset=smoke", *flags], False), schedule)
+
+
+@pytest.mark.slow  # trains the two steps of test_bad_input.py's TINY run
+def test_a_run_without_a_cooldown_runs_to_the_end(tmp_path):
+    """The issue's input end to end: step 1 is the extension's, where --cooldown_frac=0 divided 0 by 0."""
+    proc = run_main("--preset=smoke", "--num_iterations=2", "--extension_steps=1", "--val_loss_every=0",
+                    "--stage_batch_tokens=256,256,256", "--micro_batches=1", "--val_tokens=1024", "--warmup_steps=0",
+                    "--cooldown_frac=0", f"--logs_dir={tmp_path}", "--run_id=flat")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "flat.txt").read_text().splitlines()[-1].startswith("summary: final_val_loss:")

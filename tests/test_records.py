@@ -395,15 +395,19 @@ def test_extract_refuses_stripped_and_edited_logs(capsys, tmp_path):
 # compare
 
 def faster_copies(tmp_path, delta_ms: int) -> list[Path]:
-    """The public logs with each step's train_time shifted by delta_ms * step / steps: a stand-in for a candidate
-    that computes the same losses at other step times. (Every time shifted by one constant is a copy of the run,
-    which compare refuses.)"""
+    """The public logs with each step's train_time shifted by delta_ms * step / steps and their first validation
+    after step 0 0.0001 higher: a stand-in for a candidate that reaches the same final losses at other step times.
+    (A log whose losses equal another's at every line is a copy of it, whatever its times, which compare refuses:
+    issue 53 row 3. The public logs name no code, so nothing says the candidate's is another.)"""
     paths = []
     for src in PUBLIC:
         def shift(m):
             return f"{m[1]}{int(m[4]) + round(delta_ms * int(m[2]) / int(m[3]))}ms"
+        text = re.sub(r"^(step:(\d+)/(\d+) .*train_time:)(\d+)ms", shift, src.read_text(), flags=re.M)
+        text = re.sub(r"^(step:[1-9]\d*/\d+ val_loss:)(\S+)", lambda m: f"{m[1]}{float(m[2]) + 0.0001:.4f}", text,
+                      count=1, flags=re.M)
         path = tmp_path / f"cand-{src.name}"
-        path.write_text(re.sub(r"^(step:(\d+)/(\d+) .*train_time:)(\d+)ms", shift, src.read_text(), flags=re.M))
+        path.write_text(text)
         paths.append(path)
     return paths
 
@@ -1677,6 +1681,37 @@ def test_precisions_are_compared_as_resolved(capsys, tmp_path, values, line):
     assert code == 1 and f"{rerun1[0]} duplicates {logs[0]} (same seed 1 and config: one sample)" in out, out
 
 
+SPELLINGS = [   # (id, a list flag, its value in the first two logs, another spelling of it in the third, another value)
+    ("the issue's: a weight of 0 written 0.0", "stage_prefix_weights", "0.25,0.25>0,0", "0.25,0.25>0.0,0",
+     "0.25,0.25>0.1,0"),
+    ("a weight that does not move written A>A", "stage_prefix_weights", "0.25,0.25>0,0", "0.25>0.25,0.25>0,0>0",
+     "0.25>0,0.25>0,0"),
+    ("multi-token weights", "stage_mtp_weights", "1,0.5>1,0/1>1/1>1", "1,.5>1,0.0/1/1e0", "1,0.5>1,0/1>1/1>0.5"),
+    ("stage lrs", "stage_lr", "1.0,1.52,1.73", "1,1.520, 1.73", "1.0,1.52,1.74"),
+    ("windows with blanks", "stage_windows", "1:2,2:4,3:6", "1:2, 2:4 ,3:6", "1:2,2:4,3:7"),
+    ("a role's layers in another order", "paired_layers", "0,4", "4,0", "0,3"),
+]
+
+
+@pytest.mark.parametrize("flag,value,spelled,another", [c[1:] for c in SPELLINGS], ids=[c[0] for c in SPELLINGS])
+def test_list_flags_are_compared_as_their_values(capsys, tmp_path, flag, value, spelled, another):
+    """Issue 53 row 2: the stage lists were compared as text. --stage_prefix_weights=0.25,0.25>0.0,0 is the default
+    written another way, yet verify called the runs different experiments; with --allow-differences a same-seed
+    rerun spelling it so became a second sample (p 0.096 -> 0.025). Each list is read into its values by the
+    trainer's grammar (records.list_value) and compared in one spelling of them."""
+    logs = copies(tmp_path, SAME_CODE, lambda t, i: with_hparams(t, **{flag: (value, value, spelled)[i - 1]}))
+    code, out, _ = run(capsys, "verify", *logs, "--target", "7.5")
+    assert code == 0, out
+    rerun1 = copies(tmp_path, SAME_CODE[:1], lambda t, i: rerun(with_hparams(t, **{flag: spelled}), 7),
+                    names=["rerun1.txt"])
+    code, out, _ = run(capsys, "verify", *logs, *rerun1, "--target", "7.5", f"--allow-differences={flag}")
+    assert code == 1 and f"{rerun1[0]} duplicates {logs[0]} (same seed 1 and config: one sample)" in out, out
+    # another value is another experiment, named in its one spelling
+    other = copies(tmp_path, SAME_CODE[2:], lambda t, i: with_hparams(t, **{flag: another}), names=["other.txt"])
+    code, out, _ = run(capsys, "verify", *logs[:2], *other, "--target", "7.5")
+    assert code == 1 and f"FAIL not the same experiment: {flag} is " in out, out
+
+
 def test_precisions_that_may_differ_on_a_gpu_are_other_experiments(capsys, tmp_path):
     """On a GPU, auto is fp8 or bf16 by the card: without the header's line saying which, auto is not bf16; with it,
     the run's own resolved value is compared."""
@@ -1699,7 +1734,24 @@ def test_precisions_that_may_differ_on_a_gpu_are_other_experiments(capsys, tmp_p
     assert code == 1 and "FAIL not the same experiment: lm_head_precision is fp8 in " in out, out
 
 
+def drifting(text: str, ms) -> str:
+    """The log text with the train_time of its n-th timed step line (from 1) moved by ms(n) ms."""
+    lines = iter(range(1, 10 ** 6))
+    return re.sub(r"^(step:[1-9]\d*/.*train_time:)(\d+)ms", lambda m: f"{m[1]}{int(m[2]) + ms(next(lines))}ms", text,
+                  flags=re.M)
+
+
 COPIES = [   # (id, the edit that makes seed 1's log another "run")
+    # issue 53 row 3: the times drift (a growing 1-4 ms, never one constant): a third sample, p 0.0024 -> 1.3e-5
+    ("issue 53's: seed 77, another run id, times drifting by a growing 1-4 ms",
+     lambda t: drifting(rerun(t, 0, seed=77), lambda n: 1 + (3 * n) // 9)),
+    ("times drifting both ways, seed 5", lambda t: drifting(rerun(t, 0, seed=5), lambda n: (-1) ** n * n)),
+    ("seed 2's step times on seed 1's losses", lambda t: with_hparams(re.sub(
+        r"train_time:\d+ms", lambda m, times=iter(re.findall(r"train_time:\d+ms", SAME_CODE[1].read_text())):
+        next(times), t), seed=2).replace("run_id: handmade-cpu-run1", "run_id: handmade-cpu-run9")),
+    ("every time 3% longer, seed 8", lambda t: rerun(re.sub(
+        r"train_time:(\d+)ms", lambda m: f"train_time:{int(m[1]) * 103 // 100}ms", t), 0, seed=8)),
+    # issue 46 row 14: times shifted by one constant
     ("the issue's: seed 77, another run id, times +2 ms", lambda t: rerun(t, 2, seed=77)),
     ("times +2 ms from step 1 on", lambda t: re.sub(r"^(step:[1-9]\d*/.*train_time:)(\d+)ms",
                                                     lambda m: f"{m[1]}{int(m[2]) + 2}ms",
@@ -1712,20 +1764,31 @@ COPIES = [   # (id, the edit that makes seed 1's log another "run")
 
 @pytest.mark.parametrize("edit", [e for _, e in COPIES], ids=[i for i, _ in COPIES])
 def test_a_copy_with_other_seed_run_id_and_times_is_a_duplicate(capsys, tmp_path, repo, edit):
-    """Row 14: a copy of seed 1's log with `seed = 77` in the header, another run id and times +2 ms was a third
-    sample: its losses equal seed 1's, and p fell from 0.0024 to 1.3e-5. Losses and step times together identify
-    a run: no header edit changes them."""
+    """Row 14 (issue 46): a copy of seed 1's log with `seed = 77` in the header, another run id and times +2 ms was
+    a third sample: its losses equal seed 1's, and p fell from 0.0024 to 1.3e-5. Issue 53 row 3: the check then knew
+    one constant shift of the times, and a copy whose times drift by a growing 1-4 ms passed. The losses at every
+    validation and step line identify a run, whatever its times, seed or run id say: no header edit changes them."""
     copy = copies(tmp_path, SAME_CODE[:1], lambda t, i: edit(t), names=["copy.txt"])[0]
     logs = [SAME_CODE[0], SAME_CODE[1], copy]
     code, out, _ = run(capsys, "verify", *logs, "--target", "7.5")
     assert code == 1 and re.search(rf"^FAIL duplicate runs: {re.escape(str(copy))} duplicates "
-                                   rf"{re.escape(str(SAME_CODE[0]))} \(identical losses and step times\b", out,
-                                   flags=re.M), out
+                                   rf"{re.escape(str(SAME_CODE[0]))} \(identical losses at all 9 logged values: one "
+                                   rf"computation, whatever its times, seed and run id say\)$", out, flags=re.M), out
     code, _, err = run(capsys, "summarize", *logs, "--target", "7.5")
-    assert code == 1 and "identical losses and step times" in err
+    assert code == 1 and "identical losses at all 9 logged values" in err
     code, _, err = run(capsys, "compare", "--baseline", *SAME_CODE[:2], "--candidate", copy, SAME_CODE[2])
     assert code == 1 and f"candidate {copy} duplicates baseline {SAME_CODE[0]}" in err, err
     assert run(capsys, "new", "dup", *logs, "--target", "7.5", "--records-dir", repo)[0] == 1 and not repo.exists()
+
+
+def test_no_two_real_runs_are_duplicates():
+    """Issue 53 row 3, what the rule on losses must not do: every pair of distinct runs among the fixtures (the public
+    8xH100 logs, the real CPU logs, the hand-made ones and the filed CPU record's) is two runs."""
+    paths = sorted(FIXTURES.glob("*/*.txt")) + sorted((ROOT / "records").glob("*_*/*.txt"))
+    logs = [rec.read_log(path) for path in paths]
+    assert len(logs) >= 16
+    assert [(a.name, b.name, why) for i, a in enumerate(logs) for b in logs[i + 1:]
+            if (why := rec.duplicate_reason(a, b))] == []
 
 
 def test_runs_with_the_same_losses_at_other_step_times_are_distinct(capsys, tmp_path):

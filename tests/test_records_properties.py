@@ -185,6 +185,29 @@ def test_a_copy_under_any_seed_run_id_and_time_shift_is_one_run(tmp_path_factory
         assert reason is None or reason.startswith(f"same seed {seed} and config"), reason
 
 
+@settings(max_examples=30)
+@given(st.lists(st.integers(min_value=-900, max_value=10 ** 6), min_size=9, max_size=9),
+       st.integers(min_value=0, max_value=10 ** 9), st.text(alphabet="abcdefgh0123456789-", min_size=1, max_size=20),
+       st.integers(min_value=0, max_value=8), st.sampled_from([-1e-4, 1e-4, 0.5]))
+def test_a_copy_under_any_times_is_one_run_and_one_other_loss_another(tmp_path_factory, moves, seed, run_id, line,
+                                                                       change):
+    """Issue 53 row 3's neighbours: a copy of seed 1's log under any seed and run id, each timed step's time moved by
+    its own amount (drifting, jumping, never one constant), is the run it copies: the losses at every validation
+    and step line decide, not the times. Its neighbour, the same copy with one loss another (by 1e-4, the logs'
+    last decimal), is another run."""
+    moved = iter(moves)
+    text = re.sub(r"^(step:[1-9]\d*/.*train_time:)(\d+)ms", lambda m: f"{m[1]}{int(m[2]) + next(moved)}ms", LOG,
+                  flags=re.M)
+    text = with_hparams(text, seed=seed + 2).replace("run_id: handmade-cpu-run1", f"run_id: {run_id}")
+    folder = tmp_path_factory.getbasetemp()
+    original = rec.read_log(SAME_CODE[0])
+    assert rec.duplicate_reason(original, rec.read_log(write(folder, "moved.txt", text))) is not None
+    losses = list(re.finditer(r"^step:[1-9]\d*/\S* (?:val|train)_loss:(\S+)", text, flags=re.M))
+    at = losses[line]
+    other = text[:at.start(1)] + f"{float(at[1]) + change:.4f}" + text[at.end(1):]
+    assert rec.duplicate_reason(original, rec.read_log(write(folder, "other.txt", other))) is None
+
+
 @FAST
 @given(st.sampled_from(["auto", "fp32", " auto", "auto "]), st.sampled_from(["auto", "fp32"]),
        st.sampled_from(["", "attention: sdpa  lm_head: fp32  mlp up-projection: fp32  compile: off\n"]))
@@ -205,3 +228,126 @@ def test_a_log_that_is_no_regular_file_is_refused_at_once(tmp_path, make):
     with pytest.raises(rec.ToolError) as e:
         rec.read_log(path)
     assert one_line(str(e.value)) and str(path) in str(e.value)
+
+
+# -----------------------------------------------------------------------------
+# Issue 53 rows 2 and 5: the list flags read by one grammar, train_gpt.list_value and its copy in records.py
+# (records.py does not import the trainer). Generated spellings of one value are that value in both; a truncated
+# spelling is refused by both; and on any text the two agree, value for value or refusal for refusal.
+
+import train_gpt as T  # noqa: E402
+
+LIST_KINDS = {kind: [name for name, k in T.LIST_FLAGS.items() if k == kind] for kind in set(T.LIST_FLAGS.values())}
+
+
+def outcome(parse, name: str, text: str):
+    """What a parser makes of text: its value, or "refused"."""
+    try:
+        return parse(name, text)
+    except ValueError:   # (train_gpt's ConfigError is one)
+        return "refused"
+
+
+def number_spellings(value: float) -> st.SearchStrategy[str]:
+    """Texts float() reads as value: repr, 17 significant digits, trailing zeros, a sign, blanks, an exponent."""
+    r = repr(value)
+    spelled = [r, format(value, ".17e"), f"+{r}", f" {r} ", format(value, ".17g")]
+    if "e" not in r and "." in r:
+        spelled += [r + "00", r.lstrip("0") or "0"]
+    if value.is_integer() and value < 1e15:
+        spelled += [str(int(value)), f"{int(value)}e0", f"{int(value)}.0"]
+    return st.sampled_from([s for s in spelled if float(s) == value])
+
+
+def int_spellings(value: int) -> st.SearchStrategy[str]:
+    return st.sampled_from([str(value), f" {value}", f"{value} ", f"+{value}" if value >= 0 else str(value),
+                            f"0{value}" if value > 0 else str(value)])
+
+
+weights = st.sampled_from([0.0, 0.25, 0.5, 1.0, 1.52, 1e-05, 3.0]) | st.floats(min_value=0, max_value=1e6)
+
+
+@st.composite
+def spelled_value(draw):
+    """(flag, a value of it, a spelling of that value)."""
+    kind = draw(st.sampled_from(sorted(LIST_KINDS)))
+    name = draw(st.sampled_from(LIST_KINDS[kind]))
+    join = lambda parts, sep=",": sep.join(parts)  # noqa: E731
+    if kind in ("integers", "layer set"):
+        ints = draw(st.lists(st.integers(0, 10 ** 6), min_size=1, max_size=5))
+        text = join([draw(int_spellings(i)) for i in ints])
+        if kind == "layer set":   # any order, repeats
+            text = join([draw(int_spellings(i)) for i in draw(st.permutations(ints + ints[:1]))])
+        return name, (tuple(sorted(set(ints))) if kind == "layer set" else tuple(ints)), text
+    if kind == "numbers":
+        values = draw(st.lists(weights, min_size=1, max_size=5))
+        return name, tuple(values), join([draw(number_spellings(v)) for v in values])
+    if kind == "counts":  # per stage, counts of its equal parts joined by '|'
+        entries = draw(st.lists(st.lists(st.integers(0, 10 ** 6), min_size=1, max_size=3), min_size=1, max_size=4))
+        return name, tuple(map(tuple, entries)), join([join([draw(int_spellings(c)) for c in e], "|") for e in entries])
+    if kind in ("windows", "window", "layer pair"):
+        pairs = draw(st.lists(st.tuples(st.integers(1, 100), st.integers(0, 100)).map(lambda p: (p[0], p[0] + p[1])),
+                              min_size=1, max_size=1 if kind != "windows" else 4))
+        text = join([f"{draw(int_spellings(a))}:{draw(int_spellings(b))}" for a, b in pairs])
+        return name, (pairs[0] if kind != "windows" else tuple(pairs)), text
+    width = 1 if kind == "ramps" else draw(st.integers(1, 4))
+    stages = draw(st.lists(st.tuples(st.lists(weights, min_size=width, max_size=width),
+                                     st.lists(weights, min_size=width, max_size=width), st.booleans()),
+                           min_size=1, max_size=4))
+    parts, value = [], []
+    for start, end, constant in stages:
+        if kind == "ramps" and draw(st.booleans()):  # a weight for each equal part of the stage: a|b|c
+            weights_ = draw(st.lists(weights, min_size=2, max_size=4))
+            parts.append(join([draw(number_spellings(v)) for v in weights_], "|"))
+            value.append((tuple(weights_), True))
+            continue
+        if constant:   # a weight that does not move: "A" or "A>A"
+            end = start
+        sides = [join([draw(number_spellings(v)) for v in side]) for side in (start, end)]
+        parts.append(sides[0] if constant and draw(st.booleans()) else ">".join(sides))
+        value.append(((start[0], end[0]), False) if kind == "ramps" else (tuple(start), tuple(end)))
+    return name, tuple(value), join(parts, "," if kind == "ramps" else "/")
+
+
+def truncations(text: str) -> list[str]:
+    """Neighbours of a spelling that lack a part: nothing after or before a '>', a doubled '>', an empty item, a
+    trailing separator."""
+    cut = []
+    for i, c in enumerate(text):
+        if c == ">":
+            cut += [text[:i + 1], text[i:], text[:i] + ">>" + text[i + 1:]]
+        if c in ",/|":
+            cut += [text[:i + 1], text[:i] + c + c + text[i + 1:]]
+    return cut + [text + ",", text + "/", "," + text]
+
+
+@settings(max_examples=40)
+@given(spelled_value())
+def test_a_list_flag_is_its_value_in_both_parsers_and_a_truncation_is_refused(case):
+    """Rows 2 and 5 and their neighbours. Every spelling of a value (numbers as 0.0 or 0 or 0e0, blanks, a constant
+    weight as A or A>A, a role's layers in any order) is that value to the trainer and to records.py, which compares
+    it in one spelling (list_text) that reads back as the value. "A>" was read as the constant A; it, ">A", "A>>B",
+    empty items and trailing separators are each refused by both parsers (or, a trailing ',' of a list of layers
+    being none, read alike by both)."""
+    name, value, text = case
+    assert T.list_value(name, text) == value == rec.list_value(name, text), text
+    canonical = rec.list_text(name, value)
+    assert T.list_value(name, canonical) == value and rec.list_text(name, rec.list_value(name, canonical)) == canonical
+    for cut in truncations(text):
+        ours, theirs = outcome(T.list_value, name, cut), outcome(rec.list_value, name, cut)
+        assert ours == theirs, (name, cut, ours, theirs)
+        if ">" in text and cut.endswith(">") or cut.startswith(">") or ">>" in cut:
+            assert ours == "refused", (name, cut, ours)
+
+
+@settings(max_examples=100)
+@given(st.sampled_from(sorted(T.LIST_FLAGS)), st.text(alphabet="0123456789.,>/|:-+e nai", max_size=24))
+def test_the_two_parsers_agree_on_any_text(name, text):
+    """One grammar: on any text of the lists' characters the trainer and records.py read the same value, or both
+    refuse it (the trainer in one line naming the flag)."""
+    ours, theirs = outcome(T.list_value, name, text), outcome(rec.list_value, name, text)
+    assert ours == theirs, (name, text, ours, theirs)
+    if ours == "refused":
+        with pytest.raises(T.ConfigError) as e:
+            T.list_value(name, text)
+        assert str(e.value).startswith(f"--{name}=") and "\n" not in str(e.value)

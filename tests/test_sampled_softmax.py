@@ -16,7 +16,7 @@ CPU = T.DistEnv(0, 0, 1, torch.device("cpu"))
 # The smoke model on steps of 4 micro-batches of 64 tokens, sampling 512 of the 50,304 classes
 SAMPLED = ["--preset=smoke", "--num_iterations=6", "--extension_steps=1", "--val_loss_every=0", "--val_tokens=1024",
            "--stage_batch_tokens=256,256,256", "--micro_batches=4", "--warmup_steps=0",
-           "--stage_softmax_candidates=512,256/512,1024"]
+           "--stage_softmax_candidates=512,256|512,1024"]
 
 
 def sweep(vocab: int) -> np.ndarray:
@@ -128,7 +128,7 @@ def test_fp8_head_over_every_column_equals_the_full_fp8_head():
 
 def test_candidate_counts_follow_their_stages_in_equal_parts_and_the_warmup_compiles_each():
     args = T.parse_args(["--num_iterations=33", "--extension_steps=3",
-                         "--stage_softmax_candidates=10240,10240,14336/14336/24576"], False)
+                         "--stage_softmax_candidates=10240,10240,14336|14336|24576"], False)
     schedule = T.Schedule(args)
     assert [(s.start, s.end) for s in schedule.stages] == [(0, 10), (10, 20), (20, 30), (30, 33)]
     counts = [schedule.candidates(step) for step in range(34)]
@@ -139,7 +139,7 @@ def test_candidate_counts_follow_their_stages_in_equal_parts_and_the_warmup_comp
     one = T.Schedule(T.parse_args(["--num_iterations=33", "--stage_softmax_candidates=2048"], False))
     assert {one.candidates(step) for step in range(34)} == {2048}
     for flag, message in (("1024,1024", "one entry for every stage, or one per stage"),
-                          ("1024/,0,0", "expected counts"), ("1024>0,0,0", "expected counts"),
+                          ("1024|,0,0", "expected counts"), ("1024>0,0,0", "expected counts"),
                           ("-16,0,0", "must be 0"), ("1000,0,0", "a multiple of 16"),
                           ("50432,0,0", "at most the padded vocabulary, 50304")):
         with pytest.raises(T.ConfigError, match=message):

@@ -136,10 +136,13 @@ def test_synthetic_steps_fill_any_number_of_micro_batches(micro_batches):
 def test_a_run_that_compiles_nothing_never_imports_dynamo(tmp_path):
     # Importing torch._dynamo costs a process 2 s on 2 cores, and torch.optim's add_param_group and zero_grad
     # import it on their first call: a CPU run with its checkpoints, which compiles nothing, must not pay for it
-    # (the trainer's optimizers bypass those wrappers). Broken, it fails: dynamo is imported.
+    # (the trainer's optimizers bypass those wrappers). Broken, it fails: dynamo is imported. The one exception is
+    # the start-up memory check (plan_memory), whose memory model runs in a FakeTensorMode, which imports dynamo's
+    # config: since issue 53 row 10 every CPU run pays that, and the check is left out here.
     script = f"""
 import sys
 import train_gpt as T
+T.plan_memory = lambda *args: None
 assert T.main(["--num_iterations=2", "--extension_steps=1", "--val_loss_every=0", "--stage_batch_tokens=256,256,256",
                "--val_tokens=512", "--val_seq_len=512", "--save_every=2", "--save_final=true", "--logs_dir={tmp_path}",
                "--checkpoint_dir={tmp_path}/ck", "--run_id=plain"]) == 0
