@@ -247,6 +247,13 @@ def test_full_fp8_state_is_saved_per_rank_where_it_is_and_continues_bit_for_bit(
         step(m, 16, *batches[3])
     assert states_equal(mlp.fp8_state(), again.fp8_state())
     assert all(torch.equal(a, b) for a, b in zip(mlp.state_dict().values(), again.state_dict().values()))
+    # a pass left its maxima behind (as the warmup's last steps, or any before a reload): "stored" starts them
+    # over and moves no scale (the record's reset after its warmup)
+    before = copy.deepcopy(mlp.fp8_state())
+    train_pass(mlp, batches[0][0].clone().requires_grad_(), batches[0][1])
+    assert mlp.fp8_post_amax > 0 and mlp.fp8_dpre_amax > 0
+    mlp.refresh_fp8()
+    assert states_equal(mlp.fp8_state(), before)
     # --init_from starts the six scales over; each rank keeps its own scales of relu^2's output and dpre
     assert all(T.init_run_state(f"blocks.3.mlp.{name}") for name in scales)
     assert not T.init_run_state("blocks.3.mlp.fc")
@@ -261,7 +268,7 @@ def test_full_fp8_state_is_saved_per_rank_where_it_is_and_continues_bit_for_bit(
     meta = type("Meta", (), {"loader": {}, "step": 4, "train_time_ms": 1.0})()
     T.load_checkpoint(T.Resume(tmp_path, meta, copy.deepcopy(model.state_dict()), state), model, [], loader,
                       T.DistEnv(1, 1, 2, torch.device("cpu")))
-    assert all(own[name] == value for name, value in rank_1.items())
+    assert all(T.rank_buffers(model)[name] == value for name, value in rank_1.items())
 
 
 def test_the_flags_off_keep_record_89s_mlp_and_head():
@@ -275,6 +282,10 @@ def test_the_flags_off_keep_record_89s_mlp_and_head():
     assert T.head_fp8(torch.zeros(4, 16))[2] is T.HEAD_FP8_85 == (100 / 448, 1.6 / 448, 0.75 / 448, 85)
     model = T.GPT(T.parse_args(["--preset=smoke"], False), T.Numerics(torch.float32, "fp8", "fp32"))
     assert model.head_scales is T.HEAD_FP8_85
+    # the memory model's loss chunk: e4m3 logits are one byte where bf16 ones are two (the rest as before)
+    logits = T.parse_args(["--lm_head_fp8_logits=true"], False)
+    assert T.loss_chunk_bytes(args, 8192, "cuda", "fp8") - T.loss_chunk_bytes(logits, 8192, "cuda", "fp8") == \
+        8192 * T.padded_vocab(args.vocab_size)
 
 
 # --- the head ----------------------------------------------------------------------------------------------------
