@@ -1540,6 +1540,12 @@ class Fp8ReluSquaredMLP(torch.autograd.Function):
         return grad_x.view(grad.shape), grad_fc, grad_proj, None
 
 
+def record89_down_scales(args: Hyperparameters) -> bool:
+    """Whether the MLPs carry record #89's down-projection scales: --mlp_down_fp8, unless --mlp_full_fp8 takes its
+    place (tools/record_weights.py asks too)."""
+    return args.mlp_down_fp8 and not args.mlp_full_fp8
+
+
 class MLP(nn.Module):
     """ReLU^2 MLP. fc is (hidden, dim), proj (hidden, dim): the record's layouts, x @ proj for the
     down-projection. scaled_down (--mlp_down_fp8): the down-projection's delayed scales are run state (buffers

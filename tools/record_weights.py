@@ -110,7 +110,7 @@ def _banks(state: dict, args: T.Hyperparameters) -> dict[str, torch.Tensor]:
     --mlp_down_fp8, record #89's scale vectors (layers,)."""
     layers = _attention_layers(args)
     scales = {theirs: torch.stack([_take(state, f"blocks.{layer}.mlp.{mine}") for layer in range(args.num_layers)])
-              for theirs, mine in DOWN_SCALES.items()} if args.mlp_down_fp8 else {}
+              for theirs, mine in DOWN_SCALES.items()} if T.record89_down_scales(args) else {}
     return {**scales,
         "qk_bank": torch.cat([_take(state, f"blocks.{layer}.attn.qk") for layer in layers]),
         "vo_bank": torch.cat([_take(state, f"blocks.{layer}.attn.vo") for layer in layers]),
@@ -197,7 +197,7 @@ def record_to_ours(state: dict, args: T.Hyperparameters | None = None, step: int
     for layer in range(args.num_layers):
         ours[f"blocks.{layer}.mlp.fc"] = mlp[layer, 0]
         ours[f"blocks.{layer}.mlp.proj"] = mlp[layer, 1]
-        for theirs, mine in DOWN_SCALES.items() if args.mlp_down_fp8 else ():
+        for theirs, mine in DOWN_SCALES.items() if T.record89_down_scales(args) else ():
             ours[f"blocks.{layer}.mlp.{mine}"] = state[theirs][layer]
     for name, value in rotary_state(args, args.num_iterations if step is None else step).items():
         ours[f"rotary.{name}"] = value
@@ -231,7 +231,7 @@ def ours_to_record(state: dict, args: T.Hyperparameters | None = None, like: dic
     record["qk_bank"] = padded(qk, "qk_bank", -(-qk.size(0) // RECORD_WORLD_SIZE) * RECORD_WORLD_SIZE)
     record["vo_bank"] = padded(vo, "vo_bank", -(-vo.size(0) // RECORD_WORLD_SIZE) * RECORD_WORLD_SIZE)
     record["mlp_bank"] = padded(mlp, "mlp_bank", max(RECORD_MLP_LAYERS, args.num_layers))
-    for name in DOWN_SCALES if args.mlp_down_fp8 else ():  # the record's initial scales: ones
+    for name in DOWN_SCALES if T.record89_down_scales(args) else ():  # the record's initial scales: ones
         record[name] = padded(banks[name], name, max(RECORD_MLP_LAYERS, args.num_layers), fill=1.0)
     return {prefix + k: v for k, v in record.items()}
 
