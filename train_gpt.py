@@ -247,6 +247,13 @@ class Hyperparameters:
     mlp_down_fp8: bool = _help("record #89: where the up-projection runs in FP8, the down-projection's forward does "
                                "too, with delayed scales (the activation's from the previous forward, the weight's "
                                "from the previous step); its backward is in the weights' dtype", True)
+    mlp_full_fp8: bool = _help("record #92: where the up-projection runs in FP8, all of the MLP does, forward and "
+                               "backward (the gradients in e5m2), at static scales for its input and its output's "
+                               "gradient and delayed ones for the weights, relu^2's output and its gradient "
+                               "(Fp8ReluSquaredMLP); in place of --mlp_down_fp8's", False)
+    lm_head_fp8_logits: bool = _help("record #92's FP8 head, where the lm_head runs in FP8: the logits kept as e4m3 "
+                                     "and their squashed values in fp16, the lm_head's copy at 2.0/448 and the "
+                                     "logits' gradient at a scale 8 times smaller (HEAD_FP8_92)", False)
     # attention (windows in blocks of window_block tokens)
     attention: str = _help("auto (flex on CUDA, sdpa elsewhere), flex (FlexAttention block masks) or sdpa "
                            "(dense boolean mask)", "auto")
@@ -1448,9 +1455,39 @@ class CausalSelfAttention(nn.Module):
 
 
 # FP8 matmuls (record #85): e4m3 operands with per-tensor scales, bf16 out, through torch._scaled_mm, whose
-# first operand must be row-major and second column-major.
-FP8_E4M3_MAX = 448.0
+# first operand must be row-major and second column-major. Gradients go in e5m2 (record #92's MLP, the heads).
+FP8_E4M3_MAX, FP8_E5M2_MAX = 448.0, 57344.0
 HEAD_X_SCALE, HEAD_W_SCALE, HEAD_GRAD_SCALE = 100 / FP8_E4M3_MAX, 1.6 / FP8_E4M3_MAX, 0.75 / FP8_E4M3_MAX
+
+
+class HeadFp8(NamedTuple):
+    """How the FP8 head computes (head_loss): x / x_scale and the lm_head W / w_scale in e4m3, the logits' gradient
+    divided by loss_scale * grad_scale in e5m2. `record`: whose kernel's roundings it keeps besides. 85 (records #85
+    to #89): bf16 logits, squashed in bf16; W's copy W / w_scale, rounded once. 92 (record #92): the logits
+    rounded to e4m3 (its matmul writes them as e4m3 bytes), squashed in fp16; W's copy W times the fp32 reciprocal
+    of w_scale, rounded to W's dtype (its kernel matches the eager W.div(w_s) in bf16), clipped at e4m3's largest."""
+    x_scale: float
+    w_scale: float
+    grad_scale: float
+    record: int
+
+    @property
+    def w_reciprocal(self) -> float:
+        """1 / w_scale in fp32 (record #92's copy multiplies by it: 223.99998 for 2.0/448, not 224)."""
+        return FP32_RECIPROCALS[self.w_scale]
+
+    @property
+    def logits(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self.record == 92 else torch.bfloat16
+
+
+HEAD_FP8_85 = HeadFp8(HEAD_X_SCALE, HEAD_W_SCALE, HEAD_GRAD_SCALE, 85)
+# Record #92 (--lm_head_fp8_logits): the lm_head's copy holds entries up to 2.0 (its weights' range); the gradient's
+# scale is 8 times smaller, an exact binade shift that moves e5m2's flush-to-zero floor three octaves down (the
+# largest quotient, (cap / width) S_w / 4 / grad_scale < 3,700 S_w for the multi-token weights' sum S_w, stays far
+# below e5m2's 57,344).
+HEAD_FP8_92 = HeadFp8(HEAD_X_SCALE, 2.0 / FP8_E4M3_MAX, 0.75 / 8 / FP8_E4M3_MAX, 92)
+FP32_RECIPROCALS = {s: float(np.float32(1) / np.float32(s)) for s in (HEAD_FP8_85.w_scale, HEAD_FP8_92.w_scale)}
 
 
 def scaled_mm(a: Tensor, b: Tensor, scale_a, scale_b, out_dtype: torch.dtype, fast_accum: bool = False) -> Tensor:
@@ -1468,6 +1505,15 @@ def round_to_bf16(x: Tensor) -> Tensor:
     bits = x.view(torch.int32)
     bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536  # add half an ulp of bf16 (ties to even), cut 16 bits
     return bits.view(torch.float32)
+
+
+def round_to_fp16(x: Tensor) -> Tensor:
+    """fp32 x rounded to the nearest fp16 (ties to even), kept in fp32: x.to(fp16).float() for |x| < 65504, written
+    so that inductor keeps it (as round_to_bf16). fp16's normal numbers keep 10 of fp32's 23 mantissa bits; below
+    2^-14 its subnormals are the multiples of 2^-24, which rounding x * 2^24 to an integer (ties to even) finds."""
+    bits = x.view(torch.int32)
+    normal = ((bits + (0xFFF + ((bits >> 13) & 1))) & -8192).view(torch.float32)
+    return torch.where(x.abs() < 2.0 ** -14, torch.round(x * 2.0 ** 24) * 2.0 ** -24, normal)
 
 
 def relu_square_grad(out: Tensor, grad: Tensor) -> Tensor:
@@ -1580,22 +1626,169 @@ def mlp_down_fp8(proj: Tensor, used: Tensor, upcoming: Tensor, scales: str) -> t
     return w8_t, used, upcoming
 
 
+# Record #92's full-stack FP8 MLP (--mlp_full_fp8). Static scales where a bound is known: the input, normed rows
+# whose entries are at most sqrt(dim) (27.7 at 768) and so under 448 * 2^-4 = 28 up to dim 784: none clips; the
+# gradient reaching the output, in e5m2, whose range (2^-16 to 57,344 times the scale) holds it. Delayed ones
+# elsewhere, set by refresh_fp8 after each step from maxima the passes take anyway: relu^2's output, 1.03 x the
+# largest of the step's forwards on this rank (fresh each step: a small headroom); the gradient of the
+# up-projection's output (dpre), 1.25 x the largest of the step's backwards; both kept where a step saw nothing
+# (no forward: the start's 1.0 and 2^-6 stay), and floored. The weights: exact at the first FULL_EXACT_REFRESHES
+# refreshes (the start's and after steps 0 to 14), then 1.12x (DOWN_WEIGHT_HEADROOM) the previous refresh's
+# maximum, which the quantising pass reads, so that no reduction precedes it. Values past a scale clip.
+MLP_X_SCALE, MLP_GRAD_SCALE = 2.0 ** -4, 2.0 ** -6
+POST_HEADROOM, POST_FLOOR = 1.03, 1e-6
+DPRE_HEADROOM, DPRE_FLOOR = 1.25, 1e-12
+FULL_EXACT_REFRESHES = 16
+
+
+class Fp8Mlp(NamedTuple):
+    """One MLP's state under record #92's FP8 (MLP's buffers, renewed by refresh_fp8): the up-projection's e4m3 copy
+    in both layouts, fc8 (hidden, dim) and fc8_t (dim, hidden), at fc_scale, and the scale its next delayed refresh
+    takes; the down-projection's likewise; relu^2's output's scale and the largest output since the last refresh;
+    dpre's scale and largest magnitude. The scales and maxima are fp32 0-dim tensors."""
+    fc8: Tensor
+    fc8_t: Tensor
+    fc_scale: Tensor
+    fc_next: Tensor
+    proj8: Tensor
+    proj8_t: Tensor
+    proj_scale: Tensor
+    proj_next: Tensor
+    post_scale: Tensor
+    post_amax: Tensor
+    dpre_scale: Tensor
+    dpre_amax: Tensor
+
+
+# Which of Fp8Mlp's fields are checkpointed: the scales (model.pt; relu^2's and dpre's also per rank, rank_R.pt, as
+# each rank's own passes set them); the copies and maxima are remade (the maxima are 0 between steps).
+FP8_MLP_SAVED = ("fc_scale", "fc_next", "proj_scale", "proj_next", "post_scale", "dpre_scale")
+FP8_MLP_PER_RANK = ("post_scale", "dpre_scale")
+
+
+def fp8_transpose(t: Tensor) -> Tensor:
+    """A float8 matrix's transpose, contiguous (moved as bytes: no float8 arithmetic)."""
+    return t.view(torch.uint8).T.contiguous().view(t.dtype)
+
+
+def quantise(x: Tensor, scale, dtype: torch.dtype) -> Tensor:
+    """x / scale (as x times the fp32 reciprocal of scale), clipped at dtype's largest value, in e4m3 or e5m2."""
+    largest = FP8_E4M3_MAX if dtype == torch.float8_e4m3fn else FP8_E5M2_MAX
+    return (x.float() * (1 / scale)).clamp(-largest, largest).to(dtype)
+
+
+def mlp_weight_fp8(w: Tensor, used: Tensor, upcoming: Tensor, scales: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Record #92's e4m3 copy of an MLP weight (rows, dim) in both layouts, (rows, dim) and (dim, rows), with the scale
+    it was taken at and the next refresh's. `scales`: "exact" (max|w| / 448, floored at 1e-12, in w's dtype as the
+    record's), "delayed" (`upcoming`: 1.12 max|w| / 448 of the previous refresh, in fp32, floored at 1e-12) or
+    "stored" (`used` as loaded)."""
+    amax = w.abs().amax().float()
+    if scales == "exact":
+        used = in_dtype_of(w, in_dtype_of(w, amax.clamp(min=1e-12)) / FP8_E4M3_MAX)
+    elif scales == "delayed":
+        used = upcoming
+    w8 = (w.float() / used).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    if scales != "stored":
+        upcoming = (amax * (DOWN_WEIGHT_HEADROOM / FP8_E4M3_MAX)).clamp(min=1e-12)
+    return w8, fp8_transpose(w8), used, upcoming
+
+
+def delayed_scale(amax: Tensor, scale: Tensor, headroom: float, largest: float, floor: float) -> Tensor:
+    """The next delayed scale from the largest value `amax` the passes saw: headroom * amax / largest, floored; the
+    current `scale` where they saw none (0, or not finite)."""
+    a = torch.nan_to_num(amax, nan=0.0, posinf=0.0, neginf=0.0).clamp(max=1e12)
+    return torch.where(a > 0, (a * (headroom / largest)).clamp(min=floor), scale)
+
+
+def mlp_full_fp8(fc: Tensor, proj: Tensor, state: Fp8Mlp, scales: str) -> Fp8Mlp:
+    """An MLP's record #92 FP8 state after its weights changed: both weights' copies (mlp_weight_fp8, `scales` as
+    there), and, after a training step ("exact" or "delayed"), relu^2's and dpre's scales from the step's maxima,
+    which start over at 0."""
+    fc8, fc8_t, fc_scale, fc_next = mlp_weight_fp8(fc, state.fc_scale, state.fc_next, scales)
+    proj8, proj8_t, proj_scale, proj_next = mlp_weight_fp8(proj, state.proj_scale, state.proj_next, scales)
+    post_scale, dpre_scale = state.post_scale, state.dpre_scale
+    if scales != "stored":
+        post_scale = delayed_scale(state.post_amax, post_scale, POST_HEADROOM, FP8_E4M3_MAX, POST_FLOOR)
+        dpre_scale = delayed_scale(state.dpre_amax, dpre_scale, DPRE_HEADROOM, FP8_E5M2_MAX, DPRE_FLOOR)
+    return Fp8Mlp(fc8, fc8_t, fc_scale, fc_next, proj8, proj8_t, proj_scale, proj_next,
+                  post_scale, torch.zeros_like(state.post_amax), dpre_scale, torch.zeros_like(state.dpre_amax))
+
+
+def full_scales(step: int) -> str:
+    """How the refresh after an optimizer step moves record #92's weight scales: the start's refresh is its first."""
+    return "exact" if step + 1 < FULL_EXACT_REFRESHES else "delayed"
+
+
+class Fp8ReluSquaredMLP(torch.autograd.Function):
+    """relu(x @ fc.T)^2 @ proj with both projections in FP8, forward and backward (record #92), from the state's
+    copies and scales s (Fp8Mlp). With q4, q5 rounding to e4m3 and e5m2 (clipped at their largest values) and r
+    rounding to x's dtype (bf16 on GPUs, where the record's kernels store or round):
+        forward:   x8 = q4(x / 2^-4)   pre = r(x8 fc8^T 2^-4 s_fc)   post = r(relu(pre)^2)   post8 = q4(post / s_post)
+                   out = post8 proj8 s_post s_proj
+        backward:  g8 = q5(g / 2^-6)   grad_proj = post8^T g8 s_post 2^-6
+                   dpre = r(2 (g8 proj8^T 2^-6 s_proj) sqrt(post8 s_post))   dpre8 = q5(dpre / s_dpre)
+                   grad_fc = dpre8^T x8 s_dpre 2^-4   grad_x = dpre8 fc8 s_dpre s_fc
+    relu(pre) is post's root, taken from the e4m3 post8 kept for the backward (with x8: one byte each); dpre's
+    product stays in fp32 until its one rounding, as in the record's epilogue. Fast accumulation in the forward's
+    matmuls only. Each forward raises s.post_amax to max(post), each backward s.dpre_amax to max |dpre|: the next
+    step's scales (mlp_full_fp8)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, fc: Tensor, proj: Tensor, s: Fp8Mlp) -> Tensor:
+        x8 = quantise(x.flatten(0, -2), MLP_X_SCALE, torch.float8_e4m3fn)  # (tokens, dim): _scaled_mm's 2-D operand
+        pre = scaled_mm(x8, s.fc8.T, MLP_X_SCALE, s.fc_scale, x.dtype, fast_accum=True)
+        post = in_dtype_of(x, F.relu(pre.float()).square())
+        s.post_amax.copy_(torch.maximum(s.post_amax, post.amax()))
+        post8 = quantise(post, s.post_scale, torch.float8_e4m3fn)
+        out = scaled_mm(post8, s.proj8_t.T, s.post_scale, s.proj_scale, x.dtype, fast_accum=True)
+        ctx.save_for_backward(x8, post8)
+        ctx.state, ctx.dtypes = s, (x.dtype, fc.dtype, proj.dtype)
+        return out.view(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x8, post8 = ctx.saved_tensors
+        s, (x_dtype, fc_dtype, proj_dtype) = ctx.state, ctx.dtypes
+        g8 = quantise(grad.reshape(-1, grad.size(-1)), MLP_GRAD_SCALE, torch.float8_e5m2)
+        grad_proj = scaled_mm(fp8_transpose(post8), fp8_transpose(g8).T, s.post_scale, MLP_GRAD_SCALE, proj_dtype)
+        product = scaled_mm(g8, s.proj8.T, MLP_GRAD_SCALE, s.proj_scale, torch.float32)
+        dpre = 2 * product * (post8.float() * s.post_scale).sqrt()
+        if x_dtype == torch.bfloat16:
+            dpre = round_to_bf16(dpre)
+        s.dpre_amax.copy_(torch.maximum(s.dpre_amax, dpre.abs().amax()))
+        dpre8 = quantise(dpre, s.dpre_scale, torch.float8_e5m2)
+        grad_fc = scaled_mm(fp8_transpose(dpre8), fp8_transpose(x8).T, s.dpre_scale, MLP_X_SCALE, fc_dtype)
+        grad_x = scaled_mm(dpre8, s.fc8_t.T, s.dpre_scale, s.fc_scale, x_dtype)
+        return grad_x.view(grad.shape), grad_fc, grad_proj, None
+
+
+def record89_down_scales(args: Hyperparameters) -> bool:
+    """Whether the MLPs carry record #89's down-projection scales: --mlp_down_fp8, unless --mlp_full_fp8 takes its
+    place (tools/record_weights.py asks too)."""
+    return args.mlp_down_fp8 and not args.mlp_full_fp8
+
+
 class MLP(nn.Module):
     """ReLU^2 MLP. fc is (hidden, dim), proj (hidden, dim): the record's layouts, x @ proj for the
     down-projection. scaled_down (--mlp_down_fp8): the down-projection's delayed scales are run state (buffers
-    saved with the weights; the activation's is per rank), used where the up-projection runs in FP8."""
+    saved with the weights; the activation's is per rank), used where the up-projection runs in FP8. full
+    (--mlp_full_fp8, in place of scaled_down): record #92's FP8 forward and backward (Fp8ReluSquaredMLP), its state
+    (Fp8Mlp) in buffers fp8_<field>, the scales saved with the weights (FP8_MLP_SAVED; some per rank)."""
 
-    def __init__(self, dim: int, hidden: int, precision: str, scaled_down: bool = False):
+    def __init__(self, dim: int, hidden: int, precision: str, scaled_down: bool = False, full: bool = False):
         super().__init__()
         self.precision = precision
         self.fc = nn.Parameter(torch.empty(hidden, dim))
         self.proj = nn.Parameter(torch.zeros(hidden, dim))  # zero init: each layer starts as the identity
         uniform_init_(self.fc, 0.5 * dim ** -0.5)
-        self.down_fp8 = scaled_down and precision == "fp8"
-        if scaled_down:
+        self.full_fp8 = full and precision == "fp8"
+        self.down_fp8 = scaled_down and not full and precision == "fp8"
+        if scaled_down and not full:
             for name in FP8_SCALES:
                 self.register_buffer(name, torch.ones((), dtype=torch.float32))
-        if precision == "fp8":
+        if full:
+            self.register_fp8_state(hidden, dim)
+        elif precision == "fp8":
             self.register_buffer("fc_f8", torch.zeros(hidden, dim, dtype=torch.float8_e4m3fn), persistent=False)
             self.register_buffer("fc_scale", torch.ones((), dtype=torch.float32), persistent=False)
         if self.down_fp8:
@@ -1603,11 +1796,34 @@ class MLP(nn.Module):
                                  persistent=False)
         self.refresh_fp8("exact")
 
+    def register_fp8_state(self, hidden: int, dim: int):
+        """Record #92's FP8 state at its start: scales 1, dpre's 2^-6 (the record's), maxima 0; the copies (only
+        where the MLP runs in FP8) are made by refresh_fp8."""
+        start = {"dpre_scale": MLP_GRAD_SCALE, "post_amax": 0.0, "dpre_amax": 0.0}
+        shapes = {"fc8": (hidden, dim), "fc8_t": (dim, hidden), "proj8": (hidden, dim), "proj8_t": (dim, hidden)}
+        for name in Fp8Mlp._fields:
+            if name in shapes:
+                if self.full_fp8:
+                    self.register_buffer("fp8_" + name, torch.zeros(shapes[name], dtype=torch.float8_e4m3fn),
+                                         persistent=False)
+            else:
+                self.register_buffer("fp8_" + name, torch.tensor(start.get(name, 1.0), dtype=torch.float32),
+                                     persistent=name in FP8_MLP_SAVED)
+
+    def fp8_state(self) -> Fp8Mlp:
+        return Fp8Mlp(*(getattr(self, "fp8_" + name) for name in Fp8Mlp._fields))
+
+    def set_fp8_state(self, state: Fp8Mlp):
+        for name, t in zip(Fp8Mlp._fields, state):  # assigned, not copied into: see refresh_fp8
+            setattr(self, "fp8_" + name, t)
+
     @torch.no_grad()
     def refresh_fp8(self, scales: str = "stored"):
         """The FP8 copies the forward reads: after every change of fc and proj (the model's refresh_fp8 does all
-        layers at once; `scales` as mlp_down_fp8's)."""
-        if self.precision == "fp8":
+        layers at once; `scales` as mlp_down_fp8's, or under --mlp_full_fp8 as mlp_full_fp8's)."""
+        if self.full_fp8:
+            self.set_fp8_state(mlp_full_fp8(self.fc, self.proj, self.fp8_state(), scales))
+        elif self.precision == "fp8":
             # assigned, not copied into: a module-wide cast such as .bfloat16() must not change their dtypes
             self.fc_f8, self.fc_scale = mlp_fp8(self.fc)
         if self.down_fp8:
@@ -1616,6 +1832,8 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.precision == "fp8" and self.training:
+            if self.full_fp8:
+                return Fp8ReluSquaredMLP.apply(x, self.fc, self.proj, self.fp8_state())
             if not self.down_fp8:
                 return ReluSquaredMLP.apply(x, self.fc, self.proj, self.fc_f8, self.fc_scale)
             out, post_amax = ReluSquaredMLP.apply(x, self.fc, self.proj, self.fc_f8, self.fc_scale, self.proj_f8_t,
@@ -1710,7 +1928,8 @@ class Block(nn.Module):
         self.skip_from, self.shared_layer = skip_pair(args)[0], args.shared_input_layer  # the states it may read
         self.norm_eps, self.saves_mlp_input = args.norm_eps, saves_mlp_input
         self.attn = CausalSelfAttention(plan, args) if plan.attention else None
-        make_mlp = lambda: MLP(args.model_dim, mlp_width(args), mlp_precision, args.mlp_down_fp8)
+        make_mlp = lambda: MLP(args.model_dim, mlp_width(args), mlp_precision, args.mlp_down_fp8,
+                               args.mlp_full_fp8)
         self.mlp = None if plan.removed else make_mlp()
         self.parallel_mlp = make_mlp() if plan.parallel_mlp else None
 
@@ -1861,19 +2080,19 @@ def head_loss(x: Tensor, weight: Tensor, targets: Tensor, mtp_weights: Tensor, c
             grad_x[lo:lo + chunk] = g_u.to(x.dtype) @ weight.T.type_as(xc)
             grad_w += xc.float().T @ g_u
         return total * loss_scale, grad_x, grad_w
-    w8, w8_t = fp8_weights
-    grad_s = loss_scale * HEAD_GRAD_SCALE
-    x8 = (x.float() / HEAD_X_SCALE).to(torch.float8_e4m3fn)
+    w8, w8_t, scales = fp8_weights
+    grad_s = loss_scale * scales.grad_scale
+    x8 = (x.float() / scales.x_scale).to(torch.float8_e4m3fn)
     # The logits' e5m2 gradient, transposed: (vocab, T), assembled as bytes (inductor's kernels that copy chunks
     # into it would otherwise need float8 constants, which Triton 3.6 cannot make)
     g8_t = torch.empty((w8.size(1), T), dtype=torch.uint8, device=x.device)
     for lo in range(0, T, chunk):
-        u = scaled_mm(x8[lo:lo + chunk], w8_t.T, HEAD_X_SCALE, HEAD_W_SCALE, torch.bfloat16, fast_accum=True)
+        u = scaled_mm(x8[lo:lo + chunk], w8_t.T, scales.x_scale, scales.w_scale, scales.logits, fast_accum=True)
         chunk_loss, g8 = mtp_chunk(u, shifted[lo:lo + chunk], weights, cap, loss_scale, grad_s, every_row=n)
         total += chunk_loss
-        grad_x[lo:lo + chunk] = scaled_mm(g8, w8.T, grad_s, HEAD_W_SCALE, x.dtype)
+        grad_x[lo:lo + chunk] = scaled_mm(g8, w8.T, grad_s, scales.w_scale, x.dtype)
         g8_t[:, lo:lo + chunk] = g8.view(torch.uint8).T
-    grad_w = scaled_mm(x8.T.contiguous(), g8_t.view(torch.float8_e5m2).T, HEAD_X_SCALE, grad_s, torch.float32)
+    grad_w = scaled_mm(x8.T.contiguous(), g8_t.view(torch.float8_e5m2).T, scales.x_scale, grad_s, torch.float32)
     return total * loss_scale, grad_x, grad_w
 
 
@@ -1882,25 +2101,33 @@ def candidate_columns(lm_head: Tensor, fp8_weights: tuple | None, columns: Tenso
     those columns of the lm_head's and 0 in every other; and the same columns of its FP8 copies ((dim, P) and
     (P, dim)), taken as bytes: at one fixed scale per tensor they are the e4m3 copies of the columns taken."""
     if fp8_weights is not None:
-        w8, w8_t = fp8_weights
+        w8, w8_t, scales = fp8_weights
         fp8_weights = (w8.view(torch.uint8).index_select(1, columns).view(w8.dtype),
-                       w8_t.view(torch.uint8).index_select(0, columns).view(w8_t.dtype))
+                       w8_t.view(torch.uint8).index_select(0, columns).view(w8_t.dtype), scales)
     return lm_head.index_select(1, columns), fp8_weights
 
 
-def head_fp8(lm_head: Tensor) -> tuple[Tensor, Tensor]:
-    """The lm_head's e4m3 copies at its fixed scale (the division in fp32, as the record's compiled code does),
-    (dim, vocab) and (vocab, dim)."""
-    w8 = (lm_head.float() / HEAD_W_SCALE).to(torch.float8_e4m3fn)
-    return w8, w8.T.contiguous()
+def head_fp8(lm_head: Tensor, scales: HeadFp8 = HEAD_FP8_85) -> tuple[Tensor, Tensor, HeadFp8]:
+    """The lm_head's e4m3 copies at its fixed scale, (dim, vocab) and (vocab, dim), with the scales (head_loss's
+    fp8_weights). Record #85's: W / w_scale in fp32 (as its compiled code divides); record #92's: W times w_scale's
+    fp32 reciprocal (the one ATen's division by a host number takes), rounded to W's dtype as the eager W.div(w_s)
+    in bf16 that its kernel reproduces, clipped, then to e4m3."""
+    if scales.record == 92:
+        w8 = in_dtype_of(lm_head, lm_head.float() * scales.w_reciprocal).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    else:
+        w8 = lm_head.float() / scales.w_scale
+    w8 = w8.to(torch.float8_e4m3fn)
+    return w8, w8.T.contiguous(), scales
 
 
-def fp8_copies(fcs: list[Tensor], downs: list[tuple[Tensor, Tensor, Tensor]], lm_head: Tensor | None,
-               scales: str) -> tuple[list, list, tuple | None]:
+def fp8_copies(fcs: list[Tensor], downs: list[tuple[Tensor, Tensor, Tensor]], fulls: list[tuple],
+               head: tuple[Tensor, HeadFp8] | None, scales: tuple[str, str]) -> tuple[list, list, list, tuple | None]:
     """Every FP8 copy the forward reads, from the current weights (refresh_fp8): one compiled call on CUDA.
-    downs: each FP8 down-projection's (proj, used scale, next scale), `scales` as mlp_down_fp8's."""
-    return ([mlp_fp8(fc) for fc in fcs], [mlp_down_fp8(*down, scales) for down in downs],
-            head_fp8(lm_head) if lm_head is not None else None)
+    downs: each FP8 down-projection's (proj, used scale, next scale); fulls: each record #92 MLP's (fc, proj,
+    Fp8Mlp state); head: the lm_head and its scales. scales: the downs' as mlp_down_fp8's, the fulls' as
+    mlp_full_fp8's."""
+    return ([mlp_fp8(fc) for fc in fcs], [mlp_down_fp8(*down, scales[0]) for down in downs],
+            [mlp_full_fp8(*full, scales[1]) for full in fulls], head_fp8(*head) if head is not None else None)
 
 
 def mtp_chunk(u: Tensor, targets: Tensor, weights: Tensor, cap: tuple, loss_scale: float,
@@ -1916,7 +2143,9 @@ def mtp_chunk(u: Tensor, targets: Tensor, weights: Tensor, cap: tuple, loss_scal
     s = u.float() if u.dtype != torch.float32 else u.clone()
     s.mul_(1 / width).add_(shift / width).sigmoid_()  # the kernel's u / C + B / C
     if u.dtype == torch.bfloat16:
-        s = round_to_bf16(s)  # the kernel keeps the squashed logits in bf16
+        s = round_to_bf16(s)  # record #85's kernel keeps the squashed logits in bf16
+    elif u.dtype == torch.float8_e4m3fn:
+        s = round_to_fp16(s)  # record #92's, from e4m3 logits, in fp16, where bf16 would round s (1 - s) to 0 sooner
     elif u.dtype != torch.float32:
         s = s.to(u.dtype).float()
     valid, columns = targets >= 0, targets.clamp(min=0)
@@ -2117,6 +2346,7 @@ class GPT(nn.Module):
             self.register_buffer("prefix_table", prefix_token_table(vocab), persistent=False)
         # compile_model puts compiled ones here
         self.head_loss, self.mask_parts = head_loss, mask_parts
+        self.head_scales = HEAD_FP8_92 if args.lm_head_fp8_logits else HEAD_FP8_85
         if self.numerics.head == "fp8":  # the lm_head's e4m3 copies in both layouts (refresh_fp8)
             self.register_buffer("lm_head_f8", torch.zeros(dim, vocab, dtype=torch.float8_e4m3fn), persistent=False)
             self.register_buffer("lm_head_f8_t", torch.zeros(vocab, dim, dtype=torch.float8_e4m3fn), persistent=False)
@@ -2288,7 +2518,7 @@ class GPT(nn.Module):
         x = self.hidden(input_ids, masks)[0]
         if self.training:
             weight = self.lm_head
-            fp8 = (self.lm_head_f8, self.lm_head_f8_t) if self.numerics.head == "fp8" else None
+            fp8 = (self.lm_head_f8, self.lm_head_f8_t, self.head_scales) if self.numerics.head == "fp8" else None
             prefix_targets = None
             if candidates is not None:
                 weight, fp8 = candidate_columns(weight, fp8, candidates.columns)
@@ -3603,26 +3833,32 @@ def set_schedules(step: int, optimizers, schedule: Schedule, args: Hyperparamete
 
 
 @torch.no_grad()
-def refresh_fp8(model: GPT, scales: str = "stored"):
+def refresh_fp8(model: GPT, scales: str = "stored", full: str | None = None):
     """The FP8 copies of the MLPs' projections and of the lm_head, after every change of those weights (each
     step, loading): all of them in one call, compiled on CUDA. `scales`, for the down-projections' delayed
     scaling (mlp_down_fp8): "exact" at the start, then after each step "exact" or "delayed" (down_scales),
-    "stored" after loading weights with their scales."""
+    "stored" after loading weights with their scales; `full`, for record #92's MLPs (mlp_full_fp8), likewise
+    (full_scales; by default `scales`)."""
     mlps = [mlp for block in model.blocks for mlp in (block.mlp, block.parallel_mlp)
-            if mlp is not None and mlp.precision == "fp8"]
+            if mlp is not None and mlp.precision == "fp8" and not mlp.full_fp8]
     downs = [mlp for mlp in mlps if mlp.down_fp8]
-    head = model.lm_head if model.numerics.head == "fp8" else None
-    if not mlps and head is None:
+    fulls = [mlp for block in model.blocks for mlp in (block.mlp, block.parallel_mlp)
+             if mlp is not None and mlp.full_fp8]
+    head = (model.lm_head, model.head_scales) if model.numerics.head == "fp8" else None
+    if not mlps and not fulls and head is None:
         return
-    mlp_copies, down_copies, head_copies = model.fp8_copies(
-        [mlp.fc for mlp in mlps], [(m.proj, m.down_weight_scale, m.down_weight_next_scale) for m in downs], head,
-        scales if downs else "stored")  # one compiled graph where no scale moves
+    mlp_copies, down_copies, full_states, head_copies = model.fp8_copies(
+        [mlp.fc for mlp in mlps], [(m.proj, m.down_weight_scale, m.down_weight_next_scale) for m in downs],
+        [(m.fc, m.proj, m.fp8_state()) for m in fulls], head,
+        (scales if downs else "stored", (full or scales) if fulls else "stored"))  # one graph where no scale moves
     for mlp, (fc_f8, fc_scale) in zip(mlps, mlp_copies):
         mlp.fc_f8, mlp.fc_scale = fc_f8, fc_scale
     for mlp, (proj_f8_t, used, upcoming) in zip(downs, down_copies):
         mlp.proj_f8_t, mlp.down_weight_scale, mlp.down_weight_next_scale = proj_f8_t, used, upcoming
+    for mlp, state in zip(fulls, full_states):
+        mlp.set_fp8_state(state)
     if head_copies is not None:
-        model.lm_head_f8, model.lm_head_f8_t = head_copies
+        model.lm_head_f8, model.lm_head_f8_t, _ = head_copies
 
 
 def down_scales(step: int) -> str:
@@ -3670,7 +3906,7 @@ def train_step(model: GPT, optimizers, batch, step: int, schedule: Schedule, arg
         adam.zero_grad(set_to_none=True)
         if step == schedule.untie_step and adam.tied is not None:
             adam.untie()
-    refresh_fp8(model, down_scales(step))
+    refresh_fp8(model, down_scales(step), full_scales(step))
     return loss_sum
 
 
@@ -4190,10 +4426,12 @@ def min_micro_tokens(args: Hyperparameters) -> int | None:
 
 
 def fp8_fits(args: Hyperparameters) -> bool:
-    """torch._scaled_mm takes only multiples of 16 for the dimensions the FP8 matmuls multiply over. Every
-    micro-batch auto may choose is a multiple of --window_block."""
+    """torch._scaled_mm takes only multiples of 16 for the dimensions the FP8 matmuls multiply over (the MLP's
+    hidden width among them, in its FP8 backward). Every micro-batch auto may choose is a multiple of
+    --window_block."""
     smallest = min_micro_tokens(args)
-    return args.model_dim % 16 == 0 and (args.window_block if smallest is None else smallest) % 16 == 0
+    return (args.model_dim % 16 == 0 and mlp_width(args) % 16 == 0
+            and (args.window_block if smallest is None else smallest) % 16 == 0)
 
 
 def check_world_size(args: Hyperparameters, world_size: int) -> tuple[int | None, ...]:
@@ -5516,9 +5754,9 @@ def loss_chunk_bytes(args: Hyperparameters, tokens: int, device_type: str, head:
     """The loss's transient: one chunk of LOSS_CHUNK rows of logits at a time (the full logits are never
     held), each row `columns` wide (the padded vocabulary, or record #92's sampled softmax's candidates), and
     with the FP8 head (head: the lm_head's precision) the e5m2 gradient of every row's logits, transposed, for
-    the lm_head's one weight-gradient matmul (head_loss). On GPUs a chunk holds its bf16
-    logits and fp32 passes of mtp_chunk: the compiled head three at once as tools/preflight.py measures it
-    (aot_eager keeps every pass; inductor fuses most: fewer), the eager one (--compile=false) two, working in
+    the lm_head's one weight-gradient matmul (head_loss). On GPUs a chunk holds its bf16 logits (e4m3 with
+    --lm_head_fp8_logits) and fp32 passes of mtp_chunk: the compiled head three at once as tools/preflight.py
+    measures it (aot_eager keeps every pass; inductor fuses most: fewer), the eager one (--compile=false) two, working in
     place, and its FP8 gradient in fp32 and e5m2 besides. On CPU: fp32 logits and two passes (tests/test_memory.py
     measures it)."""
     columns = columns or padded_vocab(args.vocab_size)
@@ -5526,7 +5764,8 @@ def loss_chunk_bytes(args: Hyperparameters, tokens: int, device_type: str, head:
     if device_type != "cuda":
         return elements * 3 * 4
     fp8 = head == "fp8"
-    per_logit = 2 + 4 * (3 if args.compile else 2) + (1 + (0 if args.compile else 4) if fp8 else 0)
+    logits = 1 if fp8 and args.lm_head_fp8_logits else 2
+    per_logit = logits + 4 * (3 if args.compile else 2) + (1 + (0 if args.compile else 4) if fp8 else 0)
     return elements * per_logit + (tokens * columns if fp8 else 0)
 
 
@@ -6375,14 +6614,16 @@ def read_weights(path: Path, args: Hyperparameters, skip=None) -> dict:
 
 def init_run_state(key: str) -> bool:
     """What --init_from does not take from its weights: the rotary state, which follows this run's schedule, and
-    the down-projections' FP8 scales, which start over (so final weights of either preset start the other)."""
-    return key.startswith(("rotary.", "narrow_rotary.")) or ".mlp.down_" in key
+    the MLPs' FP8 scales (record #89's down-projections', record #92's FP8_MLP_SAVED), which start over (so final
+    weights of any preset start the others)."""
+    return key.startswith(("rotary.", "narrow_rotary.")) or ".mlp.down_" in key or key.endswith(tuple(".fp8_" + n for n in FP8_MLP_SAVED))
 
 
 FINAL_WEIGHTS_FORMAT = "train_gpt.py final weights, version 1"
 # Fields added to Hyperparameters since that format, with the value a config.json written before them meant: the
 # model such a file's run trained (record #85's bigram table, Adam's own cadence for the embeddings).
-ADDED_FIELDS = {"ngram_channels": 1, "embed_adam_period": 0, "embed_adam_period_start": 336}
+ADDED_FIELDS = {"ngram_channels": 1, "embed_adam_period": 0, "embed_adam_period_start": 336, "mlp_full_fp8": False,
+                "lm_head_fp8_logits": False}
 
 
 def save_final_weights(model: GPT, args: Hyperparameters, source: str, run_id: str, step: int,
@@ -6817,9 +7058,10 @@ def check_resume_shards(resume: Resume, loader, args: Hyperparameters):
 
 def is_rank_buffer(name: str) -> bool:
     """Whether a model's buffer differs between ranks: the down-projections' activation scales (record #89: from
-    each rank's own forwards; model.pt holds rank 0's too) and the shard of record #92's n-gram table (in no
-    state dict). rank_R.pt holds each rank's own."""
-    return name.endswith(".down_act_scale") or name == "ngram.weight"
+    each rank's own forwards; model.pt holds rank 0's too), record #92's FP8 MLPs' scales of relu^2's output and
+    of its gradient (FP8_MLP_PER_RANK: from each rank's own passes; model.pt holds rank 0's too) and the shard of
+    record #92's n-gram table (in no state dict). rank_R.pt holds each rank's own."""
+    return name.endswith((".down_act_scale", *(".fp8_" + n for n in FP8_MLP_PER_RANK))) or name == "ngram.weight"
 
 
 def rank_buffers(model: GPT) -> dict[str, Tensor]:
@@ -6964,6 +7206,11 @@ def log_header(run: Run, model: GPT):
     compiled = "per layer" if args.compile else ("FlexAttention only" if attention_kind == "flex" else "off")
     down_fp8 = any(block.mlp.down_fp8 for block in model.blocks if block.mlp is not None)
     down = "fp8 (delayed scaling)" if down_fp8 else PRECISION_NAMES[model.numerics.compute]
+    if any(block.mlp is not None and block.mlp.full_fp8 for block in model.blocks):
+        precisions["mlp"] += " (record #92: forward and backward, static and delayed scaling)"
+        down = "fp8 (record #92: forward and backward, delayed scaling)"
+    if model.numerics.head == "fp8" and model.head_scales.record == 92:
+        precisions["lm_head"] += " (record #92: e4m3 logits, fp16 squashed, its scales)"
     log(f"attention: {attention_kind}  lm_head: {precisions['lm_head']}  mlp up-projection: {precisions['mlp']}  "
         f"mlp down-projection: {down}  compile: {compiled}")
     log(f"matrix optimizer: {MATRIX_OPTIMIZERS[args.matrix_optimizer]}")

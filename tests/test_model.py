@@ -1055,15 +1055,19 @@ def test_inductor_keeps_the_bf16_rounding_without_a_config_flag():
     same function, most values differed.)"""
     from torch._inductor.utils import run_and_get_code
 
-    def squash(u):
-        return T.round_to_bf16(torch.sigmoid(u * 0.25 + 0.5)) * 3.0
+    def squash(u):  # record #85's kernel's bf16 rounding, and record #92's fp16 one (round_to_fp16: a plain
+        # .half().float() compiled here left 65,492 of 65,536 values unrounded)
+        s = torch.sigmoid(u * 0.25 + 0.5)
+        return T.round_to_bf16(s) * 3.0, T.round_to_fp16(s) * 3.0
 
     u = rounding_inputs().clamp(-80, 80)
-    out, code = run_and_get_code(torch.compile(squash, backend="inductor", fullgraph=True), u)
+    (out, out16), code = run_and_get_code(torch.compile(squash, backend="inductor", fullgraph=True), u)
     source = "\n".join(code)
     assert "32767" in source and "-65536" in source, "the rounding is not in inductor's generated code"
+    assert "4095" in source and "-8192" in source, "the fp16 rounding is not in inductor's generated code"
     expected = torch.sigmoid(u * 0.25 + 0.5).to(torch.bfloat16).float() * 3.0
     assert torch.equal(out, expected)
+    assert torch.equal(out16, torch.sigmoid(u * 0.25 + 0.5).half().float() * 3.0)
     # relu^2's gradient from its bf16 output: compiled, the root is taken in fp32 and rounded back, so it is
     # 2 relu(h) g of the bf16 h, bit for bit (unrounded, 4,143 of these 32,750 positive values differ)
     g = torch.Generator().manual_seed(13)

@@ -69,12 +69,14 @@ WORK_KINDS = ("triton", "attention", "matmul", "fp8 matmul", "eager", "eager str
 CATEGORIES = (
     ("loss head", ("SoftcappedMTPLoss", "mtp_chunk", "head_loss")),
     ("block masks", ("build_masks", "flex_block_mask", "_ordered_blocks", "block_mask")),
-    ("FP8 refresh", ("refresh_fp8", "MLP.refresh_fp8", "fp8_copies", "mlp_fp8", "head_fp8")),
+    ("FP8 refresh", ("refresh_fp8", "MLP.refresh_fp8", "fp8_copies", "mlp_fp8", "head_fp8", "mlp_full_fp8",
+                     "mlp_weight_fp8", "delayed_scale")),
     ("NorMuon", ("NorMuon", "polar_express", "normalize_neurons", "bf16_with_mantissa", "split_mantissa",
                  "normuon")),
     ("DistAdam", ("DistAdam", "_Bucket", "adam_update", "add_transposed", "copy_transposed")),
-    ("model, between its graphs", ("GPT.", "Block.", "CausalSelfAttention.", "MLP.", "Rotary.", "mudd_net", "norm",
-                                   "bigram_hash", "positions_in_sequence", "apply_rotary", "attention")),
+    ("model, between its graphs", ("GPT.", "Block.", "CausalSelfAttention.", "MLP.", "Fp8ReluSquaredMLP.", "Rotary.",
+                                   "mudd_net", "norm", "bigram_hash", "positions_in_sequence", "apply_rotary",
+                                   "attention")),
 )
 ENGINE = "autograd engine (backward of eager code, gradient adds)"
 STEP = "train_step and the rest"

@@ -107,7 +107,7 @@ def same(args: T.Hyperparameters) -> dict[str, str]:
 def takes_down_scales(args: T.Hyperparameters) -> bool:
     """Whether the record's state dict holds record #89's FP8 down-projection scales: --mlp_down_fp8 on #89's GPT,
     not #92's (the one with the head mix's group deltas, --head_mix_groups)."""
-    return args.mlp_down_fp8 and not args.head_mix_groups
+    return T.record89_down_scales(args) and not args.head_mix_groups
 
 
 def _attention_layers(args: T.Hyperparameters) -> list[int]:
@@ -258,7 +258,7 @@ def record_to_ours(state: dict, args: T.Hyperparameters | None = None, step: int
     for slot, prefix in enumerate(_mlp_slots(args)):
         if prefix is not None:
             ours[f"{prefix}.fc"], ours[f"{prefix}.proj"] = mlp[slot, 0], mlp[slot, 1]
-    if args.mlp_down_fp8:  # record #89's scales, by MLP slot; record #92's GPT has none: their initial values
+    if T.record89_down_scales(args):  # record #89's scales, by MLP slot; record #92's GPT has none: their initial values
         for slot, mlp in enumerate(_mlp_slots(args)):
             for theirs, mine in DOWN_SCALES.items() if mlp is not None else ():
                 ours[f"{mlp}.{mine}"] = state[theirs][slot] if takes_down_scales(args) else torch.ones(())
