@@ -2335,6 +2335,13 @@ class GPT(nn.Module):
                 nn.init.kaiming_uniform_(w.data[j], a=math.sqrt(5))
         self.blocks = nn.ModuleList(Block(plan, args, self.numerics.mlp, plan.mudd and "mlp_in" in self.head_states)
                                     for plan in self.plans)
+        if any(plan.removed for plan in self.plans):
+            # Record #92 keeps a removed layer's MLP in its bank, at its init and never moved (lr 0): nothing reads
+            # it, but the decontraction ship's MLP norm counts it (TailShips). Its squared norm: the init's expected
+            # one (hidden * dim * std^2, std = 0.5 dim^-0.5 per up-projection; the down-projection is zero), or the
+            # record's own, which tools/record_weights.py carries over.
+            removed = sum(plan.removed for plan in self.plans)
+            self.register_buffer("removed_mlp_sq", torch.tensor(removed * mlp_width(args) * 0.25))
         schedule = Schedule(args)
         # Full-width heads turn with a rotary fitted to the long window (record #85's); narrow heads (record #92's,
         # all on short-window layers) with one of their own, fitted to the short window
@@ -3951,7 +3958,8 @@ BANK_BLEND = {"qk": 0.55, "vo": 0.55 - RICHARDSON, "mlp": 0.55 - RICHARDSON}
 DECONTRACTED = ("embed", "lm_head", "mlp", "qk", "vo")  # renormed after the ships to their norms before them
 # Which parameters each kind names (by name, or the end of it).
 SHIP_KINDS = {"embed": ("embed.weight",), "lm_head": ("lm_head",), "value_embeds": ("value_embeds",),
-              "qk": (".attn.qk",), "vo": (".attn.vo",), "mlp": (".mlp.fc", ".mlp.proj")}
+              "qk": (".attn.qk",), "vo": (".attn.vo",),
+              "mlp": (".mlp.fc", ".mlp.proj", ".parallel_mlp.fc", ".parallel_mlp.proj")}
 
 
 def ship_kinds(model: nn.Module) -> dict[str, list[Tensor]]:
@@ -4002,6 +4010,8 @@ class TailShips:
 
     def __init__(self, model: nn.Module, ships: list[Ship], total_steps: int, world_size: int, rank: int):
         self.kinds, self.ships, self.total = ship_kinds(model), ships, total_steps
+        # what the record's banks hold beyond our tensors, for the decontraction's norms (GPT.removed_mlp_sq)
+        self.frozen_sq = {"mlp": model.removed_mlp_sq} if hasattr(model, "removed_mlp_sq") else {}
         self.world_size, self.rank = world_size, rank
         self.acc: list[dict[int, Tensor]] = [{} for _ in ships]  # per ship: index in its tensors -> accumulator
 
@@ -4032,7 +4042,7 @@ class TailShips:
         each kind of DECONTRACTED back to the Frobenius norm it had before the ships (one ratio per kind, a Python
         float, so that the product rounds once)."""
         kinds = [kind for kind in DECONTRACTED if self.kinds[kind]]
-        reference = torch.stack([kind_norm(self.kinds[kind]) for kind in kinds])
+        reference = torch.stack([kind_norm(self.kinds[kind], self.frozen_sq.get(kind)) for kind in kinds])
         shipped = {}
         for ship, acc in zip(self.ships, self.acc):
             for i, (kind, p) in enumerate(self.tensors(ship)):
@@ -4044,7 +4054,7 @@ class TailShips:
             acc.clear()
         for p in shipped.values():
             gather_slices(p, self.world_size)
-        current = torch.stack([kind_norm(self.kinds[kind]) for kind in kinds])
+        current = torch.stack([kind_norm(self.kinds[kind], self.frozen_sq.get(kind)) for kind in kinds])
         ratios = torch.where(current > 0, reference / current, torch.ones_like(current)).tolist()  # one sync
         for kind, ratio in zip(kinds, ratios):
             for p in self.kinds[kind]:
@@ -4066,9 +4076,11 @@ def ship_bytes(model: nn.Module, ships: list[Ship], world_size: int) -> int:
     return sum(4 * -(-p.numel() // world_size) for ship in ships for kind in ship.kinds for p in kinds[kind])
 
 
-def kind_norm(tensors: list[Tensor]) -> Tensor:
-    """The Frobenius norm of the tensors as one (the record's banks), in fp32."""
-    return torch.stack([t.float().norm() for t in tensors]).norm()
+def kind_norm(tensors: list[Tensor], frozen_sq: Tensor | None = None) -> Tensor:
+    """The Frobenius norm of the tensors as one (the record's banks, with frozen_sq: the squared norm of what its
+    bank holds beside them that never moves), in fp32."""
+    norm = torch.stack([t.float().norm() for t in tensors]).norm()
+    return norm if frozen_sq is None else (norm.square() + frozen_sq.float()).sqrt()
 
 
 def gather_slices(p: Tensor, world_size: int):

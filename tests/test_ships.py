@@ -133,3 +133,16 @@ def test_the_memory_model_counts_each_ranks_slices_of_the_accumulators():
                   if any(name == e or name.endswith(e) for e in ("lm_head", "embed.weight", "value_embeds", ".attn.qk",
                                                                  ".attn.vo", ".mlp.fc", ".mlp.proj"))]
     assert T.ship_bytes(model, T.record92_ships(schedule), 3) == 4 * sum(-(-n // 3) for n in per_tensor)
+
+
+def test_the_mlp_decontraction_counts_what_the_record_keeps_of_a_removed_layer():
+    """Record #92's MLP bank keeps its removed layer's matrices, frozen at init: its decontraction norm counts them.
+    Ours holds their squared norm (GPT.removed_mlp_sq), which the MLP kind's norm takes in."""
+    t = torch.randn(5, 7)
+    assert T.kind_norm([t], torch.tensor(3.0)).item() == pytest.approx(math.sqrt(t.square().sum().item() + 3), 1e-6)
+    args = T.parse_args(["--preset=smoke", "--vocab_size=300", "--bigram_vocab_size=300", "--removed_layers=4",
+                         "--no_attention_layers=3,4", "--paired_layers=0", "--value_embed_layers=1,2,5"], False)
+    model = T.GPT(args)
+    assert model.removed_mlp_sq.item() == 4 * 64 * 0.25  # hidden * dim * (0.5 dim^-0.5)^2: the init's expectation
+    ships = T.TailShips(model, T.record92_ships(T.Schedule(args)), 40, 1, 0)
+    assert ships.frozen_sq == {"mlp": model.removed_mlp_sq}

@@ -236,6 +236,12 @@ def unused_keys(state: dict, args: T.Hyperparameters) -> list[str]:
 NGRAM_TABLE = "bigram_embed.weight"  # the record's n-gram (bigram) table, ours of the same name
 
 
+def our_table_key(args: T.Hyperparameters) -> str:
+    """Where our weights hold the record's table: the bigram table's parameter, or (--ngram_channels=2) the whole
+    n-gram table that final weights carry (T.final_weights_shapes)."""
+    return "ngram.weight" if args.ngram_channels == 2 else "bigram_embed.weight"
+
+
 def convert_ngram_table(table: torch.Tensor, args: T.Hyperparameters) -> torch.Tensor:
     """The n-gram table either way: the hook where the n-gram port converts record #92's table (its rows in two
     hashed channels, sharded one slice per rank). Today the table is taken as it is, a whole table of our shape
@@ -250,8 +256,11 @@ def record_to_ours(state: dict, args: T.Hyperparameters | None = None, step: int
     state = check_record_state(state, args)
     heads = args.model_dim // args.head_dim
     ours = {mine: state[theirs] for theirs, mine in same(args).items()}
-    ours["bigram_embed.weight"] = convert_ngram_table(state[NGRAM_TABLE], args)
+    ours[our_table_key(args)] = convert_ngram_table(state[NGRAM_TABLE], args)
     qk, vo, mlp = state["qk_bank"], state["vo_bank"], state["mlp_bank"]
+    removed = [slot for slot, prefix in enumerate(_mlp_slots(args)) if prefix is None]
+    if removed:  # what the decontraction ship counts of the removed layers' slots (GPT.removed_mlp_sq)
+        ours["removed_mlp_sq"] = sum(mlp[slot].float().square().sum() for slot in removed)
     for a, layer in enumerate(_attention_layers(args)):
         ours[f"blocks.{layer}.attn.qk"] = qk[heads * a:heads * (a + 1)]
         ours[f"blocks.{layer}.attn.vo"] = vo[2 * a:2 * a + 2]
@@ -278,7 +287,7 @@ def ours_to_record(state: dict, args: T.Hyperparameters | None = None, like: dic
         like = {k.removeprefix(COMPILED_PREFIX): v for k, v in like.items()}
     prefix = COMPILED_PREFIX if prefix is None else prefix
     record = {theirs: _take(state, mine) for theirs, mine in same(args).items()}
-    record[NGRAM_TABLE] = convert_ngram_table(_take(state, "bigram_embed.weight"), args)
+    record[NGRAM_TABLE] = convert_ngram_table(_take(state, our_table_key(args)), args)
     banks = _banks(state, args)
     slots = _mlp_slots(args)
     theirs_only = [slot for slot, mine in enumerate(slots) if mine is None]  # removed layers' MLP slots
@@ -300,6 +309,13 @@ def ours_to_record(state: dict, args: T.Hyperparameters | None = None, like: dic
     record["vo_bank"] = padded(banks["vo_bank"], "vo_bank", rows(banks["vo_bank"]))
     mlp_rows = max(RECORD_MLP_LAYERS, len(slots))
     record["mlp_bank"] = padded(banks["mlp_bank"], "mlp_bank", mlp_rows, holes=theirs_only)
+    if theirs_only:  # a removed layer's slot: what decontraction counts of it, an up-projection of that norm
+        frozen = _take(state, "removed_mlp_sq").float() / len(theirs_only)
+        if like is None:
+            for slot in theirs_only:
+                up = torch.empty_like(record["mlp_bank"][slot, 0], dtype=torch.float32).uniform_(
+                    -1, 1, generator=torch.Generator().manual_seed(slot))
+                record["mlp_bank"][slot, 0] = up * (frozen / up.square().sum()).sqrt()
     for name in DOWN_SCALES if takes_down_scales(args) else ():  # the record's initial scales: ones
         record[name] = padded(banks[name], name, mlp_rows, fill=1.0, holes=theirs_only)
     return {prefix + k: v for k, v in record.items()}
