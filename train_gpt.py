@@ -101,8 +101,8 @@ def _help(text: str, default):
 
 @dataclass(frozen=True)  # the config never changes after parsing: a resolved one is a copy (dataclasses.replace)
 class Hyperparameters:
-    preset: str = _help("named set of values: speedrun (record #89's algorithm, 8xH100), record89 (the same, named), "
-                        "record85 (record #85 v3's) or smoke (CPU, bundled corpus)", "speedrun")
+    preset: str = _help("named set of values: speedrun (record #92's algorithm, 8xH100), record89 (record #89's: "
+                        "these defaults), record85 (record #85 v3's) or smoke (CPU, bundled corpus)", "speedrun")
     # data
     train_files: str = _help("glob of training shards", "data/fineweb10B/fineweb_train_*.bin")
     val_files: str = _help("glob of validation shards", "data/fineweb10B/fineweb_val_*.bin")
@@ -154,7 +154,8 @@ class Hyperparameters:
     stage_softmax_candidates: str = _help("per stage: the training loss's softmax over this many candidate classes "
                                           "(record #92's sampled softmax: each micro-batch's targets, then "
                                           "deterministic negatives; the lm_head learns on those columns only), a "
-                                          "multiple of 16; 0: the whole vocabulary. A stage of several counts joined "
+                                          "multiple of 16; 0 (or the padded vocabulary or more): the whole "
+                                          "vocabulary. A stage of several counts joined "
                                           "by '|' runs them in equal parts of it (record #92's third stage: "
                                           "14336|14336|24576); one entry for every stage or one per stage; the "
                                           "extension keeps the last. Validation always uses the whole vocabulary",
@@ -262,6 +263,7 @@ class Hyperparameters:
     adam_lr: float = _help("Adam lr, times each parameter's multiplier (see ADAM_TABLE)", 0.008)
     adam_eps: float = _help("Adam epsilon", 1e-10)
     adam_weight_decay: float = _help("Adam's cautious weight decay, times lr^2 and each parameter's multiplier", 0.005)
+    value_embed_lr_mul: float = _help("the value embeddings' Adam lr multiplier (record #92: 70)", 75.0)
     adam_every: int = _help("Adam steps every N steps, on the gradients of all N", 2)
     embed_adam_period: int = _help("from --embed_adam_period_start on, the value embeddings and the n-gram table "
                                    "take their Adam step every N steps instead (on the gradients of all N), with "
@@ -314,37 +316,6 @@ class Hyperparameters:
         object.__setattr__(self, "micro_batches", str(self.micro_batches))
 
 
-PRESETS: dict[str, dict] = {
-    # The 8xH100 record configuration, record #89's algorithm (the dataclass defaults): record #85 v3's, with
-    # #88's prefix-token loss, #89's FP8 down-projection and 1,270 + 15 steps (notes/recipe.md).
-    "speedrun": {},
-    # Record #89's algorithm: the speedrun preset's until record #92's is ported (issue 52); then it keeps #89's
-    # values, so that a record claim can run the prior record on the same machine.
-    "record89": {},
-    # Record #85 v3's algorithm, as its logs ran it: 1,275 + 15 steps, no prefix term, the down-projection in bf16.
-    "record85": dict(num_iterations=1290, stage_prefix_weights="0,0,0", mlp_down_fp8=False),
-    # A small model on the bundled Shakespeare shards: a CPU check of the whole pipeline with the
-    # speedrun's structure scaled down: three stages and an extension with growing batches, sequences and
-    # windows, multi-token prediction, paired heads, XSA, DC, the key offset, value embeddings, the gated
-    # skip, MUDD gates and mixing, the bigram embedding, tied then untied embeddings, Adam every 2 steps.
-    "smoke": dict(
-        train_files="data/shakespeare/shakespeare_train_*.bin",
-        val_files="data/shakespeare/shakespeare_val_*.bin",
-        val_tokens=8192, val_seq_len=1024,
-        num_iterations=30, extension_steps=3,
-        stage_batch_tokens="1024,2048,3072", micro_batches="4", stage_max_seq_len="256,512,512",
-        stage_windows="1:2,2:4,3:6", extension_windows="3:7", final_val_window=10, window_block=64,
-        stage_mtp_weights="1,0.5>1,0/1>1/1>1", stage_prefix_weights="0.25,0.25>0,0",
-        cooldown_frac=0.3, adam_lr=0.04, muon_lr=0.06,
-        num_layers=6, model_dim=64, head_dim=16, bigram_vocab_size=50_000, bigram_sign_rows=1024,
-        no_attention_layers="3", paired_layers="0,4", long_window_layers="1,5", xsa_layers="1,2",
-        attn_gate_layers="1,5", dc_layers="5", dc_window=56, value_embed_layers="1,2,4,5", skip_layers="1:3",
-        shared_input_layer=2, mudd_gate_layer=2,
-        muon_momentum_warmup=10, muon_momentum_cooldown=4,
-        compile=False, warmup_steps=0, val_loss_every=10, train_loss_every=10,  # on CPU nothing compiles
-    ),
-}
-
 # Record #92's schedule (modded-nanogpt 2026-09-28, "ANVIL2"; notes/recipe.md): three stages of batch 8, 16 and 24
 # x 128Ki tokens over shares 0.2854 : 0.3209 : 0.3931 of 1,122 steps (normalised, the third less the taper's 0.06;
 # written out as the record's floats, which the stage ends depend on), the third grown by 52 steps, a batch-20
@@ -362,10 +333,8 @@ RECORD92_SCHEDULE = dict(
     cooldown_frac=0.8, final_lr_frac=0.3, untie_stage=4, embed_adam_period=4, embed_adam_period_start=336,
 )
 
-# Record #92's model (modded-nanogpt PR #360, "ANVIL2", 2026-09-28) as flag values: the model part of a preset, NOT
-# wired to --preset (the speedrun preset switches to #92 when every part of it holds; its loss, optimizer, n-gram
-# table and schedule are flags of their own). Its layer 7 is removed whole, layers 4 and 9 run their MLP alone, and
-# seven layers attend: narrow queries and keys on the five short-window ones, narrow values on two of them, full
+# Record #92's model (modded-nanogpt PR #360, "ANVIL2", 2026-09-28) as flag values. Its layer 7 is removed whole,
+# layers 4 and 9 run their MLP alone, and seven layers attend: narrow queries and keys on the five short-window ones, narrow values on two of them, full
 # width on the long-window 3 and 10; layer 8 has a second MLP; four value embeddings; the gate networks keep #89's
 # layout (the retired gates); the head mix adds ten states with per-group deltas; attention segments of 2,560 tokens
 # at most in training; every RMS norm with fp32's eps (record #92's PyTorch's default for bf16 too).
@@ -383,6 +352,51 @@ RECORD92_MODEL = dict(
 def flags_of(values: dict) -> list[str]:
     """A dict of field values (a preset's, RECORD92_MODEL) as command-line flags."""
     return [f"--{name}={value}" for name, value in values.items()]
+
+
+# The rest of record #92's algorithm as flag values: the sampled softmax (10,240 candidates, then 14,336 and 24,576
+# over thirds of its third stage, the full softmax from the taper), ANVIL, the hashed n-gram table at its size, the
+# terminal ships, FP8 in the MLP's forward and backward and in the head's logits, the value embeddings' lr 70.
+RECORD92_TRAINING = dict(
+    stage_softmax_candidates="10240,10240,14336|14336|24576,0", matrix_optimizer="anvil", ngram_channels=2,
+    bigram_vocab_size=84_602_880, tail_ships=True, mlp_full_fp8=True, lm_head_fp8_logits=True,
+    value_embed_lr_mul=70.0,
+)
+RECORD92 = {**RECORD92_SCHEDULE, **RECORD92_MODEL, **RECORD92_TRAINING}
+
+PRESETS: dict[str, dict] = {
+    # The 8xH100 record configuration: record #92's algorithm (notes/recipe.md).
+    "speedrun": RECORD92,
+    # Record #89's algorithm (the dataclass defaults), the prior record, which a record claim runs on the same machine:
+    # record #85 v3's, with #88's prefix-token loss, #89's FP8 down-projection and 1,270 + 15 steps.
+    "record89": {},
+    # Record #85 v3's algorithm, as its logs ran it: 1,275 + 15 steps, no prefix term, the down-projection in bf16.
+    "record85": dict(num_iterations=1290, stage_prefix_weights="0,0,0", mlp_down_fp8=False),
+    # A small model on the bundled Shakespeare shards: a CPU check of the whole pipeline with the speedrun's (record
+    # #92's) structure scaled down: its 11-layer plan at width 64 (narrow heads of 8, MLPs of 240), three stages (no
+    # growth, no taper) and an extension with growing batches, sequences, windows and candidate sets, the virtual
+    # attention cap, multi-token and prefix-token losses, the sampled softmax, ANVIL, the sharded n-gram table on the
+    # embeddings' 4-step cadence, tied then untied embeddings, the ships over the whole run.
+    "smoke": {
+        **RECORD92,
+        **dict(
+            train_files="data/shakespeare/shakespeare_train_*.bin",
+            val_files="data/shakespeare/shakespeare_val_*.bin",
+            val_tokens=8192, val_seq_len=1024,
+            num_iterations=33, extension_steps=3, grown_steps=0, stage_fractions="",
+            stage_batch_tokens="1024,2048,3072", extension_batch_tokens=1024, micro_batches="4",
+            stage_max_seq_len="256,512,768", virtual_seq_cap=640, stage_windows="1:2,2:4,3:6",
+            extension_windows="3:7", final_val_window=10, window_block=64, stage_lr="1.0,1.52,1.73",
+            stage_mtp_weights="1,0.5,0.25>1,0.5,0/1,0.5>1,0/1>1", stage_prefix_weights="0.25,0.2|0.15|0.1|0.05,0",
+            stage_softmax_candidates="2048,2048,2048|2048|3072",
+            adam_lr=0.04, anvil_lr=0.06, anvil_beta_warmup=8, anvil_beta_cooldown=4, anvil_engage_step=15,
+            embed_adam_period_start=12,
+            model_dim=64, head_dim=16, narrow_dim=8, rotary_dims=8, mlp_hidden=240, head_mix_groups=4,
+            bigram_vocab_size=50_400, bigram_sign_rows=1024,  # (rows: even, and split by every world size to 8)
+            compile=False, warmup_steps=0, val_loss_every=10, train_loss_every=10,  # on CPU nothing compiles
+        ),
+    },
+}
 
 
 # Fields that steer one run without changing what it computes: a checkpoint may be
@@ -545,7 +559,9 @@ class Schedule:
                                  flag_list(args, "extension_windows"), lrs[-1],
                                  mtp[-1][1], mtp[-1][1], (last_prefix, last_prefix), False, counts[-1]))
         self.prefix_term = any(w > 0 for weights, _ in prefix for w in weights)
-        parts = stage_candidates(args, n)
+        # a count of the whole padded vocabulary or more is the whole vocabulary: the full softmax (0)
+        vocab = padded_vocab(args.vocab_size)
+        parts = [tuple(0 if count >= vocab else count for count in entry) for entry in stage_candidates(args, n)]
         self.candidate_parts = [*parts, parts[-1][-1:]]  # the extension keeps the last stage's last count
         self.sampled = any(any(p) for p in parts)
         self.final_val_windows = (self.stages[-1].windows[0], args.final_val_window)
@@ -3765,6 +3781,12 @@ ADAM_TABLE = {
     # record #92's n-gram table (--ngram_channels=2; NgramAdam): beta1 = 0 (no first moment is kept), its lr_mul
     "ngram.weight": ((0.0, 0.95), 70.0, 5.0),
 }
+def adam_table(args: Hyperparameters) -> dict:
+    """ADAM_TABLE with the multipliers the config sets: the value embeddings' lr (--value_embed_lr_mul)."""
+    betas, _, wd_mul = ADAM_TABLE["value_embeds"]
+    return {**ADAM_TABLE, "value_embeds": (betas, args.value_embed_lr_mul, wd_mul)}
+
+
 # The parameters on the embeddings' Adam cadence (Schedule.embed_adam_steps, --embed_adam_period; record #92): their
 # betas and weight decay follow Schedule.embed_adam_power. (Record #85's bigram table keeps Adam's own cadence.)
 EMBEDDING_CADENCE = ("value_embeds", "ngram.weight")
@@ -3786,7 +3808,7 @@ def build_optimizers(model: GPT, args: Hyperparameters) -> tuple[NorMuon, DistAd
     adam_groups = [dict(params=[named[name]], lr=args.adam_lr * lr_mul, betas=betas,
                         weight_decay=args.adam_weight_decay * wd_mul, embedding_cadence=name in EMBEDDING_CADENCE,
                         initial_betas=betas, initial_weight_decay=args.adam_weight_decay * wd_mul)
-                   for name, (betas, lr_mul, wd_mul) in ADAM_TABLE.items() if name in named]
+                   for name, (betas, lr_mul, wd_mul) in adam_table(args).items() if name in named]
     # Bucket order follows the forward; step() walks it backwards, the order backward completes it.
     sparse = model.bigram_embed.weight if model.bigram_embed is not None else None
     adam = DistAdam(adam_groups, eps=args.adam_eps, sparse=sparse, table=table)
@@ -4060,6 +4082,11 @@ class TailShips:
             for p in self.kinds[kind]:
                 p.data.mul_(ratio)
 
+    def empty_at(self, step: int) -> bool:
+        """Whether the accumulators are empty at `step` (a checkpoint there holds nothing of the ships): none has
+        ticked yet, or the run's end, where they have shipped."""
+        return step >= self.total or all(step <= self.total - ship.window for ship in self.ships)
+
     def state_dict(self) -> list[dict[int, Tensor]]:
         return [{i: t.clone() for i, t in acc.items()} for acc in self.acc]
 
@@ -4122,7 +4149,8 @@ def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:
     while i < len(argv):
         arg = argv[i]
         if arg in ("-h", "--help"):
-            print(usage())
+            chosen = [a.partition("=")[2] for a in argv if a.startswith("--preset=")]
+            print(usage(chosen[-1] if chosen else "speedrun"))
             raise SystemExit(0)
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}: flags look like --field=value")
@@ -4146,11 +4174,12 @@ def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:
     return dataclasses.replace(args, micro_batches=canonical_micro_batches(args))
 
 
-def usage() -> str:
-    lines = ["usage: train_gpt.py [--preset=speedrun|record89|record85|smoke] [--field=value ...]", "",
-             "fields (speedrun default):"]
+def usage(preset: str = "speedrun") -> str:
+    values = PRESETS.get(preset, PRESETS["speedrun"])
+    lines = [f"usage: train_gpt.py [--preset={'|'.join(PRESETS)}] [--field=value ...]", "",
+             f"fields (the {preset if preset in PRESETS else 'speedrun'} preset's values):"]
     for f in dataclasses.fields(Hyperparameters):
-        lines.append(f"  --{f.name}={f.default!s:<40} {f.metadata['help']}")
+        lines.append(f"  --{f.name}={values.get(f.name, f.default)!s:<40} {f.metadata['help']}")
     return "\n".join(lines)
 
 
@@ -4300,9 +4329,9 @@ def validate_config(args: Hyperparameters):
         if stage.max_seq_len <= 0:
             raise ConfigError(f"--stage_max_seq_len={args.stage_max_seq_len}: must be positive")
     vocab, counts = padded_vocab(args.vocab_size), {c for parts in schedule.candidate_parts for c in parts if c}
-    if counts and (max(counts) > vocab or any(c % CANDIDATE_MULTIPLE for c in counts)):
+    if any(c % CANDIDATE_MULTIPLE for c in counts):
         raise ConfigError(f"--stage_softmax_candidates={args.stage_softmax_candidates}: each count must be a multiple "
-                          f"of {CANDIDATE_MULTIPLE} and at most the padded vocabulary, {vocab}")
+                          f"of {CANDIDATE_MULTIPLE}")
     if counts and math.gcd(CANDIDATE_STRIDE, vocab) != 1:
         raise ConfigError(f"--vocab_size={args.vocab_size}: --stage_softmax_candidates sweeps the padded vocabulary "
                           f"({vocab}) in steps of {CANDIDATE_STRIDE}, which must not divide it")
@@ -4336,9 +4365,6 @@ def validate_config(args: Hyperparameters):
         if args.bigram_sign_rows & (args.bigram_sign_rows - 1):
             raise ConfigError(f"--bigram_sign_rows={args.bigram_sign_rows}: with --ngram_channels=2 a power of two "
                               f"(record #92's sign rows are the hash masked to its low bits)")
-        if args.init_from:
-            raise ConfigError(f"--init_from={args.init_from}: with --ngram_channels=2 final weights do not carry "
-                              f"the sharded n-gram table into a new run yet; start without it")
     for name, choices in (("device", ("auto", "cuda", "cpu")), ("attention", ("auto", "flex", "sdpa")),
                           ("packing", ("auto", *SHARD_PACKINGS)),
                           ("lm_head_precision", ("auto", "fp8", "bf16", "fp32")),
@@ -7005,8 +7031,11 @@ def check_checkpoint(path: Path, args: Hyperparameters, env: DistEnv, source: st
     if saved_at != meta.step:
         raise TrainingError(f"--resume={path}: meta.json says step {meta.step}, but rank_{env.rank}.pt was "
                             f"saved at step {brief(saved_at)}")
+    own = {k: v for k, v in expected.items() if is_rank_buffer(k)}
+    if args.ngram_channels == 2:  # this rank's shard of record #92's n-gram table (in no state dict)
+        own["ngram.weight"] = torch.empty(args.bigram_vocab_size // env.world_size, args.model_dim, device="meta")
     try:  # this rank's FP8 activation scales, which replace model.pt's (rank 0's): checked as model.pt's are
-        check_run_state(rank_state.get("rank_buffers", {}), {k: v for k, v in expected.items() if is_rank_buffer(k)})
+        check_run_state(rank_state.get("rank_buffers", {}), own)
     except WeightsError as e:
         raise TrainingError(f"--resume={path}: its rank_{env.rank}.pt's activation scales do not fit the model this "
                             f"config builds ({e})") from None
@@ -7098,8 +7127,12 @@ def load_checkpoint(resume: Resume, model: GPT, optimizers, loader, env: DistEnv
             t.copy_(saved[name])
         for opt, state in zip(optimizers, resume.rank_state["optimizers"], strict=True):
             opt.load_state_dict(state)
+        saved_extra = resume.rank_state.get("extra_state", {})
         for name, part in (extra_state or {}).items():
-            part.load_state_dict(resume.rank_state["extra_state"][name])
+            if name in saved_extra:
+                part.load_state_dict(saved_extra[name])
+            elif not part.empty_at(resume.meta.step):  # (state that is empty at that step needs no saving)
+                raise ValueError(f"no saved {name} state at step {resume.meta.step}")
         loader.load_state_dict(resume.meta.loader)
         torch.set_rng_state(resume.rank_state["cpu_rng"].cpu())
         if env.device.type == "cuda" and resume.rank_state["cuda_rng"].numel():
@@ -7190,11 +7223,13 @@ def nvidia_smi() -> str:
 
 # What each preset's algorithm is (the log header's recipe line); the smoke preset is the speedrun's scaled down.
 RECIPES = {
-    "speedrun": "record #89 (modded-nanogpt 2026-07-17, FP8 down-projection, as merged upstream: record #85 v3 with "
+    "speedrun": "record #92 (modded-nanogpt 2026-09-28, ANVIL2: record #89 with a sampled-softmax training loss, a "
+                "hashed n-gram table, the ANVIL optimizer and its terminal ships, FP8 in the MLP's backward and "
+                "mixed-width attention)",
+    "record89": "record #89 (modded-nanogpt 2026-07-17, FP8 down-projection, as merged upstream: record #85 v3 with "
                 "#88's prefix-token loss and #89's FP8 down-projection)",
     "record85": "record #85 v3 (modded-nanogpt, 2026-05-27, MUDD gates and lightweight DC)",
 }
-RECIPES["record89"] = RECIPES["speedrun"]
 RECORD_PRESETS = tuple(RECIPES)
 
 

@@ -423,3 +423,19 @@ def random_model(seed=0):
     fill_random(model)
     model.rotary.set_window(3)
     return model.double().eval(), args, {"windows": [1, 4]}
+
+
+# The smoke preset as it was on record #89's structure, before the speedrun and smoke presets took record #92's
+# (issue 52): record #89's paths (the presets record89 and record85) are tested on it.
+SMOKE89 = ["--preset=record89", "--train_files=data/shakespeare/shakespeare_train_*.bin",
+           "--val_files=data/shakespeare/shakespeare_val_*.bin", "--val_tokens=8192", "--val_seq_len=1024",
+           "--num_iterations=30", "--extension_steps=3", "--stage_batch_tokens=1024,2048,3072", "--micro_batches=4",
+           "--stage_max_seq_len=256,512,512", "--stage_windows=1:2,2:4,3:6", "--extension_windows=3:7",
+           "--final_val_window=10", "--window_block=64", "--stage_mtp_weights=1,0.5>1,0/1>1/1>1",
+           "--stage_prefix_weights=0.25,0.25>0,0", "--cooldown_frac=0.3", "--adam_lr=0.04", "--muon_lr=0.06",
+           "--num_layers=6", "--model_dim=64", "--head_dim=16", "--bigram_vocab_size=50000", "--bigram_sign_rows=1024",
+           "--no_attention_layers=3", "--paired_layers=0,4", "--long_window_layers=1,5", "--xsa_layers=1,2",
+           "--attn_gate_layers=1,5", "--dc_layers=5", "--dc_window=56", "--value_embed_layers=1,2,4,5",
+           "--skip_layers=1:3", "--shared_input_layer=2", "--mudd_gate_layer=2", "--muon_momentum_warmup=10",
+           "--muon_momentum_cooldown=4", "--compile=false", "--warmup_steps=0", "--val_loss_every=10",
+           "--train_loss_every=10"]

@@ -26,13 +26,13 @@ from torch.testing import assert_close
 
 import sample
 import train_gpt as T
-from conftest import (REPO, fill_random, in_process, one_line_error, random_final_weights, random_model, run_main,
+from conftest import (SMOKE89, REPO, fill_random, in_process, one_line_error, random_final_weights, random_model, run_main,
                       torchrun)
 
 TRAIN = REPO / "train_gpt.py"
 # The smoke model, one micro-batch of 256 tokens a step and one 1,024-token validation sequence: the
 # smallest run that still trains, validates and checkpoints through the real code.
-TINY = ["--preset=smoke", "--num_iterations=2", "--extension_steps=1", "--val_loss_every=0",
+TINY = [*SMOKE89, "--num_iterations=2", "--extension_steps=1", "--val_loss_every=0",
         "--stage_batch_tokens=256,256,256", "--micro_batches=1", "--val_tokens=1024", "--warmup_steps=0"]
 
 
@@ -359,7 +359,7 @@ def test_micro_batches_is_one_setting_however_it_is_spelled(checkpoint, tmp_path
         assert T.parse_args([*TINY, f"--micro_batches={text}"], False).micro_batches == "1"
     assert T.parse_args([*TINY, "--micro_batches=1,1,2", "--stage_batch_tokens=256,256,512"], False).micro_batches \
         == "1,1,2"
-    assert T.parse_args(["--preset=smoke", "--micro_batches= auto"], False).micro_batches == "auto"
+    assert T.parse_args([*SMOKE89, "--micro_batches= auto"], False).micro_batches == "auto"
     older = {"micro_batches": "1,1,1", "packing": "auto", "seed": 1337}  # a checkpoint of before: packing recorded too
     assert T.comparable_config(older, T.parse_args(TINY, False)) == {"micro_batches": "1", "seed": 1337}
     proc = run_main(*TINY, "--micro_batches=1,1,1", f"--resume={checkpoint}", f"--logs_dir={tmp_path}/logs",
@@ -636,7 +636,7 @@ def test_a_log_that_fills_the_disk_keeps_every_complete_line(small_disk):
 def tiny_model(checkpoint_dir):
     """The smoke model with a 512-token vocabulary: a checkpoint of a few MB (the files' size does not
     matter to what these tests check)."""
-    args = T.parse_args(["--preset=smoke", "--vocab_size=512", f"--checkpoint_dir={checkpoint_dir}"], False)
+    args = T.parse_args([*SMOKE89, "--vocab_size=512", f"--checkpoint_dir={checkpoint_dir}"], False)
     env = T.DistEnv(0, 0, 1, torch.device("cpu"))
     model = T.build_model(args, env)
     return args, env, model, T.build_optimizers(model, args), T.SyntheticLoader(args, env)
@@ -701,7 +701,7 @@ def test_a_real_write_error_during_a_checkpoint_ends_the_run_in_one_line(tmp_pat
 def test_the_schedule_is_derived_without_visiting_every_step(monkeypatch):
     budget = CallBudget(T.Schedule.stage, 10_000)
     monkeypatch.setattr(T.Schedule, "stage", lambda self, step: budget(self, step))
-    schedule = T.Schedule(T.parse_args(["--preset=speedrun", "--num_iterations=1000000000000"], True))
+    schedule = T.Schedule(T.parse_args(["--preset=record89", "--num_iterations=1000000000000"], True))
     assert [stage.start for stage in schedule.stages] == [0, 333333333328, 666666666657, 999999999985]
     assert schedule.untie_step == 666666666657
 
@@ -719,7 +719,7 @@ class CallBudget:
 
 
 def test_the_flops_average_does_not_visit_every_step(monkeypatch):
-    args = T.parse_args(["--preset=smoke", "--num_iterations=1000000000000", "--vocab_size=512"], False)
+    args = T.parse_args([*SMOKE89, "--num_iterations=1000000000000", "--vocab_size=512"], False)
     model = T.GPT(args)
     tokens = torch.randint(0, 512, (256,))
     budget = CallBudget(T.Schedule.stage, 10_000)
@@ -842,8 +842,8 @@ SAMPLE_CASES = [
     ("a weight of another shape", edit_weights(add={"blocks.1.attn.qk": torch.zeros(4, 32, 32)}), ["--prompt=x"],
      ["(1 shape mismatch(es): blocks.1.attn.qk: checkpoint (4, 32, 32), model (4, 32, 64))"]),
     ("a weight missing, one extra",
-     edit_weights(drop=["blocks.1.attn.qk"], add={"blocks.9.mlp.fc": torch.zeros(1)}), ["--prompt=x"],
-     ["(1 missing key(s): blocks.1.attn.qk; 1 unexpected key(s): blocks.9.mlp.fc)"]),
+     edit_weights(drop=["blocks.1.attn.qk"], add={"blocks.19.mlp.fc": torch.zeros(1)}), ["--prompt=x"],
+     ["(1 missing key(s): blocks.1.attn.qk; 1 unexpected key(s): blocks.19.mlp.fc)"]),
     ("hellaswag data a directory", None, ["--eval=hellaswag", f"--data={REPO / 'data'}"],
      [f"{REPO / 'data'}: a directory, not a HellaSwag .jsonl file"]),
 ]
@@ -895,7 +895,7 @@ def test_a_tiny_temperature_samples_greedily():
 def positions_model(train_max_seq_len: int, positions: int):
     """A random smoke model whose rotary tables hold `positions` (its micro-batch and validation length)."""
     batch, cap = ",".join([str(4 * positions)] * 3), ",".join([str(train_max_seq_len)] * 3)
-    args = T.parse_args(["--preset=smoke", "--window_block=16", "--stage_windows=1:1,1:2,1:2", "--extension_windows=1:3",
+    args = T.parse_args([*SMOKE89, "--window_block=16", "--stage_windows=1:1,1:2,1:2", "--extension_windows=1:3",
                          "--final_val_window=4", f"--stage_batch_tokens={batch}", f"--val_seq_len={positions}",
                          f"--val_tokens={4 * positions}", f"--stage_max_seq_len={cap}", "--dc_window=16"], False)
     torch.manual_seed(0)
@@ -954,7 +954,7 @@ def test_hellaswag_example_longer_than_the_model_is_one_line(final_folder_in_pro
 # -----------------------------------------------------------------------------
 # Issue 38 rows 9-11 and 15: one reader for every weights file (train_gpt.read_weights / check_weights)
 
-SMOKE = T.parse_args(["--preset=smoke"], False)
+SMOKE = T.parse_args([*SMOKE89], False)
 
 
 def meta_state(args=SMOKE) -> dict:

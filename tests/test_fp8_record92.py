@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import train_gpt as T
+from conftest import SMOKE89  # noqa: E402
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 DIM, HIDDEN, TOKENS = 32, 128, 48
@@ -257,7 +258,7 @@ def test_full_fp8_state_is_saved_per_rank_where_it_is_and_continues_bit_for_bit(
     # --init_from starts the six scales over; each rank keeps its own scales of relu^2's output and dpre
     assert all(T.init_run_state(f"blocks.3.mlp.{name}") for name in scales)
     assert not T.init_run_state("blocks.3.mlp.fc")
-    args = T.parse_args(["--preset=smoke", "--mlp_full_fp8=true"], False)
+    args = T.parse_args([*SMOKE89, "--mlp_full_fp8=true"], False)
     model = T.GPT(args, T.Numerics(torch.float32, "fp32", "fp8"))
     own = T.rank_buffers(model)
     assert sorted(own) == sorted(f"blocks.{i}.mlp.fp8_{name}" for i in range(args.num_layers)
@@ -273,14 +274,14 @@ def test_full_fp8_state_is_saved_per_rank_where_it_is_and_continues_bit_for_bit(
 
 def test_the_flags_off_keep_record_89s_mlp_and_head():
     # defaults: #89's state and copies, its head's scales; --mlp_full_fp8 takes --mlp_down_fp8's place
-    args = T.parse_args(["--preset=speedrun"], False)
+    args = T.parse_args(["--preset=record89"], False)
     assert not args.mlp_full_fp8 and not args.lm_head_fp8_logits and args.mlp_down_fp8
     mlp = T.MLP(DIM, 4 * DIM, "fp8", scaled_down=True)
     assert not mlp.full_fp8 and mlp.down_fp8 and not any(n.startswith("fp8_") for n, _ in mlp.named_buffers())
     full = T.MLP(DIM, 4 * DIM, "fp8", scaled_down=True, full=True)
     assert full.full_fp8 and not full.down_fp8 and not hasattr(full, "down_act_scale")
     assert T.head_fp8(torch.zeros(4, 16))[2] is T.HEAD_FP8_85 == (100 / 448, 1.6 / 448, 0.75 / 448, 85)
-    model = T.GPT(T.parse_args(["--preset=smoke"], False), T.Numerics(torch.float32, "fp8", "fp32"))
+    model = T.GPT(T.parse_args([*SMOKE89], False), T.Numerics(torch.float32, "fp8", "fp32"))
     assert model.head_scales is T.HEAD_FP8_85
     # the memory model's loss chunk: e4m3 logits are one byte where bf16 ones are two (the rest as before)
     logits = T.parse_args(["--lm_head_fp8_logits=true"], False)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, in_process, one_line_error
+from conftest import SMOKE89, REPO, in_process, one_line_error
 
 sys.path.insert(0, str(REPO / "tools"))
 import estimate_memory  # noqa: E402
@@ -21,7 +21,7 @@ D, VOCAB, BIGRAM = 768, 50304, 377280
 
 @pytest.fixture(scope="module")
 def tables():
-    return {w: estimate_memory.estimate([], w) for w in (1, 8)}
+    return {w: estimate_memory.estimate(["--preset=record89"], w) for w in (1, 8)}
 
 
 def test_weights_gradients_and_optimizer_state_are_counted_right(tables):
@@ -69,21 +69,21 @@ def test_activations_grow_with_each_stage_micro_batch(tables):
 
 
 def test_the_command_prints_a_table_that_fits_an_h100():
-    proc = in_process(estimate_memory.main, "--world_sizes", "8")
+    proc = in_process(estimate_memory.main, "--world_sizes", "8")  # record #92's speedrun: 4 stages, a taper
     assert proc.returncode == 0, proc.stderr
     peak = next(line for line in proc.stdout.splitlines() if line.startswith("| peak |"))
     values = [float(v) for v in peak.strip("|").split("|")[1:]]
-    assert len(values) == 5 and all(1 < v < 79.6 for v in values)
+    assert len(values) == 6 and all(1 < v < 79.6 for v in values)
 
 
 def test_estimate_memory_and_the_trainer_fit_the_same_budget():
     # tools/estimate_memory.py (and so the preflight's advice) once fitted the card and ignored
     # --memory_limit_gib after `--`: auto "chose" 2,4,4 where the trainer chooses 32,64,96. Both now ask
     # train_gpt.card_memory.
-    limited = T.parse_args(["--preset=speedrun", "--memory_limit_gib=20"], True)
+    limited = T.parse_args(["--preset=record89", "--memory_limit_gib=20"], True)
     assert estimate_memory.card_budget(limited, fake_cuda.H100) == T.within_margin(*T.memory_budget(limited, CPU)) \
         == (int(17 * GIB), "17.00 GiB per rank (85% of the 20.00 GiB of --memory_limit_gib=20)")
-    plain = T.parse_args(["--preset=speedrun"], True)
+    plain = T.parse_args(["--preset=record89"], True)
     assert estimate_memory.card_budget(plain, fake_cuda.GPUS['rtx4090'])[1] == \
         "20.39 GiB per rank (85% of the 23.99 GiB of an RTX 4090)"
     # a limit can only lower what a run may use: above the card it cannot be meant
@@ -112,7 +112,7 @@ CPU = torch.device("cpu")
 
 
 def smoke_args(*flags):
-    return T.parse_args(["--preset=smoke", *flags], False)
+    return T.parse_args([*SMOKE89, *flags], False)
 
 
 @pytest.mark.slow  # real forward and backward passes of the smoke model (7 s)
@@ -167,7 +167,7 @@ def test_the_memory_model_predicts_real_cpu_steps_and_validation():
 def test_the_memory_model_predicts_record_92s_model_on_this_cpu():
     # Record #92's plan (narrow heads, MLP-only and removed layers, the parallel MLP, the grouped head mix) at a
     # test's size: a micro-batch's forward and backward, and a validation forward, against the count.
-    args = T.parse_args(["--preset=speedrun", *T.flags_of(T.RECORD92_MODEL), "--model_dim=96", "--head_dim=16",
+    args = T.parse_args(["--preset=record89", *T.flags_of(T.RECORD92_MODEL), "--model_dim=96", "--head_dim=16",
                          "--narrow_dim=8", "--rotary_dims=8", "--mlp_hidden=352", "--vocab_size=8000",
                          "--bigram_vocab_size=4000", "--val_seq_len=512", "--stage_batch_tokens=2048,2048,2048",
                          "--window_block=32", "--virtual_seq_cap=96", "--micro_batches=4"], False)
@@ -262,7 +262,7 @@ def test_auto_takes_the_fewest_micro_batches_that_fit_at_any_world_size(limit_gi
 
 @pytest.mark.slow  # trains the smoke model four steps
 def test_auto_micro_batches_under_a_memory_limit_train_and_an_explicit_count_over_it_is_refused(tmp_path, limit_gib):
-    flags = ["--preset=smoke", "--num_iterations=4", "--extension_steps=1", "--val_loss_every=0", "--val_tokens=1024",
+    flags = [*SMOKE89, "--num_iterations=4", "--extension_steps=1", "--val_loss_every=0", "--val_tokens=1024",
              f"--memory_limit_gib={limit_gib}", f"--logs_dir={tmp_path}/logs"]
     proc = in_process(T.main, *flags, "--micro_batches=auto", "--run_id=auto")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -305,7 +305,7 @@ def test_ranks_that_chose_different_counts_are_refused_before_training(monkeypat
     monkeypatch.setattr(T.dist, "get_world_size", lambda group=None: 1)
     monkeypatch.setattr(T.dist, "get_rank", lambda group=None: 0)
     assert T.same_on_every_rank("8,16,16", CPU) and not T.same_on_every_rank("8,16,24", CPU)
-    proc = in_process(T.main, "--preset=smoke", "--micro_batches=4,4,8", f"--logs_dir={tmp_path}")
+    proc = in_process(T.main, *SMOKE89, "--micro_batches=4,4,8", f"--logs_dir={tmp_path}")
     one_line_error(proc, "--micro_batches: rank 0 trains 4,4,8 micro-batches a step and another rank other counts")
     assert not list(tmp_path.iterdir())
 
@@ -332,7 +332,7 @@ def test_auto_on_cpu_without_a_limit_shares_the_host_among_its_ranks(monkeypatch
 # weights, gradients and optimizer state are now checked against the host's memory, before anything is built. The
 # host here has 16 GiB (device_memory_bytes is set so, for every check that reads it): the verdicts are the same on
 # every machine.
-TINY = ["--preset=smoke", "--num_iterations=2", "--extension_steps=1", "--val_loss_every=0",
+TINY = [*SMOKE89, "--num_iterations=2", "--extension_steps=1", "--val_loss_every=0",
         "--stage_batch_tokens=256,256,256", "--micro_batches=1", "--val_tokens=1024", "--warmup_steps=0"]
 HOST = "over 13.60 GiB per rank (85% of the 16.00 GiB of this host)"
 HOST_CASES = [

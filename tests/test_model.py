@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import train_gpt as T
+from conftest import SMOKE89  # noqa: E402
 
 
 def tokens_with_documents(length: int, bos_positions, seed=0) -> torch.Tensor:
@@ -84,7 +85,7 @@ def test_flex_block_mask_marks_exactly_the_all_visible_blocks_as_full():
 # --- the model --------------------------------------------------------------------------------
 
 def small_args(**overrides):
-    return T.parse_args(["--preset=smoke", *(f"--{k}={v}" for k, v in overrides.items())], False)
+    return T.parse_args([*SMOKE89, *(f"--{k}={v}" for k, v in overrides.items())], False)
 
 
 def randomized_model(args, seed=0, scale=0.2, numerics=None):
@@ -410,7 +411,7 @@ def test_prefix_weights_follow_their_stage_schedule():
                            (["--stage_prefix_weights=0.1>0.2>0.3,0,0"], "stage 1 .* has more than one '>'"),
                            (["--stage_prefix_weights=-1,0,0"], "expected finite numbers >= 0")):
         with pytest.raises(T.ConfigError, match=message):
-            T.Schedule(T.parse_args(["--preset=smoke", *flags], False))
+            T.Schedule(T.parse_args([*SMOKE89, *flags], False))
 
 
 def test_fp8_head_matches_its_quantised_definition():
@@ -465,7 +466,7 @@ def test_block_masks_query_side_is_what_flex_attention_derives_from_the_key_side
     # block_mask_parts computes the query side (which the backward reads) itself, in the same call; PyTorch's
     # BlockMask.from_kv_blocks derives it from the key side: they must agree, for every kind of layer.
     from torch.nn.attention.flex_attention import BlockMask
-    args = T.parse_args(["--preset=speedrun"], True)
+    args = T.parse_args(["--preset=record89"], True)
     tokens = tokens_with_documents(2048, [0, 100, 101, 700, 1500, 1501], seed=3)
     masks = T.build_masks(tokens, T.layer_plan(args), (3, 7), 128, use_flex=True)
     assert len(masks.by_kind) == 3
@@ -483,7 +484,7 @@ def test_block_masks_are_create_block_mask_s_for_their_mask_mod():
     # uses (inductor's Triton sort took 475 s to compile for stage 1's masks): every index tensor must still be
     # PyTorch's own, the hidden blocks' order included, for documents that start on and off block boundaries.
     from torch.nn.attention.flex_attention import create_block_mask
-    args = T.parse_args(["--preset=speedrun"], True)
+    args = T.parse_args(["--preset=record89"], True)
     tokens = tokens_with_documents(2048, [0, 100, 101, 256, 700, 1500, 1501], seed=4)
     for windows in ((1, 3), (3, 7), (16, 16)):
         masks = T.build_masks(tokens, T.layer_plan(args), windows, 128, use_flex=True)
@@ -708,7 +709,7 @@ def test_fp8_down_scales_follow_record_89s_delayed_scaling_over_20_steps():
 
 @pytest.mark.slow  # 12 s: CPU _scaled_mm is a slow loop
 def test_fp8_down_state_loads_back_and_continues_bit_for_bit():
-    args = T.parse_args(["--preset=smoke"], False)
+    args = T.parse_args([*SMOKE89], False)
     numerics = T.Numerics(torch.float32, "fp32", "fp8")
     torch.manual_seed(0)
     model = T.GPT(args, numerics).train()
@@ -745,7 +746,7 @@ def test_fp8_down_state_loads_back_and_continues_bit_for_bit():
 
 
 def test_each_rank_resumes_with_its_own_activation_scales(tmp_path):
-    args = T.parse_args(["--preset=smoke"], False)
+    args = T.parse_args([*SMOKE89], False)
     model = T.GPT(args, T.Numerics(torch.float32, "fp32", "fp8"))
     own = T.rank_buffers(model)
     assert sorted(own) == [f"blocks.{i}.mlp.down_act_scale" for i in range(args.num_layers)]
@@ -901,7 +902,7 @@ def test_model_forward_is_the_same_with_flex_and_sdpa():
 
 
 def test_speedrun_layer_plan_is_record_85s():
-    plans = T.layer_plan(T.parse_args(["--preset=speedrun"], True))
+    plans = T.layer_plan(T.parse_args(["--preset=record89"], True))
     roles = {
         "attention": [i for i in range(11) if i != 6], "paired": [0, 2, 5, 9], "long_window": [3, 10],
         "xsa": [1, 3, 4, 7], "attn_gate": [3, 10], "dc": [10], "shared_input": [8, 9, 10], "skip_target": [6],
@@ -914,7 +915,7 @@ def test_speedrun_layer_plan_is_record_85s():
 
 
 def test_gate_layout_is_record_85s():
-    args = T.parse_args(["--preset=speedrun"], True)
+    args = T.parse_args(["--preset=record89"], True)
     layout = T.GateLayout.build(T.layer_plan(args), 6, args.mudd_gate_layer)
     pre, post = layout.slots
     assert layout.widths == (26, 41)
@@ -934,7 +935,7 @@ def test_gate_layout_is_record_85s():
 
 
 def test_initial_values_follow_record_85():
-    args = T.parse_args(["--preset=speedrun", "--bigram_vocab_size=1000", "--vocab_size=1000"], True)
+    args = T.parse_args(["--preset=record89", "--bigram_vocab_size=1000", "--vocab_size=1000"], True)
     torch.manual_seed(0)
     model = T.GPT(args)
     assert torch.equal(model.embed.weight, model.lm_head.T)
@@ -1018,7 +1019,7 @@ def test_the_residual_stream_stays_in_bf16_with_gpu_dtypes():
 
 
 def test_gpu_parameter_dtypes_are_record_85s():
-    args = T.parse_args(["--preset=speedrun"], True)
+    args = T.parse_args(["--preset=record89"], True)
     with torch.device("meta"):
         model = T.cast_parameters(T.GPT(args, T.Numerics(torch.bfloat16, "fp8", "fp8")))
     fp32 = sorted(n for n, p in model.named_parameters() if p.dtype == torch.float32)
@@ -1108,11 +1109,11 @@ def test_config_overrides_and_errors():
     ]
     for argv, message in errors:
         with pytest.raises(T.ConfigError, match=message):
-            T.parse_args(["--preset=smoke", *argv], False)
+            T.parse_args([*SMOKE89, *argv], False)
 
 
 def test_training_with_flex_on_cpu_is_refused_and_evaluation_allowed():
-    args = T.parse_args(["--preset=smoke", "--attention=flex"], False)
+    args = T.parse_args([*SMOKE89, "--attention=flex"], False)
     with pytest.raises(T.ConfigError, match="no FlexAttention backward on CPU"):
         T.resolve_attention(args, torch.device("cpu"))
     assert T.resolve_attention(args, torch.device("cpu"), training=False) == "flex"
@@ -1125,19 +1126,19 @@ def test_world_size_that_cannot_split_the_batch_is_an_error():
     assert T.check_world_size(args, 1) == (4, 4, 4) and T.check_world_size(args, 2) == (2, 2, 2)
     with pytest.raises(T.ConfigError, match="world size 3 cannot split the batch"):
         T.check_world_size(args, 3)
-    speedrun = T.parse_args(["--preset=speedrun"], True)
+    speedrun = T.parse_args(["--preset=record89"], True)
     assert [T.check_world_size(speedrun, w) for w in (1, 2, 4, 8)] == [(8,) * 3, (4,) * 3, (2,) * 3, (1,) * 3]
     with pytest.raises(T.ConfigError, match="a larger --micro_batches makes more"):
         T.check_world_size(speedrun, 16)
-    two_nodes = T.parse_args(["--preset=speedrun", "--micro_batches=16", "--val_seq_len=65536"], True)
+    two_nodes = T.parse_args(["--preset=record89", "--micro_batches=16", "--val_seq_len=65536"], True)
     assert T.check_world_size(two_nodes, 16) == (1, 1, 1)
     # one count per stage: each must split over the ranks
-    per_stage = T.parse_args(["--preset=speedrun", "--micro_batches=2,8,8"], True)
+    per_stage = T.parse_args(["--preset=record89", "--micro_batches=2,8,8"], True)
     assert T.check_world_size(per_stage, 2) == (1, 4, 4)
     with pytest.raises(T.ConfigError, match="--micro_batches=2,8,8 micro-batches, not a multiple of 4"):
         T.check_world_size(per_stage, 4)
     # auto chooses at start-up, among multiples of the world size
-    assert T.check_world_size(T.parse_args(["--preset=speedrun", "--micro_batches=auto"], True), 8) == (None,) * 3
+    assert T.check_world_size(T.parse_args(["--preset=record89", "--micro_batches=auto"], True), 8) == (None,) * 3
 
 
 def test_norm_is_pytorchs_default_rms_norm_in_every_dtype():

@@ -13,11 +13,11 @@ import torch
 from torch.testing import assert_close
 
 import train_gpt as T
-from conftest import TRAIN
+from conftest import SMOKE89, random_final_weights, TRAIN
 
 CPU = T.DistEnv(0, 0, 1, torch.device("cpu"))
 # the smoke model, one 256-token micro-batch a step, the table on the embeddings' cadence from step 2
-TINY = ["--preset=smoke", "--num_iterations=6", "--extension_steps=1", "--val_loss_every=0", "--warmup_steps=0",
+TINY = [*SMOKE89, "--num_iterations=6", "--extension_steps=1", "--val_loss_every=0", "--warmup_steps=0",
         "--stage_batch_tokens=128,128,128", "--micro_batches=1", "--val_tokens=1024", "--ngram_channels=2",
         "--bigram_vocab_size=50000", "--embed_adam_period=4", "--embed_adam_period_start=2", "--value_embed_layers=5"]
 
@@ -146,7 +146,7 @@ def test_the_row_sparse_adam_is_dense_per_row_rms_adam():
 
 
 def test_the_embeddings_take_adam_steps_on_record_92s_cadence():
-    args = T.parse_args(["--preset=smoke", "--num_iterations=1194", "--extension_steps=20", "--embed_adam_period=4",
+    args = T.parse_args([*SMOKE89, "--num_iterations=1194", "--extension_steps=20", "--embed_adam_period=4",
                          "--embed_adam_period_start=336"], False)
     schedule = T.Schedule(args)
     events = [s for s in range(1194) if schedule.embed_adam_steps(s)]
@@ -162,7 +162,7 @@ def test_the_embeddings_take_adam_steps_on_record_92s_cadence():
     T.set_schedules(336, (muon, adam), schedule, args)
     assert ve["betas"] == (0.75 ** 2, 0.95 ** 2) and ve["weight_decay"] == args.adam_weight_decay * 5.0 * 2
     assert other["betas"] == (0.5, 0.95) and other["weight_decay"] == args.adam_weight_decay * 150.0
-    off = T.Schedule(T.parse_args(["--preset=smoke"], False))  # the default: today's cadence, unchanged
+    off = T.Schedule(T.parse_args([*SMOKE89], False))  # the default: today's cadence, unchanged
     assert all(off.embed_adam_steps(s) == off.adam_steps(s) and off.embed_adam_power(s) == 1 for s in range(100))
 
 
@@ -258,17 +258,18 @@ def test_the_memory_model_counts_record_92s_table_sharded():
 ])
 def test_the_config_refuses_what_the_table_cannot_be(flags, fragment):
     with pytest.raises(T.ConfigError, match=fragment):
-        T.parse_args(["--preset=smoke", "--ngram_channels=2", *flags], False)
+        T.parse_args([*SMOKE89, "--ngram_channels=2", *flags], False)
 
 
 def test_the_table_must_split_evenly_over_the_ranks():
-    args = T.parse_args(["--preset=smoke", "--ngram_channels=2", "--bigram_vocab_size=50002"], False)
+    args = T.parse_args([*SMOKE89, "--ngram_channels=2", "--bigram_vocab_size=50002"], False)
     with pytest.raises(T.ConfigError, match="split evenly over the ranks"):
         T.check_world_size(args, 4)
     T.check_world_size(args, 2)
 
 
-def test_final_weights_written_before_the_table_s_flags_still_load(untrained_final_folder, tmp_path):
+def test_final_weights_written_before_the_table_s_flags_still_load(tmp_path):
+    untrained_final_folder = random_final_weights(tmp_path / "old", *SMOKE89)  # a model of before the table
     info = json.loads((untrained_final_folder / "config.json").read_text())
     for name in T.ADDED_FIELDS:
         del info["config"][name]

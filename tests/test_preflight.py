@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, made_once, one_line_error, python, run_main
+from conftest import SMOKE89, REPO, made_once, one_line_error, python, run_main
 
 sys.path.insert(0, str(REPO / "tools"))
 import fake_cuda  # noqa: E402  (stdlib only: importing it loads nothing)
@@ -233,22 +233,22 @@ def test_the_registry_notice_of_a_cuda_build_is_dropped_and_other_output_kept(ca
 # --- the bugs, on CPU -------------------------------------------------------------------------
 
 def test_fp8_refuses_widths_fp8_matmuls_cannot_take(monkeypatch):
-    one_line_error(run_main("--preset=speedrun", "--model_dim=840", "--head_dim=60", "--lm_head_precision=fp8"),
+    one_line_error(run_main("--preset=record89", "--model_dim=840", "--head_dim=60", "--lm_head_precision=fp8"),
                    "--lm_head_precision/--mlp_precision=fp8", "--model_dim (here 840)", "multiples of 16")
-    one_line_error(run_main("--preset=speedrun", "--window_block=8", "--dc_window=8", "--stage_batch_tokens=65600,131072,196608",
+    one_line_error(run_main("--preset=record89", "--window_block=8", "--dc_window=8", "--stage_batch_tokens=65600,131072,196608",
                             "--stage_max_seq_len=1024,2048,2048", "--mlp_precision=fp8"), "(here 8200 tokens")
     # auto picks bf16 on an H100 for such widths (and the log header says why), fp8 otherwise
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     h100 = torch.device("cuda", 0)
-    odd = T.parse_args(["--preset=speedrun", "--model_dim=840", "--head_dim=60"], True)
+    odd = T.parse_args(["--preset=record89", "--model_dim=840", "--head_dim=60"], True)
     for flag in ("lm_head_precision", "mlp_precision"):
         assert T.resolve_precision(odd, h100, flag) == "bf16"
-        assert T.resolve_precision(T.parse_args(["--preset=speedrun"], True), h100, flag) == "fp8"
+        assert T.resolve_precision(T.parse_args(["--preset=record89"], True), h100, flag) == "fp8"
 
 
 @pytest.mark.slow
 def test_compile_false_compiles_flex_attention_alone_and_flex_then_runs_fused():
-    args = T.parse_args(["--preset=smoke", "--attention=flex", "--compile=false"], False)
+    args = T.parse_args([*SMOKE89, "--attention=flex", "--compile=false"], False)
     model = T.GPT(args).eval()
     graphs = []
     T.compile_model(model, backend=lambda gm, example_inputs: graphs.append(gm) or gm.forward, attention_only=True)
@@ -275,15 +275,15 @@ def test_sdpa_is_refused_where_its_dense_mask_cannot_fit_an_h100(monkeypatch):
     h100 = torch.device("cuda", 0)
     with pytest.raises(T.ConfigError, match="mask of a 524,288-position sequence takes at least 2,304 GiB to build, "
                                             "more than the 80 GiB cuda:0 has"):
-        T.resolve_attention(T.parse_args(["--preset=speedrun", "--attention=sdpa"], True), h100)
-    fits = T.parse_args(["--preset=speedrun", "--attention=sdpa", "--val_seq_len=32768",
+        T.resolve_attention(T.parse_args(["--preset=record89", "--attention=sdpa"], True), h100)
+    fits = T.parse_args(["--preset=record89", "--attention=sdpa", "--val_seq_len=32768",
                          "--stage_batch_tokens=65536,131072,196608"], True)  # 49,152 positions at most: 20 GiB
     assert T.resolve_attention(fits, h100) == "sdpa"
-    assert T.resolve_attention(T.parse_args(["--preset=speedrun"], True), h100) == "flex"
+    assert T.resolve_attention(T.parse_args(["--preset=record89"], True), h100) == "flex"
 
 
 def test_fp32_head_computes_in_fp32_on_gpus():
-    args = T.parse_args(["--preset=smoke", "--lm_head_precision=fp32"], False)
+    args = T.parse_args([*SMOKE89, "--lm_head_precision=fp32"], False)
     model = T.cast_parameters(T.GPT(args, T.Numerics(torch.bfloat16, "fp32", "fp32")))  # GPU dtypes; nothing moves
     assert model.embed.weight.dtype == torch.bfloat16  # so the residual stream is bf16 on GPUs
     assert model.lm_head.dtype == torch.float32

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import sample
 import train_gpt as T
-from conftest import REPO, SHORT, in_process, one_line_error, random_final_weights, run_main
+from conftest import SMOKE89, REPO, SHORT, in_process, one_line_error, random_final_weights, run_main
 
 sys.path[:0] = [str(REPO / "tools"), str(REPO / "data")]
 import estimate_memory  # noqa: E402
@@ -55,7 +55,7 @@ HUGE_SIZES = [
 @pytest.mark.parametrize("flag, fragment", HUGE_SIZES, ids=[flag for flag, _ in HUGE_SIZES])
 def test_a_size_past_any_gpu_is_refused_before_anything_is_built(tmp_path, flag, fragment):
     """Row 11: --num_layers=100000000 grew to gigabytes of layer plans before a later check refused it."""
-    proc = run_main("--preset=smoke", f"--logs_dir={tmp_path}/logs", f"--checkpoint_dir={tmp_path}/ck", flag)
+    proc = run_main(*SMOKE89, f"--logs_dir={tmp_path}/logs", f"--checkpoint_dir={tmp_path}/ck", flag)
     one_line_error(proc, fragment)
     assert list(tmp_path.iterdir()) == []
 
@@ -72,8 +72,8 @@ def test_estimate_memory_refuses_a_size_past_any_gpu_at_once(argv, fragment):
 def test_the_presets_and_the_tests_configs_stay_within_the_bounds():
     for preset in T.PRESETS:
         T.check_sizes(T.parse_args([f"--preset={preset}"], False))
-    T.parse_args(["--preset=smoke", *SHORT], False)
-    T.parse_args(["--preset=smoke", "--model_dim=4194304", "--head_dim=64"], False)  # test_bad_input.py's HUGE
+    T.parse_args([*SMOKE89, *SHORT], False)
+    T.parse_args([*SMOKE89, "--model_dim=4194304", "--head_dim=64"], False)  # test_bad_input.py's HUGE
 
 
 SCALAR_SIZES = {"num_layers": T.MAX_LAYERS, "model_dim": T.MAX_WIDTH, "head_dim": T.MAX_WIDTH,
@@ -104,7 +104,7 @@ def test_every_size_flag_is_bounded_by_the_parser_the_command_line_uses(name, va
         pattern, bound = LIST_SIZES[name]
         flag = f"--{name}={pattern.format(value)}"
     try:
-        args = T.parse_args(["--preset=smoke", flag], False)
+        args = T.parse_args([*SMOKE89, flag], False)
     except T.ConfigError as e:
         message = str(e)
         assert "\n" not in message
@@ -162,7 +162,7 @@ def test_weights_whose_forward_is_finite_still_sample(final_folder, tmp_path):
 def test_init_from_refuses_weights_past_max_weight_before_the_run_starts(final_folder, tmp_path):
     """--init_from reads weights through the same check_weights."""
     folder = scaled_copy(final_folder, tmp_path / "final", 1e30)
-    proc = run_main("--preset=smoke", *SHORT, f"--init_from={folder}", f"--logs_dir={tmp_path}/logs")
+    proc = run_main(*SHORT, f"--init_from={folder}", f"--logs_dir={tmp_path}/logs")
     one_line_error(proc, f"--init_from={folder}: its weights do not fit this config's model (", OVERFLOW)
     assert not (tmp_path / "logs").exists()
 
@@ -185,7 +185,7 @@ def test_logits_that_overflow_during_generation_are_one_line_not_a_traceback(fin
 def small_model():
     """(args, model, its state dict, the expected state (model_state_shapes), final windows) of the SHORT config at a
     vocabulary of 512 (fast to scale and check) with random N(0, 0.3^2) weights, made once for the property test."""
-    args = T.parse_args(["--preset=smoke", *SHORT, "--vocab_size=512", "--bigram_vocab_size=512"], False)
+    args = T.parse_args([*SMOKE89, *SHORT, "--vocab_size=512", "--bigram_vocab_size=512"], False)
     torch.manual_seed(0)
     model = T.GPT(args, T.Numerics.for_evaluation(torch.device("cpu"))).eval()
     with torch.no_grad():
@@ -433,5 +433,5 @@ def test_the_memory_model_counts_a_run_that_starts_from_init_from():
     """The memory model builds the optimizers on fake tensors, where build_optimizers compared --init_from's embedding
     and lm_head with torch.equal, a value fake tensors do not have: estimate_memory.py, and on a GPU every run's
     start-up memory check, failed with a DataDependentOutputException traceback for any --init_from."""
-    proc = in_process(estimate_memory.main, "--world_sizes", "1", "--", "--preset=smoke", "--init_from=/no/weights")
+    proc = in_process(estimate_memory.main, "--world_sizes", "1", "--", *SMOKE89, "--init_from=/no/weights")
     assert proc.returncode == 0 and "fits within" in proc.stdout, proc.stderr[-2000:]

@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import sample
 import train_gpt as T
-from conftest import REPO, in_process, one_line_error, random_final_weights
+from conftest import SMOKE89, REPO, in_process, one_line_error, random_final_weights
 from test_readers_trainer import unblocked_fifo
 
 sys.path[:0] = [str(REPO / "tools"), str(REPO / "data")]
@@ -44,7 +44,7 @@ import tokenize_text  # noqa: E402
 
 PROPERTY = settings(max_examples=40, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-SMALL_FLAGS = ["--preset=smoke", "--vocab_size=512", "--bigram_vocab_size=512"]
+SMALL_FLAGS = [*SMOKE89, "--vocab_size=512", "--bigram_vocab_size=512"]
 SMALL = T.parse_args(SMALL_FLAGS, False)
 CPU = T.DistEnv(0, 0, 1, torch.device("cpu"))
 SOURCE = (REPO / "train_gpt.py").read_text()
@@ -270,7 +270,7 @@ def host_of(monkeypatch):
 
 @pytest.fixture(scope="module")
 def small_final(tmp_path_factory):
-    return random_final_weights(tmp_path_factory.mktemp("final"), *SMALL_FLAGS[1:])
+    return random_final_weights(tmp_path_factory.mktemp("final"), *SMALL_FLAGS)
 
 
 def final_copy(small_final: Path, into: Path, state=None) -> Path:

@@ -24,7 +24,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import train_gpt as T
-from conftest import REPO, run_main
+from conftest import SMOKE89, REPO, run_main
 
 sys.path.insert(0, str(REPO / "data"))
 import safe_write  # noqa: E402
@@ -32,7 +32,7 @@ import shards  # noqa: E402
 
 TRAIN = REPO / "train_gpt.py"
 # test_bad_input.py's TINY: the smoke model, one 256-token micro-batch a step, two steps
-TINY = ["--preset=smoke", "--num_iterations=2", "--extension_steps=1", "--val_loss_every=0",
+TINY = [*SMOKE89, "--num_iterations=2", "--extension_steps=1", "--val_loss_every=0",
         "--stage_batch_tokens=256,256,256", "--micro_batches=1", "--val_tokens=1024", "--warmup_steps=0"]
 CPU = T.DistEnv(0, 0, 1, torch.device("cpu"))
 BUNDLED_TRAIN = REPO / "data/shakespeare/shakespeare_train_000001.bin"

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import train_gpt as T
-from conftest import run_main
+from conftest import SMOKE89, run_main
 
 RECORD85 = T.parse_args(["--preset=record85"], True)
 SCHEDULE = T.Schedule(RECORD85)
@@ -41,10 +41,10 @@ def test_record85_preset_holds_record_85s_values():
 # 1,270 scheduled steps, stage ends round(1270 * i / 3), the split (untie) step 847 | 1 = 847, the cooldown from
 # int(1270 * 0.4) = 508; record #88's prefix weight 0.25 through stage 1, 0.25 -> 0 over stage 2, 0 after; #89's
 # FP8 down-projection.
-SPEEDRUN = T.parse_args(["--preset=speedrun"], True)
+SPEEDRUN = T.parse_args(["--preset=record89"], True)
 
 
-def test_speedrun_preset_is_record_89s_schedule_on_record_85s_values():
+def test_record89_preset_is_record_89s_schedule_on_record_85s_values():
     schedule = T.Schedule(SPEEDRUN)
     assert (SPEEDRUN.num_iterations, SPEEDRUN.extension_steps, SPEEDRUN.mlp_down_fp8) == (1285, 15, True)
     assert [(s.start, s.end) for s in schedule.stages] == [(0, 423), (423, 847), (847, 1270), (1270, 1285)]
@@ -301,12 +301,16 @@ def test_record_92s_schedule():
                                   "--stage_prefix_weights=0.25,0.2|x,0", "--stage_prefix_weights=0.25,0.2|0.1>0,0"])
 def test_bad_stage_shares_growth_and_parts_are_refused(flag):
     with pytest.raises(T.ConfigError, match=flag.split("=")[0]):
-        T.validate_config(T.parse_args(["--preset=speedrun", flag], True))
+        T.validate_config(T.parse_args(["--preset=record89", flag], True))
 
 
-def test_record89_preset_is_the_speedrun_until_record_92s_port_lands():
-    record89 = T.parse_args(["--preset=record89"], True)
-    assert T.dataclasses.replace(record89, preset="speedrun") == SPEEDRUN
+def test_the_speedrun_preset_is_record_92s_algorithm():
+    speedrun = T.parse_args(["--preset=speedrun"], True)
+    assert {name: getattr(speedrun, name) for name in T.RECORD92} == T.RECORD92
+    assert T.Schedule(speedrun).total == 1194 and T.RECIPES["speedrun"].startswith("record #92")
+    assert T.dataclasses.replace(T.parse_args(["--preset=record89"], True), preset="speedrun") == \
+        T.parse_args(["--preset=speedrun", *T.flags_of({f.name: f.default for f in T.dataclasses.fields(T.Hyperparameters)
+                                                         if f.name in T.RECORD92})], True)
     assert T.RECIPES["record89"].startswith("record #89")
 
 
@@ -316,7 +320,7 @@ def test_record89_preset_is_the_speedrun_until_record_92s_port_lands():
 # or the check refuses it; the edges of the fractions and stages, each against its value written out.
 
 def smoke_schedule(*flags: str) -> T.Schedule:
-    return T.Schedule(T.parse_args(["--preset=smoke", *flags], False))
+    return T.Schedule(T.parse_args([*SMOKE89, *flags], False))
 
 
 def every_step_is_finite(schedule: T.Schedule):
@@ -378,7 +382,7 @@ def test_every_admitted_schedule_gives_finite_values_at_every_step(iterations, e
     except T.ConfigError:
         return
     every_step_is_finite(schedule)
-    T.warmup_steps(T.parse_args(["--preset=smoke", *flags], False), schedule)
+    T.warmup_steps(T.parse_args([*SMOKE89, *flags], False), schedule)
 
 
 @pytest.mark.slow  # trains the two steps of test_bad_input.py's TINY run

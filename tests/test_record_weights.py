@@ -16,13 +16,13 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, in_process, one_line_error
+from conftest import SMOKE89, REPO, in_process, one_line_error
 
 sys.path.insert(0, str(REPO / "tools"))
 import record_weights as W  # noqa: E402
 
-SMOKE = T.parse_args(["--preset=smoke"], False)
-SMOKE_FLAGS = ["--", "--preset=smoke"]
+SMOKE = T.parse_args([*SMOKE89], False)
+SMOKE_FLAGS = ["--", *SMOKE89]
 
 
 def random_state(args, seed=0):
@@ -92,7 +92,7 @@ def test_conversions_are_exact_inverses():
 
 
 def test_record_85s_state_dict_converts_under_its_preset_and_is_named_under_the_speedrun_s():
-    record85 = T.parse_args(["--preset=smoke", "--mlp_down_fp8=false"], False)
+    record85 = T.parse_args([*SMOKE89, "--mlp_down_fp8=false"], False)
     record = record_like(record85)
     assert not any(k.removeprefix(W.COMPILED_PREFIX) in W.DOWN_SCALES for k in record)
     ours = W.record_to_ours(record, record85)
@@ -108,7 +108,7 @@ def test_the_speedrun_model_has_the_records_parameters_in_use():
     # record #85 as rank 0 of 8: 643,751,335 parameters, 7,864,320 of them padding (4 of 64 qk blocks, 4 of 24
     # vo matrices, the 12th MLP): 635,887,015 in use, which is ours
     with torch.device("meta"):
-        model = T.GPT(T.parse_args(["--preset=speedrun"], True))
+        model = T.GPT(T.parse_args(["--preset=record89"], True))
     assert sum(p.numel() for p in model.parameters()) == 643_751_335 - 7_864_320 == 635_887_015
     padding = 4 * 256 * 768 + 4 * 768 * 768 + 2 * 3072 * 768
     assert padding == 7_864_320
@@ -121,7 +121,7 @@ def test_the_rotary_state_follows_the_schedule():
 
 
 # Record #92's model at a test's size (its flags, narrow heads of 8 of 16 dims, the MLP as 2816 / 768 of the width).
-RECORD92 = T.parse_args(["--preset=speedrun", *T.flags_of(T.RECORD92_MODEL), "--model_dim=96", "--head_dim=16",
+RECORD92 = T.parse_args(["--preset=record89", *T.flags_of(T.RECORD92_MODEL), "--model_dim=96", "--head_dim=16",
                          "--narrow_dim=8", "--rotary_dims=8", "--mlp_hidden=352", "--vocab_size=2000",
                          "--bigram_vocab_size=4000", "--val_seq_len=256", "--stage_batch_tokens=2048,2048,2048",
                          "--window_block=32"], False)
@@ -250,8 +250,8 @@ def test_a_long_legal_output_name_is_written(converted, tmp_path, command):
 # 1.2 MB in bf16. (Every tensor one value broadcast to its shape, stride 0, made smoke-sized files of a few kB; such a
 # view is refused now, issue 53 row 8.)
 K = W.COMPILED_PREFIX
-SMALL = T.parse_args(["--preset=smoke", "--vocab_size=512", "--bigram_vocab_size=512"], False)
-SMALL_FLAGS = ["--", "--preset=smoke", "--vocab_size=512", "--bigram_vocab_size=512"]
+SMALL = T.parse_args([*SMOKE89, "--vocab_size=512", "--bigram_vocab_size=512"], False)
+SMALL_FLAGS = ["--", *SMOKE89, "--vocab_size=512", "--bigram_vocab_size=512"]
 
 
 def tiny_record(dtype=torch.bfloat16) -> dict:

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import train_gpt as T
+from conftest import SMOKE89  # noqa: E402
 
 CPU = T.DistEnv(0, 0, 1, torch.device("cpu"))
 # The smoke model on steps of 4 micro-batches of 64 tokens, sampling 512 of the 50,304 classes
-SAMPLED = ["--preset=smoke", "--num_iterations=6", "--extension_steps=1", "--val_loss_every=0", "--val_tokens=1024",
+SAMPLED = [*SMOKE89, "--num_iterations=6", "--extension_steps=1", "--val_loss_every=0", "--val_tokens=1024",
            "--stage_batch_tokens=256,256,256", "--micro_batches=4", "--warmup_steps=0",
            "--stage_softmax_candidates=512,256|512,1024"]
 
@@ -69,7 +70,7 @@ def test_targets_that_crowd_the_window_take_negatives_at_an_even_step_over_the_f
 # --- the loss -------------------------------------------------------------------------------------------------------
 
 def smoke_model():
-    args = T.parse_args(["--preset=smoke", "--stage_batch_tokens=256,256,256"], False)
+    args = T.parse_args([*SMOKE89, "--stage_batch_tokens=256,256,256"], False)
     torch.manual_seed(0)
     return T.GPT(args), args
 
@@ -127,23 +128,25 @@ def test_fp8_head_over_every_column_equals_the_full_fp8_head():
 # --- the schedule and the flag --------------------------------------------------------------------------------------
 
 def test_candidate_counts_follow_their_stages_in_equal_parts_and_the_warmup_compiles_each():
-    args = T.parse_args(["--num_iterations=33", "--extension_steps=3",
+    args = T.parse_args([*SMOKE89, "--num_iterations=33", "--extension_steps=3",
                          "--stage_softmax_candidates=10240,10240,14336|14336|24576"], False)
     schedule = T.Schedule(args)
     assert [(s.start, s.end) for s in schedule.stages] == [(0, 10), (10, 20), (20, 30), (30, 33)]
     counts = [schedule.candidates(step) for step in range(34)]
     assert counts == [10240] * 20 + [14336] * 7 + [24576] * 7  # floor(3 (step - 20) / 10): 20..26, then 27..
-    assert schedule.sampled and not T.Schedule(T.parse_args([], False)).sampled
+    assert schedule.sampled and not T.Schedule(T.parse_args(["--preset=record89"], False)).sampled
     assert T.warmup_steps(dataclasses.replace(args, warmup_steps=2), schedule) == [0, 1, 10, 11, 20, 21, 27, 28, 30,
                                                                                      31]
-    one = T.Schedule(T.parse_args(["--num_iterations=33", "--stage_softmax_candidates=2048"], False))
+    one = T.Schedule(T.parse_args([*SMOKE89, "--num_iterations=33", "--stage_softmax_candidates=2048"], False))
     assert {one.candidates(step) for step in range(34)} == {2048}
     for flag, message in (("1024,1024", "one entry for every stage, or one per stage"),
                           ("1024|,0,0", "expected counts"), ("1024>0,0,0", "expected counts"),
-                          ("-16,0,0", "must be 0"), ("1000,0,0", "a multiple of 16"),
-                          ("50432,0,0", "at most the padded vocabulary, 50304")):
+                          ("-16,0,0", "must be 0"), ("1000,0,0", "a multiple of 16")):
         with pytest.raises(T.ConfigError, match=message):
             T.parse_args([f"--stage_softmax_candidates={flag}"], False)
+    # a count of the whole padded vocabulary or more is the full softmax
+    whole = T.Schedule(T.parse_args([*SMOKE89, "--stage_softmax_candidates=50304,50432,2048"], False))
+    assert [whole.candidates(s) for s in (0, 10, 20)] == [0, 0, 2048]
 
 
 def test_the_memory_model_counts_the_candidates_logits(monkeypatch):

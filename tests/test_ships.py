@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import train_gpt as T
+from conftest import SMOKE89  # noqa: E402
 
 RECORD92 = T.Schedule(T.parse_args([f"--{k}={v}" for k, v in T.RECORD92_SCHEDULE.items()], True))
 
@@ -52,7 +53,7 @@ def test_the_folded_ema_is_the_ema_of_every_step():
 
 
 def small_model(seed=0):
-    args = T.parse_args(["--preset=smoke", "--num_iterations=40", "--extension_steps=3", "--vocab_size=300",
+    args = T.parse_args([*SMOKE89, "--num_iterations=40", "--extension_steps=3", "--vocab_size=300",
                          "--bigram_vocab_size=300"], False)
     torch.manual_seed(seed)
     return T.GPT(args), T.Schedule(args)
@@ -140,7 +141,7 @@ def test_the_mlp_decontraction_counts_what_the_record_keeps_of_a_removed_layer()
     Ours holds their squared norm (GPT.removed_mlp_sq), which the MLP kind's norm takes in."""
     t = torch.randn(5, 7)
     assert T.kind_norm([t], torch.tensor(3.0)).item() == pytest.approx(math.sqrt(t.square().sum().item() + 3), 1e-6)
-    args = T.parse_args(["--preset=smoke", "--vocab_size=300", "--bigram_vocab_size=300", "--removed_layers=4",
+    args = T.parse_args([*SMOKE89, "--vocab_size=300", "--bigram_vocab_size=300", "--removed_layers=4",
                          "--no_attention_layers=3,4", "--paired_layers=0", "--value_embed_layers=1,2,5"], False)
     model = T.GPT(args)
     assert model.removed_mlp_sq.item() == 4 * 64 * 0.25  # hidden * dim * (0.5 dim^-0.5)^2: the init's expectation

@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_gpt as T
-from conftest import python, run_main
+from conftest import SMOKE89, python, run_main
 
 # Ops that make the host wait for the device: reading a value, or shapes that depend on data.
 SYNCING_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::unique_dim",
@@ -29,7 +29,7 @@ class NoHostSync(TorchDispatchMode):
 
 def smoke_setup():
     # Short micro-batches: a host sync is the same whatever their length.
-    args = T.parse_args(["--preset=smoke", "--stage_batch_tokens=256,256,256"], False)
+    args = T.parse_args([*SMOKE89, "--stage_batch_tokens=256,256,256"], False)
     env = T.DistEnv(0, 0, 1, torch.device("cpu"))
     model = T.build_model(args, env)
     return args, env, model, T.build_optimizers(model, args)
@@ -52,7 +52,7 @@ def test_training_step_has_no_host_sync():
 
 
 def test_flex_block_masks_are_built_without_host_sync():
-    args = T.parse_args(["--preset=speedrun"], True)
+    args = T.parse_args(["--preset=record89"], True)
     tokens = T.SyntheticLoader(args, T.DistEnv(0, 0, 1, torch.device("cpu"))).next_batch(0)[0][0]
     with torch.device("meta"):
         plans = T.GPT(args).plans
@@ -64,7 +64,7 @@ def test_flex_block_masks_are_built_without_host_sync():
 
 
 def test_model_flops_per_token_counts_matmuls_and_windowed_attention():
-    args = T.parse_args(["--preset=speedrun"], True)
+    args = T.parse_args(["--preset=record89"], True)
     with torch.device("meta"):
         model = T.GPT(args)
     # 10 attention layers of 4 d^2, 11 MLPs of 8 d^2, the lm_head, and the four MUDD nets' first layers
@@ -106,7 +106,7 @@ def test_only_the_rank_that_logs_measures_the_matmul_peak(monkeypatch):
     # ranks' figures are never logged.
     measured = []
     monkeypatch.setattr(T, "matmul_peak_flops", lambda device, dtype: measured.append(device) or 1e12)
-    args = T.parse_args(["--preset=smoke", "--synthetic=true", "--stage_batch_tokens=256,256,256"], False)
+    args = T.parse_args([*SMOKE89, "--synthetic=true", "--stage_batch_tokens=256,256,256"], False)
     model = T.GPT(args)
     perfs = []
     for rank in (0, 1):
@@ -123,7 +123,7 @@ def test_synthetic_steps_fill_any_number_of_micro_batches(micro_batches):
     # Each micro-batch's cut document is skipped, as the loader does with shards: 32 micro-batches of 4,097
     # tokens, documents cut at 896, used to run out of drawn documents (what the preflight suggests for one
     # RTX 4090 is 32).
-    args = T.parse_args(["--preset=speedrun", f"--micro_batches={micro_batches}"], True)
+    args = T.parse_args(["--preset=record89", f"--micro_batches={micro_batches}"], True)
     loader = T.SyntheticLoader(args, T.DistEnv(0, 0, 1, torch.device("cpu")))
     for step in (0, 850):
         batch = loader.next_batch(step)

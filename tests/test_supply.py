@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, one_line_error, run_main
+from conftest import SMOKE89, REPO, one_line_error, run_main
 
 sys.path.insert(0, str(REPO / "data"))
 import tokenize_text  # noqa: E402
@@ -40,7 +40,7 @@ def write_shard(path, tokens, packing="documents"):
 def args_for(tmp_path, *flags):
     """Sequences like the speedrun's (documents cut at 2,048 tokens), in steps of 2 x 4,096 tokens so
     that shards of some 100k tokens supply a dozen steps each."""
-    return T.parse_args(["--preset=smoke", f"--train_files={tmp_path}/t_train_*.bin", *SAME_STAGES, *flags], False)
+    return T.parse_args([*SMOKE89, f"--train_files={tmp_path}/t_train_*.bin", *SAME_STAGES, *flags], False)
 
 
 # every stage the same: steps of 2 micro-batches of 4,096 tokens, documents cut at 2,048
@@ -114,7 +114,7 @@ def test_a_shard_whose_documents_cannot_fill_a_step_names_the_remedy(tmp_path):
     # Three books as three documents: the smoke preset's first micro-batches of 257 tokens take one piece (a
     # document's first 256 tokens) and a token of the next, so they fill one micro-batch, not the four of a step.
     write_shard(tmp_path / "t_train_000001.bin", documents([5000] * 3))
-    args = T.parse_args(["--preset=smoke", f"--train_files={tmp_path}/t_train_*.bin"], False)
+    args = T.parse_args([*SMOKE89, f"--train_files={tmp_path}/t_train_*.bin"], False)
     with pytest.raises(T.DataError) as error:
         T.TrainLoader(args, CPU)
     message = str(error.value)
@@ -326,7 +326,7 @@ def test_a_few_books_use_nearly_all_their_tokens_at_the_speedrun_sequence_length
     # The speedrun's second-stage sequences: micro-batches of 32,768 tokens, documents cut at 2,048. One
     # micro-batch per step so that 590k tokens make 17 steps rather than two. data/tokenize_text.py's shards
     # ask for the stream packing: nearly every token, split or whole.
-    speedrun = ["--preset=speedrun", "--stage_batch_tokens=32768,32768,32768", "--micro_batches=1",
+    speedrun = ["--preset=record89", "--stage_batch_tokens=32768,32768,32768", "--micro_batches=1",
                 "--stage_max_seq_len=2048,2048,2048"]
     assert share_used(few_books / "split", *speedrun) >= 0.95
     assert share_used(few_books / "whole", *speedrun) >= 0.95
@@ -339,11 +339,11 @@ def test_a_few_books_use_nearly_all_their_tokens_at_the_speedrun_sequence_length
 
 def test_the_smoke_preset_uses_nearly_all_of_a_few_books(few_books):
     # The stream packing (the tokenizer's default) trains on every token whatever the micro-batch.
-    assert share_used(few_books / "split", "--preset=smoke") >= 0.95
+    assert share_used(few_books / "split", *SMOKE89) >= 0.95
     # The record's rule would take the first 257 tokens of a 2,048-token piece in the first stage (the log notes
     # it, suggesting the stream packing or documents of at most 64 tokens): under half, and at least 85% with them.
-    assert share_used(few_books / "split", "--preset=smoke", "--packing=documents") < 0.5
-    assert share_used(few_books / "short", "--preset=smoke", "--packing=documents") >= 0.85
+    assert share_used(few_books / "split", *SMOKE89, "--packing=documents") < 0.5
+    assert share_used(few_books / "short", *SMOKE89, "--packing=documents") >= 0.85
 
 
 @pytest.mark.slow
@@ -352,7 +352,7 @@ def test_a_few_books_train_with_the_default_commands(few_books, tmp_path):
     # were refused ("its 1 shard(s) supply 24 steps (24 per shard) but the run needs 30") while the steps
     # used 13% of the tokens. Now the default commands' shards supply far more than 30 steps.
     folder = few_books / "split"
-    loader = T.TrainLoader(T.parse_args(["--preset=smoke", f"--train_files={folder}/split_train_*.bin"], False), CPU)
+    loader = T.TrainLoader(T.parse_args([*SMOKE89, f"--train_files={folder}/split_train_*.bin"], False), CPU)
     assert loader.needed == 30 and loader.supplied > 30 and "packed as stream" in loader.report()[0]
     # Trained as on a machine without a GPU: four steps of half the batch without warmup, validated on 2,048
     # tokens, are enough to show it trains (the 30 steps: 40 s, in the closing note).

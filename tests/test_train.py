@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, TRAIN, one_line_error, python, run_command, run_main, val_losses
+from conftest import SMOKE89, REPO, TRAIN, one_line_error, python, run_command, run_main, val_losses
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def main_in(folder, *argv):
 
 @pytest.mark.slow  # trains two steps
 def test_the_smoke_preset_finds_its_bundled_corpus_from_another_directory(tmp_path):
-    code, _, err = main_in(tmp_path, "--preset=smoke", "--num_iterations=2", "--extension_steps=1",
+    code, _, err = main_in(tmp_path, *SMOKE89, "--num_iterations=2", "--extension_steps=1",
                            "--val_loss_every=0", "--stage_batch_tokens=256,256,256", "--micro_batches=1", "--val_tokens=1024",
                            "--warmup_steps=0", "--logs_dir=logs", "--run_id=elsewhere")
     assert code == 0, err
@@ -137,8 +137,8 @@ def test_init_from_starts_from_a_final_weights_folder(final_folder, short_run, t
 def test_init_from_takes_final_weights_of_either_record_preset(tmp_path):
     # record #89's FP8 scales are run state: --init_from starts them over (exact scales of the loaded weights), so
     # final weights with them start a run without them (record85), and the other way round
-    with_scales = T.parse_args(["--preset=smoke"], False)
-    without = T.parse_args(["--preset=smoke", "--mlp_down_fp8=false"], False)
+    with_scales = T.parse_args([*SMOKE89], False)
+    without = T.parse_args([*SMOKE89, "--mlp_down_fp8=false"], False)
     for saved, loaded in ((with_scales, without), (without, with_scales)):
         folder = tmp_path / f"from_{saved.mlp_down_fp8}"
         folder.mkdir()

@@ -16,7 +16,7 @@ def check_hooks(rank: int, world: int):
     """Asserts where every reduce-scatter started; inside an initialised group of a size that splits the batch."""
     # Smoke steps of 4 micro-batches of 64 tokens: what is checked does not depend on their length, and the step's
     # time is mostly the loss head's, in proportion to the tokens (256-token micro-batches: 7.4 s at world size 2).
-    args = T.parse_args(["--preset=smoke", "--stage_batch_tokens=256,256,256"], False)
+    args = T.parse_args(["--preset=record89", "--stage_batch_tokens=256,256,256"], False)
     env = T.DistEnv(rank, rank, world, torch.device("cpu"))
     model = T.build_model(args, env)
     muon, adam = T.build_optimizers(model, args)
