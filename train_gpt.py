@@ -4350,10 +4350,14 @@ def validate_config(args: Hyperparameters):
                           f"--adam_every={args.adam_every}")
     if args.embed_adam_period_start < 0:
         raise ConfigError(f"--embed_adam_period_start={args.embed_adam_period_start}: must be zero or positive")
-    if args.embed_adam_period and args.save_every % args.embed_adam_period:
-        raise ConfigError(f"--save_every={args.save_every} must be a multiple of --embed_adam_period="
-                          f"{args.embed_adam_period}: a checkpoint between two of the embeddings' Adam steps would "
-                          f"lose their gradients accumulated so far")
+    if args.save_every and args.embed_adam_period:  # a checkpoint after step N - 1 holds no pending gradient
+        between = next((n for n in range(args.save_every, schedule.total, args.save_every)
+                        if not schedule.embed_adam_steps(n - 1)), None)
+        if between is not None:
+            raise ConfigError(f"--save_every={args.save_every}: the checkpoint at step {between} falls between two of "
+                              f"the embeddings' Adam steps (every {args.embed_adam_period} from step "
+                              f"{args.embed_adam_period_start}) and would lose their gradients accumulated so far; "
+                              f"a multiple of {args.embed_adam_period} is always safe")
     if args.ngram_channels not in (1, 2):
         raise ConfigError(f"--ngram_channels={args.ngram_channels}: choose 1 (record #85's bigram table) or 2 "
                           f"(record #92's bigram and trigram table)")
@@ -7274,6 +7278,9 @@ def log_header(run: Run, model: GPT):
                 f"NOT record #92's {NGRAM_RECORD_ROWS:,} rows (--bigram_vocab_size={rows}): a departure from the record")
         log(f"n-gram table: {rows:,} rows x {args.model_dim} (bigram and trigram channels), {rows // env.world_size:,} "
             f"a rank: {size}")
+    if args.tail_ships:
+        log("terminal ships (record #92): tail EMA of embed and lm_head, tail averages of V/O, the MLPs and the value "
+            "embeddings, the bank blend, each bank renormed; after the last step, on the clock")
     smi = nvidia_smi()
     if smi:
         log(smi, console=False, verbatim=True)

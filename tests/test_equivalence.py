@@ -13,7 +13,7 @@ import torch
 
 import train_gpt as T
 
-from conftest import REPO, SHORT, TRAIN, communicate_or_fail, cpu_env, kill_tree, train_at, val_losses
+from conftest import REPO, SHORT, SMOKE89, TRAIN, communicate_or_fail, cpu_env, kill_tree, train_at, val_losses
 
 
 @pytest.mark.slow
@@ -74,23 +74,36 @@ def test_resume_reaches_the_val_losses_of_an_uninterrupted_run(short_run, tmp_pa
 
 
 @pytest.mark.slow
-def test_a_resumed_fp8_down_projection_run_ends_with_the_same_weights_and_scales(tmp_path, monkeypatch):
-    # Record #89's delayed scales are run state: the activation's (set by each forward) and the weight's (moved
-    # after each step; exact for the first DOWN_EXACT_STEPS, shortened here so that the resumed steps are delayed
-    # ones) must come back from the checkpoint, or the FP8 copies the forward reads differ. FP8 runs on a CPU
-    # through torch._scaled_mm when asked for, whose CPU kernel is slow: one micro-batch of 64 tokens a step.
+@pytest.mark.parametrize("recipe", ["record89", "smoke"])
+def test_a_resumed_fp8_run_ends_with_the_same_weights_and_scales(tmp_path, monkeypatch, recipe):
+    # FP8's delayed scales are run state: record #89's down-projection scales (the activation's, set by each
+    # forward, and the weight's, moved after each step) and record #92's MLP scales (the weights', the relu^2
+    # output's and the pre-activation gradient's) must come back from the checkpoint, or the FP8 copies the forward
+    # reads differ. Their exact refreshes are shortened here so that the resumed steps are delayed ones. FP8 runs on
+    # a CPU through torch._scaled_mm when asked for, whose CPU kernel is slow: one micro-batch of 64 tokens a step.
     monkeypatch.setattr(T, "DOWN_EXACT_STEPS", 2)
+    monkeypatch.setattr(T, "FULL_EXACT_REFRESHES", 2)
     flags = ["--num_iterations=6", "--extension_steps=1", "--micro_batches=1", "--stage_batch_tokens=64,64,64",
-             "--stage_max_seq_len=64,64,64", "--val_loss_every=0", "--val_tokens=512", "--val_seq_len=512",
-             "--warmup_steps=0", "--mlp_precision=fp8", f"--logs_dir={tmp_path}", f"--checkpoint_dir={tmp_path}",
-             "--save_final=true"]
+             "--extension_batch_tokens=64", "--stage_max_seq_len=64,64,64", "--val_loss_every=0", "--val_tokens=512",
+             "--val_seq_len=512", "--warmup_steps=0", "--mlp_precision=fp8", f"--logs_dir={tmp_path}",
+             f"--checkpoint_dir={tmp_path}", "--save_final=true"]
+    if recipe == "record89":  # the record89 preset's smoke-sized model, without the extension's own batch
+        flags = [*SMOKE89, *(flag for flag in flags if not flag.startswith("--extension_batch_tokens"))]
     train_at(1, *flags, "--save_every=4", "--run_id=full")
-    assert "mlp down-projection: fp8 (delayed scaling)" in (tmp_path / "full.txt").read_text()
-    train_at(1, *flags, f"--resume={tmp_path / 'full/step_000004'}", "--run_id=resumed")
+    log = (tmp_path / "full.txt").read_text()
     full = torch.load(tmp_path / "full/final/model.pt", weights_only=True)
+    if recipe == "record89":
+        assert "mlp down-projection: fp8 (delayed scaling)" in log
+        scales = [k for k in full if ".down_" in k]
+        expected = 3 * 6  # activation, weight and next weight scale in each of the 6 layers
+    else:
+        assert "mlp down-projection: fp8 (record #92: forward and backward, delayed scaling)" in log
+        scales = [k for k in full if ".fp8_" in k]
+        mlps = 10 + 1  # record #92's plan: ten layers' MLPs (layer 7 removed) and layer 8's parallel MLP
+        expected = 6 * mlps  # up and down weights' (each the scale and the next), relu^2 output's, dpre's
+    assert len(scales) == expected and len({float(full[k]) for k in scales}) > expected // 3  # moved, per layer
+    train_at(1, *flags, f"--resume={tmp_path / 'full/step_000004'}", "--run_id=resumed")
     resumed = torch.load(tmp_path / "resumed/final/model.pt", weights_only=True)
-    scales = [k for k in full if ".down_" in k]
-    assert len(scales) == 3 * 6 and len({float(full[k]) for k in scales}) > 6  # moved, per layer
     assert full.keys() == resumed.keys()
     for name, value in full.items():
         assert torch.equal(resumed[name], value) if isinstance(value, torch.Tensor) else resumed[name] == value, name

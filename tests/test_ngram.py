@@ -254,11 +254,19 @@ def test_the_memory_model_counts_record_92s_table_sharded():
     (["--bigram_vocab_size=4"], "at least 6"),
     ([f"--bigram_vocab_size={2 ** 31}"], "at most"),
     (["--embed_adam_period=3"], "multiple of --adam_every"),
-    (["--embed_adam_period=4", "--save_every=2"], "multiple of --embed_adam_period"),
+    (["--embed_adam_period=4", "--embed_adam_period_start=0", "--save_every=2"], "checkpoint at step 2 falls between two of the embeddings' Adam"),
+    (["--embed_adam_period=4", "--embed_adam_period_start=12", "--save_every=6"], "checkpoint at step 18 falls"),
 ])
 def test_the_config_refuses_what_the_table_cannot_be(flags, fragment):
     with pytest.raises(T.ConfigError, match=fragment):
         T.parse_args([*SMOKE89, "--ngram_channels=2", *flags], False)
+
+
+def test_checkpoints_at_the_embeddings_adam_steps_are_allowed_before_the_slow_cadence():
+    # every 2 steps while the embeddings step with Adam's own cadence (until 12), then every 4: no checkpoint
+    # holds a gradient between two of their Adam steps
+    T.parse_args([*SMOKE89, "--ngram_channels=2", "--embed_adam_period=4", "--embed_adam_period_start=12",
+                  "--num_iterations=12", "--extension_steps=1", "--save_every=2"], False)
 
 
 def test_the_table_must_split_evenly_over_the_ranks():

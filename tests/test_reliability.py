@@ -138,9 +138,9 @@ def test_a_crash_during_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatc
 
 @pytest.mark.slow
 def test_non_finite_loss_stops_the_run_with_the_log_intact(tmp_path):
-    # A huge learning rate makes the weights non-finite in NorMuon's first steps, then the train loss; it is
+    # A huge learning rate makes the weights non-finite in ANVIL's first steps, then the train loss; it is
     # checked every 4 steps (no validation comes first).
-    proc = train_at(2, *SHORT, "--val_loss_every=0", "--train_loss_every=4", "--muon_lr=1e30", f"--logs_dir={tmp_path}",
+    proc = train_at(2, *SHORT, "--val_loss_every=0", "--train_loss_every=4", "--anvil_lr=1e30", f"--logs_dir={tmp_path}",
                "--run_id=nan", check=False)
     assert proc.returncode != 0
     assert "non-finite train loss (nan) at step 4" in proc.stderr

@@ -226,8 +226,8 @@ def test_repeat_data_logs_every_time_the_data_starts_over(tmp_path):
     # that show a wrap repeats, and the smallest model run that has them).
     write_shard(tmp_path / "t_train_000001.bin", documents([100] * 7))
     logs = tmp_path / "logs"
-    proc = run_main(f"--train_files={tmp_path}/t_train_*.bin", "--stage_batch_tokens=512,512,512", "--micro_batches=1",
-                    "--num_iterations=3", "--extension_steps=1",
+    proc = run_main(f"--train_files={tmp_path}/t_train_*.bin", "--stage_batch_tokens=512,512,512",
+                    "--extension_batch_tokens=512", "--micro_batches=1", "--num_iterations=3", "--extension_steps=1",
                     "--warmup_steps=0", "--val_loss_every=0", "--val_tokens=1024", "--repeat_data=true",
                     f"--logs_dir={logs}", "--run_id=r")
     assert proc.returncode == 0, proc.stderr[-2000:]

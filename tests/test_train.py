@@ -28,20 +28,26 @@ def smoke_run(tmp_path_factory):
 def test_smoke_run_learns_and_writes_a_complete_log(smoke_run):
     proc, log = smoke_run
     args = T.parse_args([], cuda_available=False)
+    steps_total = args.num_iterations
     losses = val_losses(log)
-    assert sorted(losses) == list(range(0, args.num_iterations + 1, args.val_loss_every))
-    assert losses[0] - losses[args.num_iterations] >= 3.0, losses
+    assert sorted(losses) == [*range(0, steps_total, args.val_loss_every), steps_total]
+    assert losses[0] - losses[steps_total] >= 3.0, losses
     source, header, steps = log.split("=" * 100 + "\n")
     assert source == TRAIN.read_text() + "\n"
     assert f"code_sha256: {T.code_hash(TRAIN.read_text())}" in header
     assert "NOT a record run" in header and "world_size: 1" in header
-    assert "  num_iterations = 30" in header
-    step_lines = re.findall(r"^step:(\d+)/30 (?:train_loss:\S+ )?train_time:\d+ms step_avg:\S+ms$", steps, re.M)
-    assert [int(s) for s in step_lines] == list(range(1, 31))
+    assert f"  num_iterations = {steps_total}" in header
+    # record #92's paths, at the smoke size
+    for line in ("matrix optimizer: ANVIL", "training loss: sampled softmax (record #92)",
+                 "n-gram table: 50,400 rows x 64 (bigram and trigram channels)", "terminal ships (record #92)"):
+        assert f"\n{line}" in header, line
+    step_lines = re.findall(rf"^step:(\d+)/{steps_total} (?:train_loss:\S+ )?train_time:\d+ms step_avg:\S+ms$", steps,
+                            re.M)
+    assert [int(s) for s in step_lines] == list(range(1, steps_total + 1))
     summary = steps.strip().splitlines()[-1]
-    assert re.fullmatch(r"summary: final_val_loss:\S+ train_time:\d+ms steps:30 tokens_per_s:\d+ mfu:[\d.]+% "
-                        r"world_size:1 device:cpu", summary), summary
-    assert f"final_val_loss:{losses[30]:.4f}" in summary
+    assert re.fullmatch(rf"summary: final_val_loss:\S+ train_time:\d+ms steps:{steps_total} tokens_per_s:\d+ "
+                        rf"mfu:[\d.]+% world_size:1 device:cpu", summary), summary
+    assert f"final_val_loss:{losses[steps_total]:.4f}" in summary
     assert "val_loss:" in proc.stdout and "summary:" in proc.stdout  # rank 0 prints the same lines
 
 

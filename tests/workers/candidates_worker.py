@@ -12,7 +12,7 @@ import train_gpt as T  # noqa: E402
 
 # Steps of 6 micro-batches of 64 tokens (6 splits over 2 and 3 ranks), the count ramping within the second stage
 FLAGS = ["--preset=smoke", "--num_iterations=6", "--extension_steps=1", "--stage_batch_tokens=384,384,384",
-         "--micro_batches=6", "--stage_softmax_candidates=512,256|512,1024"]
+         "--extension_batch_tokens=384", "--micro_batches=6", "--stage_softmax_candidates=512,256|512,1024"]
 
 
 def sets_of(batch) -> list:
