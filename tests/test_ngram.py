@@ -254,7 +254,8 @@ def test_the_memory_model_counts_record_92s_table_sharded():
     (["--bigram_vocab_size=4"], "at least 6"),
     ([f"--bigram_vocab_size={2 ** 31}"], "at most"),
     (["--embed_adam_period=3"], "multiple of --adam_every"),
-    (["--embed_adam_period=4", "--embed_adam_period_start=0", "--save_every=2"], "checkpoint at step 2 falls between two of the embeddings' Adam"),
+    (["--embed_adam_period=4", "--embed_adam_period_start=0", "--save_every=2"],
+     "checkpoint at step 2 falls between two of the embeddings' Adam"),
     (["--embed_adam_period=4", "--embed_adam_period_start=12", "--save_every=6"], "checkpoint at step 18 falls"),
 ])
 def test_the_config_refuses_what_the_table_cannot_be(flags, fragment):

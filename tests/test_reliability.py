@@ -140,8 +140,8 @@ def test_a_crash_during_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatc
 def test_non_finite_loss_stops_the_run_with_the_log_intact(tmp_path):
     # A huge learning rate makes the weights non-finite in ANVIL's first steps, then the train loss; it is
     # checked every 4 steps (no validation comes first).
-    proc = train_at(2, *SHORT, "--val_loss_every=0", "--train_loss_every=4", "--anvil_lr=1e30", f"--logs_dir={tmp_path}",
-               "--run_id=nan", check=False)
+    proc = train_at(2, *SHORT, "--val_loss_every=0", "--train_loss_every=4", "--anvil_lr=1e30",
+                    f"--logs_dir={tmp_path}", "--run_id=nan", check=False)
     assert proc.returncode != 0
     assert "non-finite train loss (nan) at step 4" in proc.stderr
     log = (tmp_path / "nan.txt").read_text()
@@ -276,7 +276,7 @@ def test_ctrl_c_under_torchrun_ends_every_rank_in_one_line(tmp_path):
     # then sends SIGINT to the ranks again). It comes as soon as a checkpoint after the first has started to be
     # written, so during that save or in the step after it.
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(TRAIN), *LONG_SHORT, "--save_every=2", f"--logs_dir={tmp_path}",
+                             str(TRAIN), *LONG_SHORT, "--save_every=4", f"--logs_dir={tmp_path}",
                              f"--checkpoint_dir={tmp_path}/ck", "--run_id=ctrlc"],
                             cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -303,7 +303,7 @@ def test_ctrl_c_under_torchrun_ends_every_rank_in_one_line(tmp_path):
     assert not [name for name in names if name.startswith(".")], names  # nothing unfinished
     latest = run_dir / (run_dir / "latest").read_text().strip()
     assert names == ["latest", *sorted(p.name for p in run_dir.glob("step_*"))] and latest.name == names[-1]
-    args = T.parse_args([*LONG_SHORT, "--save_every=2"], False)
+    args = T.parse_args([*LONG_SHORT, "--save_every=4"], False)
     T.check_checkpoint(latest, args, T.DistEnv(0, 0, 2, torch.device("cpu")), TRAIN.read_text())
 
 

@@ -9,14 +9,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 import train_gpt as T  # noqa: E402
+from conftest import SMOKE89  # noqa: E402
 
 
 def check_hooks(rank: int, world: int):
     """Asserts where every reduce-scatter started; inside an initialised group of a size that splits the batch."""
-    # Smoke steps of 4 micro-batches of 64 tokens: what is checked does not depend on their length, and the step's
-    # time is mostly the loss head's, in proportion to the tokens (256-token micro-batches: 7.4 s at world size 2).
-    args = T.parse_args(["--preset=record89", "--stage_batch_tokens=256,256,256"], False)
+    # Record #89's smoke-sized model (DistAdam's every bucket on Adam's cadence), steps of 4 micro-batches of 64
+    # tokens: what is checked does not depend on their length, and the step's time is mostly the loss head's, in
+    # proportion to the tokens (256-token micro-batches: 7.4 s at world size 2).
+    args = T.parse_args([*SMOKE89, "--stage_batch_tokens=256,256,256"], False)
     env = T.DistEnv(rank, rank, world, torch.device("cpu"))
     model = T.build_model(args, env)
     muon, adam = T.build_optimizers(model, args)
