@@ -6078,6 +6078,16 @@ def micro_batch_choices(batch_tokens: int, world_size: int, window_block: int) -
             if batch_tokens % count == 0 and (batch_tokens // count) % window_block == 0]
 
 
+def stage_micro_batch_choices(args: Hyperparameters, world_size: int) -> list[list[int]]:
+    """micro_batch_choices of each --micro_batches stage; the last one's also split the extension's batch, which
+    trains at its count (record #92's extension has a batch of its own)."""
+    *stages, extension = Schedule(args).stages
+    choices = [micro_batch_choices(stage.batch_tokens, world_size, args.window_block) for stage in stages]
+    splits_extension = micro_batch_choices(extension.batch_tokens, world_size, args.window_block)
+    choices[-1] = [count for count in choices[-1] if count in splits_extension]
+    return choices
+
+
 def micro_batches_flag(counts) -> str:
     """--micro_batches's value for these per-stage counts: one count when they are all the same."""
     return str(counts[0]) if len(set(counts)) == 1 else ",".join(map(str, counts))
@@ -6109,7 +6119,7 @@ def fit_micro_batches(args: Hyperparameters, world_size: int, device: torch.devi
     during the search, and with them nothing a phase holds does, so each stage's first fit stays a fit."""
     stages = Schedule(args).stages[:-1]  # the flag's stages; the extension trains at the last one's count
     given = stage_micro_batches(args, len(stages))
-    choices = [micro_batch_choices(stage.batch_tokens, world_size, args.window_block) for stage in stages]
+    choices = stage_micro_batch_choices(args, world_size)
     for i, (stage, options) in enumerate(zip(stages, choices)):
         if given[i] is None and not options:
             raise ConfigError(f"--micro_batches=auto: stage {i + 1}'s batch of {stage.batch_tokens:,} tokens cannot "

@@ -212,6 +212,18 @@ def test_auto_choices_are_multiples_of_the_world_size_that_split_the_batch_into_
         T.fit_micro_batches(smoke_args("--micro_batches=auto"), 32, CPU, T.Numerics(), "sdpa", 2 ** 40, "")
 
 
+def test_the_last_stage_s_choices_also_split_the_extension_s_own_batch():
+    # the smoke preset's third stage of 3,072 tokens and its extension of 1,024 (record #92's extension has a batch
+    # of its own) at the third stage's count: 3 micro-batches would cut the extension into 341.3 tokens each
+    args = T.parse_args(["--preset=smoke", "--micro_batches=auto"], False)
+    assert T.stage_micro_batch_choices(args, 1) == [T.micro_batch_choices(1024, 1, 64),
+                                                    T.micro_batch_choices(2048, 1, 64), [1, 2, 4, 8, 16]]
+    # the speedrun's taper of 2,560 blocks of 128 tokens and its extension of 1,024: the multiples of 8 ranks that
+    # divide both, gcd 512
+    speedrun = T.parse_args(["--preset=speedrun"], False)
+    assert T.stage_micro_batch_choices(speedrun, 8)[-1] == [8, 16, 32, 64, 128, 256, 512]
+
+
 def test_memory_models_of_one_configuration_share_their_forward_passes(monkeypatch):
     # World sizes and micro-batch counts change only what the optimizers hold and what a step sends: one forward
     # pass per micro-batch size serves every memory model of a configuration (tools/estimate_memory.py's world
