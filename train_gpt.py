@@ -6103,9 +6103,12 @@ def fit_micro_batches(args: Hyperparameters, world_size: int, device: torch.devi
     """The micro-batch count of each stage, and every phase's rows with them: --micro_batches as given, or
     for auto the fewest per stage whose phases fit `budget` (`within` says it in words). Counts only grow
     during the search, and with them nothing a phase holds does, so each stage's first fit stays a fit."""
-    stages = Schedule(args).stages[:-1]  # the flag's stages; the extension trains at the last one's count
+    *stages, extension = Schedule(args).stages  # the flag's stages; the extension trains at the last one's count
     given = stage_micro_batches(args, len(stages))
     choices = [micro_batch_choices(stage.batch_tokens, world_size, args.window_block) for stage in stages]
+    # so the last one's count must split the extension's batch too (record #92: 327,680 and 131,072 tokens)
+    splits_extension = micro_batch_choices(extension.batch_tokens, world_size, args.window_block)
+    choices[-1] = [count for count in choices[-1] if count in splits_extension]
     for i, (stage, options) in enumerate(zip(stages, choices)):
         if given[i] is None and not options:
             raise ConfigError(f"--micro_batches=auto: stage {i + 1}'s batch of {stage.batch_tokens:,} tokens cannot "
