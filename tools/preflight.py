@@ -771,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
     except (T.ConfigError, T.DataError) as e:  # (console_line escapes the names and flags they quote)
         T.console_line(f"error: {e}", sys.stderr)
         return 2
-    except PreflightFailure as e:
+    except (PreflightFailure, T.TrainingError) as e:  # (the loader's refusal of a batch, as the trainer's)
         T.console_line(f"error: {e}", sys.stderr)
         return 1
     print_report(report)
