@@ -212,6 +212,17 @@ def test_auto_choices_are_multiples_of_the_world_size_that_split_the_batch_into_
         T.fit_micro_batches(smoke_args("--micro_batches=auto"), 32, CPU, T.Numerics(), "sdpa", 2 ** 40, "")
 
 
+@pytest.mark.slow  # the memory model of record #92's model at several counts (about 20 s)
+def test_auto_gives_the_last_stage_a_count_that_splits_the_extension_batch_too():
+    # Record #92's extension (131,072 tokens a step) trains at its taper's count (327,680 tokens): at world size 1,
+    # with an n-gram table of 20 x 2**20 rows, auto chose 5 for the taper, and the memory model failed on the
+    # extension's micro-batches of 26,214.4 tokens (a RuntimeError in a fake tensor's shapes). Now every count it
+    # tries for the taper splits both batches, and the search ends in the refusal it owes: stage 3 cannot fit.
+    args = T.parse_args(["--preset=speedrun", f"--bigram_vocab_size={20 * 2 ** 20}"], True)
+    with pytest.raises(T.DoesNotFitError, match="no micro-batch of stage 3's batch fits 67.70 GiB"):
+        estimate_memory.auto_counts(args, 1)
+
+
 def test_memory_models_of_one_configuration_share_their_forward_passes(monkeypatch):
     # World sizes and micro-batch counts change only what the optimizers hold and what a step sends: one forward
     # pass per micro-batch size serves every memory model of a configuration (tools/estimate_memory.py's world
