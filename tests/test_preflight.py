@@ -73,12 +73,16 @@ def line_of(text: str) -> int:
     return lines[0]
 
 
-# The phases of the speedrun's schedule (record #89: 1,270 steps in three stages, then 15 of extension): the first
-# two steps of each stage (a step without Adam and one with it, Adam stepping on odd steps: stages 2 and 3 start on
-# one), the untie at the first Adam step of stage 3 and the next Adam step, and the validation at the final windows.
-PHASES = ["setup", "training step 0", "training step 1", "training step 423", "training step 424",
-          "training step 847", "training step 848", "training step 849", "training step 1270",
-          "training step 1271", "validation"]
+# The phases of the speedrun's schedule (record #92: stages of 1,194 steps ending at 320, 681, 1,107 (the taper) and
+# 1,174, then 20 of extension): the warmup's first two steps (one without Adam and one with it: Adam steps on odd
+# steps) of each of the five stages and of the third stage's last third, whose loss takes 24,576 candidates (the
+# second third keeps 14,336: no new shape); the value embeddings' and the n-gram table's first Adam step on their
+# 4-step cadence from step 336 (339: step + 1 a multiple of 4); the untie at the extension's first Adam step and the
+# next Adam step; and the validation at the final windows. 6 x 2 + 1 + 1 = 14 training steps.
+PHASES = ["setup", "training step 0", "training step 1", "training step 320", "training step 321",
+          "training step 339", "training step 681", "training step 682", "training step 965", "training step 966",
+          "training step 1107", "training step 1108", "training step 1174", "training step 1175",
+          "training step 1177", "validation"]
 VALIDATION_SYNC = f"aten::_local_scalar_dense in evaluate at train_gpt.py:{line_of('return loss_sum.item() / (num_seqs')}"
 
 
@@ -91,26 +95,30 @@ def phase_lines(run) -> dict:
 def test_every_phase_of_the_schedule_passes_at_world_size_8(preflight_runs):
     run = preflight_runs["world_size_8"]
     summary = passed(run)
-    assert summary["world_size"] == "8" and summary["steps"] == "9" and summary["host_syncs_in_steps"] == "0"
+    assert summary["world_size"] == "8" and summary["steps"] == "14" and summary["host_syncs_in_steps"] == "0"
     assert list(run["phases"]) == PHASES and list(phase_lines(run)) == PHASES  # a line per phase
     what = {name: phase["what"] for name, phase in run["phases"].items()}
     assert what["training step 0"] == "stage 1, 16,384 tokens per micro-batch"
-    assert what["training step 423"] == "stage 2, 32,768 tokens per micro-batch, Adam"
-    assert what["training step 847"] == "stage 3, 49,152 tokens per micro-batch, Adam, untie"
-    assert what["training step 1270"] == "extension, 49,152 tokens per micro-batch"
+    assert what["training step 320"] == "stage 2, 32,768 tokens per micro-batch"
+    assert what["training step 681"] == "stage 3, 49,152 tokens per micro-batch, Adam"
+    assert what["training step 1107"] == "stage 4, 40,960 tokens per micro-batch, Adam"  # the taper: 327,680 / 8
+    assert what["training step 1175"] == "extension, 16,384 tokens per micro-batch, Adam, untie"
     assert what["validation"] == "final windows (6, 20), 262,144-token sequences"
-    # Per layer (11), for the stem, the final mix and the block masks, one graph per sequence length: 16,384,
-    # 32,768 and 49,152 tokens, and the validation's 262,144; the loss head one per training length (with its
-    # count of MTP targets: 3, 2, 1); NorMuon's update one per shape of stack (3), the FP8 refresh two (record
-    # #89's down-projection weight scales: exact for the first 16 steps, delayed after), and
-    # DistAdam's updates (any size: one per kind of bucket) and the tied embedding's transposes at the first
-    # Adam step. All of them in the first steps of each stage and the validation, which the warmup runs.
-    assert run["graphs"] == {"block masks": 4, "stem": 4, "layers": 44, "final mix": 4, "loss head": 3, "NorMuon": 3,
+    # One graph per sequence length for each layer (11 blocks), the stem, the final mix and the block masks:
+    # 16,384 tokens (stage 1 and the extension), 32,768, 49,152, 40,960 and the validation's 262,144. The loss head
+    # one per training length and candidate count: 10,240 candidates at 16,384 and 32,768 tokens, 14,336 and 24,576
+    # at 49,152, the full softmax at 40,960 and at the extension's 16,384. ANVIL's update one per shape of stack
+    # (3); the FP8 refresh two (record #92's full-FP8 MLP scales: exact for the first 16 refreshes, delayed after);
+    # DistAdam's updates (one per kind of bucket, a dynamic one where a kind has several sizes), the tied
+    # embedding's transposes and the value embeddings' update with their squared betas at step 339. All of them in
+    # the first steps of each stage and the validation, which the warmup runs.
+    assert run["graphs"] == {"block masks": 5, "stem": 5, "layers": 55, "final mix": 5, "loss head": 6, "NorMuon": 3,
                              "FP8 refresh": 2, "DistAdam": 9}
     compiled = {name: phase["graphs"] for name, phase in run["phases"].items() if phase["graphs"]}
-    assert compiled == {"training step 0": 19, "training step 1": 9, "training step 423": 16, "training step 847": 15,
-                        "validation": 14}
-    assert "dynamo's limit per code object is 64" in run["stdout"]  # 44 layer graphs share one code object
+    assert compiled == {"training step 0": 19, "training step 1": 8, "training step 320": 16, "training step 339": 1,
+                        "training step 681": 15, "training step 965": 1, "training step 1107": 15,
+                        "training step 1174": 1, "validation": 14}
+    assert "dynamo's limit per code object is 64" in run["stdout"]  # 55 layer graphs share one code object
     # the compile backend's time per part, which shows a compile cliff on this CPU before a GPU is rented (the
     # block masks' Triton sort: 475 s under inductor)
     assert sorted(run["compile_seconds"]) == sorted(run["graphs"]) and all(s > 0 for s in run["compile_seconds"].values())
@@ -124,58 +132,91 @@ def test_every_phase_of_the_schedule_passes_at_world_size_8(preflight_runs):
 @pytest.mark.slow
 def test_a_step_launches_few_eager_ops_whatever_the_number_of_matrices_or_buckets(preflight_runs):
     # tools/op_counts.py's counts of each training step (the preflight's first steps of each stage): the host
-    # issues each part of the step as a few calls, not an op per matrix, bucket or chunk of rows (before issue 37:
-    # NorMuon 1,338 eager ops a step, DistAdam 232 an Adam step, the block masks 177, the FP8 refresh 77, the
+    # issues each part of the step as a few calls, not an op per matrix, bucket, row or chunk of rows (before issue
+    # 37: NorMuon 1,338 eager ops a step, DistAdam 232 an Adam step, the block masks 177, the FP8 refresh 77, the
     # loss head 54-132).
     run = preflight_runs["world_size_8"]
     steps = {name: phase["counts"] for name, phase in run["phases"].items() if name.startswith("training step")}
-    assert len(steps) == 9
+    assert len(steps) == 14
     for name, counts in steps.items():
         by_source = counts["eager_ops_by_source"]
-        assert by_source.get("NorMuon", 0) <= 8 * 3, name  # three stacks (one per shape), a few ops each
+        assert by_source.get("NorMuon", 0) <= 8 * 3, name  # ANVIL, on NorMuon's machinery: three stacks, a few ops each
         assert by_source.get("DistAdam", 0) <= 6 * 16 + 8, name  # sixteen buckets
+        # the n-gram table, whatever its number of rows: a pull per step (7 ops) and a merge of its rows' gradient
+        # into those since the table's last Adam step (5); on the table's Adam steps (odd until 336, then 3 mod 4)
+        # the rows' exchange and their Adam step, which runs eagerly (ngram_adam_rows: about 40 ops)
+        step = int(name.split()[-1])
+        table_step = step % 2 == 1 and (step < 336 or (step + 1) % 4 == 0)
+        assert by_source.get("NgramAdam", 0) <= (64 if table_step else 16), name
         assert by_source.get("block masks", 0) <= 2, name  # a windows tensor; the rest is one compiled call
         assert by_source.get("FP8 refresh", 0) == 0 and by_source.get("loss head", 0) <= 8, name
         assert counts["eager_ops"] < 500, name
-        # no gradient padded to a whole gathered tensor: no (tables, T, dim) value-embedding rows, no gate net's
-        # full output, no (layers, 2) lambdas. (A parameter's .grad is added to once per micro-batch: not these.)
+        # no gradient padded to a whole gathered tensor: no (4 tables, T, dim) value-embedding rows, no gate net's
+        # full output (the head mix's 14 or its gate's 41), no (layers, 2) lambdas. (A parameter's .grad is added
+        # to once per micro-batch: not these.)
         shapes = {tuple(add["shape"]) for add in counts["adds"] if add["into"] == "an activation"}
-        assert not any(len(shape) == 3 and shape[0] == 5 for shape in shapes), (name, shapes)
-        assert (11, 2) not in shapes and not any(len(shape) == 3 and shape[0] == 1 and shape[2] in (26, 41)
+        assert not any(len(shape) == 3 and shape[0] == 4 for shape in shapes), (name, shapes)
+        assert (11, 2) not in shapes and not any(len(shape) == 3 and shape[0] == 1 and shape[2] in (14, 41)
                                                  for shape in shapes), (name, shapes)
-    assert steps["training step 847"]["eager_ops_by_source"]["DistAdam"] > 0  # (an Adam step is counted)
+    assert steps["training step 681"]["eager_ops_by_source"]["DistAdam"] > 0  # (an Adam step is counted)
+    assert steps["training step 339"]["eager_ops_by_source"]["NgramAdam"] > \
+        steps["training step 681"]["eager_ops_by_source"]["NgramAdam"] > 0  # (the table's Adam step is counted)
 
 
 @pytest.mark.slow
 def test_world_size_8_issues_the_collectives_of_rank_0_with_their_real_shapes(preflight_runs):
     run = preflight_runs["world_size_8"]
     collectives = {name: phase["collectives"] for name, phase in run["phases"].items()}
-    # Counted by hand for the speedrun (width 768, 6 heads of 128) at world size 8. NorMuon reduce-scatters
-    # the bf16 gradients and all-gathers the bf16 matrices in stacks of 8 same-shape matrices (short stacks
-    # padded, as the record's banks): 60 qk heads (256, 768) padded to 64, 20 vo halves (768, 768) padded
-    # to 24, 22 MLP matrices (3072, 768) padded to 24.
-    d, vocab, bigram = 768, 50304, 377280
-    muon = 2 * (64 * 256 * d + 24 * d * d + 24 * 4 * d * d)
-    for step in ("training step 0", "training step 424", "training step 848", "training step 1270"):
-        assert collectives[step] == {"reduce-scatter": muon, "all-gather": muon}, step
-    # Adam, on odd steps: the tied embedding and lm_head reduced once (their summed gradient) and the 5
-    # value-embedding tables, bf16; the bigram table's touched rows by all-to-all, then the whole table
-    # gathered; the small parameters in coalesced buckets (a few KiB).
+    # Counted by hand for the speedrun (width 768, record #92's 7 attention layers and 11 MLPs) at world size 8.
+    # ANVIL reduce-scatters the bf16 gradients and all-gathers the bf16 matrices in stacks of same-shape matrices,
+    # dealt out round robin and padded to a multiple of 8 (_MatrixStack): 42 qk heads (256, 768) (6 a layer) padded
+    # to 48, 14 vo halves (768, 768) padded to 16, 22 MLP matrices (2816, 768) (the up- and down-projections of 10
+    # layers and layer 8's parallel MLP) padded to 24.
+    d, vocab, mlp = 768, 50304, 2816
+    anvil = 2 * (48 * 256 * d + 16 * d * d + 24 * mlp * d)
+    without_adam = ("training step 0", "training step 320", "training step 682", "training step 966",
+                    "training step 1108", "training step 1174")
+    for step in without_adam:
+        assert collectives[step]["reduce-scatter"] == collectives[step]["all-gather"] == anvil, step
+    # Adam, on odd steps: the tied embedding and lm_head reduced once (their summed gradient) and, on their cadence
+    # (every Adam step until 336, then steps 3 mod 4), the 4 value-embedding tables, bf16; the small parameters in
+    # coalesced buckets (a few KiB). The n-gram table is no bucket: its rows travel by all-to-all (below).
     tied = collectives["training step 1"]
-    small = tied["reduce-scatter"] - muon - 2 * 6 * vocab * d
-    gates_and_mudd = 5 * 6 * 12 + 12 + 2 * 2 * 64 * d + 2 * 14 * 64 + 2 * 14 + 2 * 41 * 64 + 2 * 41  # bf16
+    small = tied["reduce-scatter"] - anvil - 2 * 5 * vocab * d
+    gates_and_mudd = 5 * 6 * 12 + 12 + 2 * 2 * 64 * d + 2 * 14 * 64 + 2 * 14 + 14 * 12 * 64 + 2 * 41 * 64 + 2 * 41
     scalars = 24 + 2 * 11 * 2 + 1  # fp32
     assert 2 * gates_and_mudd + 4 * scalars <= small < 2 * gates_and_mudd + 4 * scalars + 1024  # + padding
-    assert tied["all-gather"] == muon + 2 * 6 * vocab * d + 2 * bigram * d + small
-    assert 0 < tied["all-to-all"] < 2 * 16384 * (2 * d + 8)  # the rows its tokens of steps 0 and 1 touched, sent
-    # Untied (from step 849 on), the embedding's own gradient and weights travel too.
-    assert collectives["training step 849"].keys() == collectives["training step 1271"].keys()
-    untied = collectives["training step 1271"]
-    assert untied["reduce-scatter"] == tied["reduce-scatter"] + 2 * vocab * d
-    assert untied["all-gather"] == tied["all-gather"] + 2 * vocab * d
+    assert tied["all-gather"] == tied["reduce-scatter"]
+    for step in ("training step 321", "training step 339", "training step 1107"):  # the value embeddings' steps
+        assert collectives[step]["reduce-scatter"] == collectives[step]["all-gather"] == tied["reduce-scatter"], step
+    for step in ("training step 681", "training step 965"):  # Adam without them (682 and 966 are not 3 mod 4)
+        assert collectives[step]["reduce-scatter"] == anvil + 2 * vocab * d + small, step
+    # The untie (step 1175): the embedding takes the lm_head's Adam state, gathered (fp32 exp_avg and exp_avg_sq).
+    # Untied (step 1177, off the cadence), the embedding's own gradient and weights travel too.
+    untie = collectives["training step 1175"]
+    assert untie["reduce-scatter"] == tied["reduce-scatter"]
+    assert untie["all-gather"] == tied["all-gather"] + 2 * 4 * vocab * d
+    untied = collectives["training step 1177"]
+    assert untied["reduce-scatter"] == untied["all-gather"] == anvil + 2 * 2 * vocab * d + small
+    # The n-gram table's rows by all-to-all: each step pulls the rows its tokens read that other ranks own (their
+    # count to each rank, 8 int64; their ids, int64, host to host; the rows, bf16 of width d), 2 rows a token (its
+    # bigram and trigram), fewer where tokens repeat; at the table's Adam steps the rows read since the last one
+    # send their gradient to their owners the same way (bf16 rows). What rank 0 receives is what it sends (the fake
+    # group's ranks are alike), so each exchange is 64 + n (2 d + 8) bytes for n rows. Of a step's 2 T rows (T tokens
+    # a rank: one micro-batch), most are distinct (84,602,880 rows) and 7 in 8 of those another rank's.
+    row, counts = 2 * d + 8, 8 * 8
+    for step in without_adam:
+        tokens = int(run["phases"][step]["what"].split(", ")[1].split()[0].replace(",", ""))
+        rows, rest = divmod(collectives[step]["all-to-all"] - counts, row)
+        assert rest == 0 and tokens * 7 // 8 < rows <= 2 * tokens, (step, rows)
+    for step, exchanges in (("training step 1", 2), ("training step 339", 2), ("training step 681", 1)):
+        rows, rest = divmod(collectives[step]["all-to-all"] - exchanges * counts, row)
+        assert rest == 0 and rows > 0, step
+    # the gradients of steps 0 and 1's rows (the table's Adam step), and step 1's pull
+    assert collectives["training step 1"]["all-to-all"] > 2 * collectives["training step 0"]["all-to-all"]
     assert collectives["setup"] == {"broadcast": sum(run["parameters"][t] * (2 if t == "bfloat16" else 4)
-                                                     for t in run["parameters"]) + 2 * 8192 * d}  # + bigram signs
-    per_step = (muon * 2 + tied["reduce-scatter"] + tied["all-gather"] + tied["all-to-all"]) / 2
+                                                     for t in run["parameters"]) + 2 * 8192 * d}  # + n-gram signs
+    per_step = (sum(collectives["training step 0"].values()) + sum(tied.values())) / 2
     assert f"stage 1 {per_step / 1e6:,.1f} MB" in run["stdout"]
 
 
@@ -183,9 +224,10 @@ def test_world_size_8_issues_the_collectives_of_rank_0_with_their_real_shapes(pr
 def test_preflight_memory_agrees_with_estimate_memory_per_stage(preflight_runs):
     # The preflight follows the live tensors of the compiled step; tools/estimate_memory.py counts the
     # eager step's saved tensors and the optimizer's buffers: the two agree to within 25% in every training
-    # phase (measured: 0.93 to 1.13). The validation's compiled forward keeps less than the eager one the
-    # model follows, how much less with the PyTorch version: 0.84 of the count under 2.13, 0.72 under 2.11,
-    # and on a real H200 (PyTorch 2.11, inductor) 0.62; the count is an upper bound there.
+    # phase (record #92 under PyTorch 2.13: 0.78, at stage 3's first step, to 0.95). The validation's compiled
+    # forward keeps less than the eager one the model follows, how much less with the PyTorch version (record
+    # #89's: 0.84 of the count under 2.13, 0.72 under 2.11, and on a real H200 (PyTorch 2.11, inductor) 0.62;
+    # record #92's: 0.96 under 2.13); the count is an upper bound there.
     run = preflight_runs["world_size_8"]
     for name, phase in run["phases"].items():
         if phase["stage"] is None:

@@ -1,7 +1,8 @@
 """tools/preflight.py's other scenarios, beside tests/test_preflight.py's speedrun run (pytest-xdist runs the
-two files in parallel): world size 1 with --compile=false and the checkpoint writers, the failures it must
-report (a phase that cannot fit, an injected host sync, CPU tensor and FP8 layout mistake), a recipe larger
-than the host, and inductor's kernels for FlexAttention."""
+two files in parallel), all on the speedrun preset (record #92) at reduced width: world size 1 with the n-gram
+table that fits, --compile=false and the checkpoint writers, the failures it must report (a table that cannot
+fit, an injected host sync, CPU tensor and FP8 layout mistake), a recipe larger than the host, and inductor's
+kernels for FlexAttention."""
 
 import re
 
@@ -27,43 +28,50 @@ def passed_on_second_run(run) -> dict:
 
 @pytest.mark.slow
 def test_world_size_1_passes_every_phase_without_collectives(preflight_runs):
-    run = preflight_runs["rtx3090_too_big"]  # with --compile=false and the checkpoint writers
+    run = preflight_runs["rtx3090_too_big"]  # record #92 with the table that fits, --compile=false, checkpoints
     summary = passed_on_second_run(run)
     assert summary["world_size"] == "1" and list(run["phases"]) == PHASES + ["checkpoint"]
     assert all(phase["collectives"] == {} for phase in run["phases"].values())
+    assert "--bigram_vocab_size=2097152" in run["stderr"]
 
 
 @pytest.mark.slow
 def test_a_recipe_larger_than_the_host_is_never_built_on_it_and_cannot_fit(preflight_runs):
-    # Width 8,192: 8.9 billion parameters, 36 GB in fp32 if built for real (an early preflight was killed by
-    # the host's OOM killer, exit 137, with no output). No micro-batch can help: its weights, gradients and
-    # optimizer state alone are more than 85% of an H100, which the trainer's start-up check tells from fake
-    # tensors before anything is built; the process stays small.
+    # Width 8,192 with MLPs of 32,768: billions of parameters, tens of GB in fp32 if built for real (an early
+    # preflight was killed by the host's OOM killer, exit 137, with no output). No micro-batch and no smaller
+    # n-gram table can help: its weights, gradients and optimizer state alone, without the table, are more than
+    # 85% of an H100, which the trainer's start-up check tells from fake tensors before anything is built; the
+    # process stays small.
     run = preflight_runs["huge"]
     line = failed(run, "error: the weights, gradients and optimizer state alone take ", " GiB per rank, over 67.70 GiB "
                   "per rank (85% of the 79.65 GiB of cuda:0 (NVIDIA H100 80GB HBM3)); more GPUs share the optimizer "
-                  "state; cannot fit on 8 H100")
-    assert line.endswith("cannot fit on 8 H100") and float(line.split("take ")[1].split(" GiB")[0]) > 67.70
+                  "state; or a smaller --bigram_vocab_size: the n-gram table's 84,602,880 rows take ")
+    assert line.endswith(" GiB per rank; cannot fit on 8 H100")
+    state, table = (float(line.split(before)[1].split(" GiB")[0]) for before in ("take ", "rows take "))
+    assert state - table > 67.70  # without the table
     assert run["max_rss_bytes"] < 6 * GIB, run["max_rss_bytes"] / GIB
 
 
 @pytest.mark.slow
-def test_a_card_a_step_cannot_fit_gets_the_flags_that_do_checked_by_a_second_run(preflight_runs):
-    # 262,144 tokens in one micro-batch at width 128 on an RTX 3090 (24 GiB, no FP8): the first step needs
-    # about 30 GiB. The trainer's start-up check refuses it; tools/estimate_memory.py, from the same budget,
-    # finds two micro-batches of 131,072 tokens (the same batch), the preflight runs again with them and
-    # passes; its report is printed, the error line gives the command.
+def test_a_card_that_cannot_hold_the_ngram_table_gets_the_size_that_fits_checked_by_a_second_run(preflight_runs):
+    # Record #92's table of 84,602,880 rows at width 128 is 20.17 GiB in bf16 on one RTX 3090 (24 GiB, no FP8): its
+    # state alone is over the card's 85%. The trainer's start-up check refuses it; tools/estimate_memory.py, from
+    # the same budget, bisects the table in whole 2**20 rows for the largest with which the given micro-batch (one
+    # of 262,144 tokens, which fits beside a small table) fits every training phase: 2 x 2**20 rows (not 3). The
+    # preflight runs again with it and passes; its report is printed, the error line gives the command and says
+    # the table is not the flags'.
     run = preflight_runs["rtx3090_too_big"]
-    failed(run, "error: --micro_batches=1: stage 1's micro-batches of 262,144 tokens need ", " GiB per rank "
-           "(predicted), over 20.40 GiB per rank (85% of the 24.00 GiB of cuda:0 (NVIDIA GeForce RTX 3090)); "
-           "--micro_batches=2 fits (what --micro_batches=auto chooses); it fits with --micro_batches=2 (the same "
-           "batches and validation tokens; the report above): python tools/preflight.py --gpu=rtx3090 "
-           "--world_size=1 -- ", " --micro_batches=2")
+    failed(run, "error: the weights, gradients and optimizer state alone take ", " GiB per rank, over 20.40 GiB per "
+           "rank (85% of the 24.00 GiB of cuda:0 (NVIDIA GeForce RTX 3090)); more GPUs share the optimizer state; "
+           "or a smaller --bigram_vocab_size: the n-gram table's 84,602,880 rows take 20.17 GiB per rank; it fits "
+           "with --bigram_vocab_size=2097152 (the same batches and validation tokens, an n-gram table of 2,097,152 "
+           "rows, not 84,602,880; the report above): python tools/preflight.py --gpu=rtx3090 --world_size=1 -- ",
+           " --bigram_vocab_size=2097152")
     assert passed_on_second_run(run)["gpu"] == "rtx-3090"
     report = run["stdout"].splitlines()
     peaks = [float(m) for m in re.findall(r": memory (\S+) GiB", run["stdout"])]
     assert len(peaks) == len(PHASES) + 1 and max(peaks) <= 24.0, peaks  # and the checkpoint
-    assert "131,072 tokens per micro-batch" in run["stdout"]
+    assert "262,144 tokens per micro-batch" in run["stdout"]
     # the card has no FP8 matmuls: the trainer's auto precision falls back, one line each
     fallbacks = [line for line in report if line.startswith("falls back: ")]
     assert fallbacks == ["falls back: lm_head in bf16, not FP8: the RTX 3090 has compute capability 8.6, FP8 matmuls need 8.9",
@@ -100,7 +108,7 @@ def test_every_card_is_what_the_trainer_sees_on_the_fake_device(preflight_runs):
         assert plan["lines"][0] == (f"memory: the predicted peaks must fit {int(budget) / GIB:.2f} GiB per rank (85% "
                                     f"of the {card.total_memory / GIB:.2f} GiB of cuda:0 ({card.name})); "
                                     f"--micro_batches=auto chose 8"), name
-        assert len(plan["lines"]) == 6 and plan["micro_batches"] == "8", name
+        assert len(plan["lines"]) == 7 and plan["micro_batches"] == "8", name  # 4 stages, extension, validation
         assert all(0 < peak <= budget for peak in plan["peaks"].values()), name
 
 
@@ -141,7 +149,7 @@ def test_compile_false_on_cuda_compiles_flex_attention_alone(preflight_runs):
 
 @pytest.mark.slow
 def test_checkpoints_are_written_on_the_cuda_path(preflight_runs):
-    run = preflight_runs["rtx3090_too_big"]  # with --save_every=2 --save_final=true
+    run = preflight_runs["rtx3090_too_big"]  # with --save_every=4 --save_final=true
     passed_on_second_run(run)
     assert "checkpoint written without tensor data" in run["stdout"] and run["checkpoint_bytes"] > 0
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,14 +103,24 @@ def fitting_flags(flags: list[str], world_size: int, card=fake_cuda.H100) -> Fit
     """The trainer's own choice (train_gpt.fit_micro_batches, as --micro_batches=auto makes it) when a
     training phase does not fit (1 - MEMORY_MARGIN) of the card's memory (of --memory_limit_gib, when the
     flags give it): per stage, the fewest micro-batches (the same global batch) that fit; then, if the
-    validation does not fit, the longest --val_seq_len that does (the same validation tokens)."""
+    validation does not fit, the longest --val_seq_len that does (the same validation tokens). When no
+    micro-batch helps and the recipe has record #92's n-gram table, first the largest table that fits
+    (fitting_ngram_rows): another algorithm than the flags', which tools/preflight.py's advice says."""
     args = T.parse_args(flags, True)
     budget, within = card_budget(args, card)
     T.check_world_size(args, world_size)
     numerics = gpu_numerics(args, fake_cuda.has_fp8(card))
+    extra = []
     try:
-        counts, rows = T.fit_micro_batches(args, world_size, CUDA, numerics, "flex", budget, within)
-        extra = []
+        try:
+            counts, rows = T.fit_micro_batches(args, world_size, CUDA, numerics, "flex", budget, within)
+        except T.DoesNotFitError:
+            table = fitting_ngram_rows(args, world_size, numerics, budget, within)
+            if table is None:
+                raise
+            extra.append(f"--bigram_vocab_size={table}")
+            args = dataclasses.replace(args, bigram_vocab_size=table)
+            counts, rows = T.fit_micro_batches(args, world_size, CUDA, numerics, "flex", budget, within)
         if any(row["peak"] > budget for name, row in rows.items() if name != "validation"):
             counts, rows = T.fit_micro_batches(dataclasses.replace(args, micro_batches="auto"), world_size, CUDA,
                                                numerics, "flex", budget, within)
@@ -126,6 +137,41 @@ def fitting_flags(flags: list[str], world_size: int, card=fake_cuda.H100) -> Fit
         peaks = estimate_args(T.parse_args([*flags, *extra], True), world_size, card)
         peaks = {name: row["peak"] for name, row in peaks.items()}
     return Fit(extra, peaks, budget, within)
+
+
+# Sizes tried for a smaller n-gram table: whole multiples of 2**20 rows (even, and split by every world size that
+# is a power of two up to 2**20), so that the flag reads as a round size.
+NGRAM_ROWS_UNIT = 2 ** 20
+
+
+def fitting_ngram_rows(args: T.Hyperparameters, world_size: int, numerics: T.Numerics, budget: int,
+                       within: str) -> int | None:
+    """The largest n-gram table (--bigram_vocab_size, record #92's --ngram_channels=2), smaller than the flags',
+    with which the training phases fit at the micro-batches the flags give, or else at the fewest that fit with the
+    smallest table (a step keeps its speed; the table takes what memory is left); None without the table, or when
+    none fits. A rank's state only grows with the table, so the sizes that fit lie below a bound: bisected."""
+    unit = math.lcm(NGRAM_ROWS_UNIT, world_size)
+    if args.ngram_channels != 2 or args.bigram_vocab_size <= unit:
+        return None
+
+    def training_fits(trial: T.Hyperparameters) -> tuple[int, ...] | None:
+        try:
+            counts, rows = T.fit_micro_batches(trial, world_size, CUDA, numerics, "flex", budget, within)
+        except T.DoesNotFitError:
+            return None
+        return counts if all(row["peak"] <= budget for name, row in rows.items() if name != "validation") else None
+
+    smallest = dataclasses.replace(args, bigram_vocab_size=unit)
+    counts = training_fits(smallest) or training_fits(dataclasses.replace(smallest, micro_batches="auto"))
+    if counts is None:
+        return None
+    micro_batches = T.micro_batches_flag(counts)
+    low, high = 1, (args.bigram_vocab_size - 1) // unit  # low: the most units known to fit
+    while low < high:
+        middle = (low + high + 1) // 2
+        trial = dataclasses.replace(args, bigram_vocab_size=middle * unit, micro_batches=micro_batches)
+        low, high = (middle, high) if training_fits(trial) else (low, middle - 1)
+    return low * unit
 
 
 def main(argv=None) -> int:

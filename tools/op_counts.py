@@ -11,7 +11,8 @@ cycle (compiling the stage's graphs), then counts a second one, a step without A
 
 - eager ops: the aten operations dispatched outside compiled graphs that launch a kernel on a GPU (views, shape
   queries and allocations launch none), by where in train_gpt.py they come from (the loss head, the block masks,
-  the FP8 refresh, NorMuon, DistAdam, the model's code between its graphs, train_step, and the autograd engine,
+  the FP8 refresh, NorMuon (and ANVIL, on its machinery), record #92's n-gram table (NgramAdam: its rows' pulls
+  and Adam), DistAdam, the model's code between its graphs, train_step, and the autograd engine,
   which runs the backward of eager code and adds gradients together); each costs the host ~20 us on the GPU
   machine (notes/speed.md);
 - compiled-graph calls, forward and backward (torch.compile's aot_eager backend: the same graphs inductor gets);
@@ -73,6 +74,7 @@ CATEGORIES = (
                      "mlp_weight_fp8", "delayed_scale")),
     ("NorMuon", ("NorMuon", "polar_express", "normalize_neurons", "bf16_with_mantissa", "split_mantissa",
                  "normuon")),
+    ("NgramAdam", ("NgramAdam", "ngram_adam_rows", "ngram_pull", "route_rows", "exchange_rows")),
     ("DistAdam", ("DistAdam", "_Bucket", "adam_update", "add_transposed", "copy_transposed")),
     ("model, between its graphs", ("GPT.", "Block.", "CausalSelfAttention.", "MLP.", "Fp8ReluSquaredMLP.", "Rotary.",
                                    "mudd_net", "norm", "bigram_hash", "positions_in_sequence", "apply_rotary",

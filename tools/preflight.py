@@ -771,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
     except (T.ConfigError, T.DataError) as e:  # (console_line escapes the names and flags they quote)
         T.console_line(f"error: {e}", sys.stderr)
         return 2
-    except PreflightFailure as e:
+    except (PreflightFailure, T.TrainingError) as e:  # (the loader's refusal of a batch, as the trainer's)
         T.console_line(f"error: {e}", sys.stderr)
         return 1
     print_report(report)
@@ -790,15 +790,19 @@ def fitting_command(options: argparse.Namespace, card, said: bool = False) -> st
                 f"step's; try more --micro_batches")
     try:
         report = run_preflight([*options.flags, *fit.flags], options.world_size, options.backend)
-    except PreflightFailure as e:
+    except (PreflightFailure, T.TrainingError) as e:
         return f"with {' '.join(fit.flags)}, which tools/estimate_memory.py puts within the card, too: {e}"
     print_report(report)
     changed = tuple(flag.split("=")[0] for flag in fit.flags)
     kept = [flag for flag in options.flags if not flag.startswith(changed)]  # (the --flag=value form)
     command = ["python tools/preflight.py", f"--gpu={options.gpu}", f"--world_size={options.world_size}", "--",
                *kept, *fit.flags]
-    return (f"it fits with {' '.join(fit.flags)} (the same batches and validation tokens; the report above): "
-            f"{' '.join(command)}")
+    # a smaller n-gram table is another algorithm than the flags' (the record's, by default): said so
+    table = [f"{int(flag.split('=')[1]):,}" for flag in fit.flags if flag.startswith("--bigram_vocab_size=")]
+    args = T.parse_args(options.flags, True)
+    kept_same = "the same batches and validation tokens" + (
+        f", an n-gram table of {table[0]} rows, not {args.bigram_vocab_size:,}" if table else "")
+    return f"it fits with {' '.join(fit.flags)} ({kept_same}; the report above): {' '.join(command)}"
 
 
 if __name__ == "__main__":

@@ -27,16 +27,17 @@ import preflight  # noqa: E402
 import torch  # noqa: E402
 import train_gpt as T  # noqa: E402
 
-# Reduced width (128, four heads of 32) with the speedrun's structure, windows, schedule, sequence lengths
-# and batches: fake tensors cost about the same at any size, but the host-side bookkeeping shrinks.
-# ONE_LENGTH gives the three stages one batch and sequence length: the same phases and code, with one
-# training graph per layer to compile instead of three (the full schedule's graphs are world_size_8's).
-SMALL = ["--model_dim=128", "--head_dim=32"]
-ONE_LENGTH = [*SMALL, "--stage_batch_tokens=131072,131072,131072", "--stage_max_seq_len=2048,2048,2048"]
+# Reduced width (128, four heads of 32, narrow heads of 16, MLPs of 512) with the speedrun's (record #92's)
+# structure, windows, schedule, sequence lengths and batches: fake tensors cost about the same at any size, but the
+# host-side bookkeeping shrinks. ONE_LENGTH gives the four stages one batch and sequence length: the same phases and
+# code, with one training graph per layer to compile instead of four (the full schedule's graphs are world_size_8's).
+SMALL = ["--model_dim=128", "--head_dim=32", "--narrow_dim=16", "--rotary_dims=16", "--head_mix_groups=8",
+         "--mlp_hidden=512"]
+ONE_LENGTH = [*SMALL, "--stage_batch_tokens=131072,131072,131072,131072", "--stage_max_seq_len=2048,2048,2048,2048"]
 TINY = [*ONE_LENGTH, "--micro_batches=1", "--compile=false"]
 # Two steps, the first without Adam and the second with it: every kernel compiles in the first (four steps, one a
-# stage, compiled the same 42 configurations of the same 8 kernels for sm_90, and took 9 s longer).
-TWO_STEPS = ["--num_iterations=2", "--extension_steps=1"]
+# stage, compiled the same 42 configurations of the same 8 kernels for sm_90, and took 9 s longer). No stage grows.
+TWO_STEPS = ["--num_iterations=2", "--extension_steps=1", "--grown_steps=0"]
 SCENARIOS = {
     # the speedrun preset itself: its memory per phase and collectives as they will be
     "world_size_8": (["--world_size=8"], None),
@@ -58,20 +59,27 @@ SCENARIOS = {
     "cpu_tensor": (["--world_size=8", "--", *ONE_LENGTH, "--compile=false"],
                    ("block_mask_parts", "blocks = torch.arange(docs.numel() // block_size, device=docs.device)",
                     "blocks = torch.arange(docs.numel() // block_size)")),
-    # The FP8 MLP's weight operand made row-major: CPU's _scaled_mm takes it, CUDA's refuses it.
+    # Record #92's full-FP8 MLP with its up-projection's weight operand made row-major: CPU's _scaled_mm takes it,
+    # CUDA's refuses it.
     "fp8_layout": (["--world_size=8", "--", *ONE_LENGTH, "--compile=false"],
-                   ("ReluSquaredMLP", "scaled_mm(x8, fc_f8.T, x_scale", "scaled_mm(x8, fc_f8.T.contiguous(), x_scale")),
-    # A recipe far larger than this host's memory (8.9 billion parameters at width 8,192): the trainer's
-    # start-up check refuses it, before anything is built, since no micro-batch can make it fit an H100.
-    "huge": (["--world_size=8", "--", "--model_dim=8192", "--head_dim=128", "--compile=false"], None),
-    # World size 1 on a card without FP8 matmuls, on which a step of 262,144 tokens in one micro-batch cannot
-    # fit: the fallback to bf16, and the flags the preflight finds and checks in a second run (two
-    # micro-batches), which passes every phase with --compile=false and the checkpoint writers (asked for by
-    # --save_every and --save_final). The trainer's own start-up check refuses the first run (its memory model
-    # is an upper bound, so it speaks before the preflight's measure of the step could). The compiled step at
-    # world size 1 is `python tools/preflight.py --world_size=1`, about 3 minutes.
-    "rtx3090_too_big": (["--gpu=rtx3090", "--world_size=1", "--", *TINY, "--stage_batch_tokens=262144,262144,262144",
-                         "--val_seq_len=16384", "--save_every=2", "--save_final=true"], None),
+                   ("Fp8ReluSquaredMLP", "scaled_mm(x8, s.fc8.T, MLP_X_SCALE",
+                    "scaled_mm(x8, s.fc8.T.contiguous(), MLP_X_SCALE")),
+    # A recipe far larger than this host's memory (billions of parameters at width 8,192): the trainer's start-up
+    # check refuses it, before anything is built, since no micro-batch and no n-gram table can make it fit an H100.
+    "huge": (["--world_size=8", "--", "--model_dim=8192", "--head_dim=128", "--head_mix_groups=8", "--mlp_hidden=32768",
+              "--compile=false"], None),
+    # World size 1 on a card without FP8 matmuls, which cannot hold record #92's n-gram table (84,602,880 rows, 20.2
+    # GiB at width 128): the fallback to bf16, and the table size the preflight finds and checks in a second run,
+    # which passes every phase of the schedule with --compile=false and the checkpoint writers (asked for by
+    # --save_every and --save_final). A step is one micro-batch of 262,144 tokens, which leaves the table little
+    # room (a small table: the checkpoint writers materialise it on the host), with 40,960 candidates (more than its
+    # distinct targets), then 49,152 over stage 3's last third (a new shape, as the speedrun's). The trainer's own
+    # start-up check refuses the first run, before anything is built. The compiled step at world size 1 on an H100
+    # is `python tools/preflight.py --world_size=1 -- --bigram_vocab_size=16777216`, about 10 minutes.
+    "rtx3090_too_big": (["--gpu=rtx3090", "--world_size=1", "--", *TINY,
+                         "--stage_batch_tokens=262144,262144,262144,262144",
+                         "--stage_softmax_candidates=40960,40960,40960|40960|49152,0", "--val_seq_len=16384",
+                         "--save_every=4", "--save_final=true"], None),
 }
 
 
