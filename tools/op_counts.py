@@ -58,6 +58,11 @@ NO_KERNEL = {
 }
 COLLECTIVE_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::")
 MATMULS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::_scaled_mm", "aten::matmul"}
+# Indexed reads and writes of a table (their first argument): each moves the rows it touches, not the table. Counted
+# whole, record #92's n-gram shard (16 GB a rank) made each row pull look like two 16 GB passes.
+INDEXED = {"aten::index_select", "aten::index", "aten::gather", "aten::embedding", "aten::index_put_",
+           "aten::index_put", "aten::_index_put_impl_", "aten::index_add_", "aten::index_add", "aten::index_copy_",
+           "aten::index_copy", "aten::scatter_", "aten::scatter_add_", "aten::scatter_add"}
 # Which argument of a matmul is its first operand (the others take it first): K is that operand's last dimension.
 FIRST_OPERAND = {"aten::addmm": 1, "aten::baddbmm": 1}
 # The kinds of device work a step is counted in (tools/cost_model.py prices each): an inductor Triton kernel, one of
@@ -238,7 +243,7 @@ class OpCounter(TorchDispatchMode):
             return
         where = category(sys._getframe(2))
         tensors = [*flat_tensors(args), *flat_tensors(kwargs.values()), *flat_tensors([result])]
-        moved = tensor_bytes(tensors)
+        moved = indexed_bytes(args[0], tensors) if name in INDEXED else tensor_bytes(tensors)
         kind, flops = work_kind(name, args, result, tensors)
         if where is None:  # an extern kernel of a compiled graph (inductor calls aten for matmuls)
             source = self.graph_source()
@@ -269,6 +274,14 @@ class OpCounter(TorchDispatchMode):
             if any(q.startswith(prefixes) for q in trainer_frames):
                 return name if name != "model, between its graphs" else "forward graphs"
         return STEP
+
+
+def indexed_bytes(table: torch.Tensor, tensors: list) -> int:
+    """An indexed op's bytes: its indices and values (the rows read out, or written in), and the table's rows it
+    touches, as many bytes as those values."""
+    others = [t for t in tensors if t is not table]
+    return tensor_bytes(others) + max((t.numel() * t.element_size() for t in others if t.is_floating_point()),
+                                      default=0)
 
 
 def work_kind(name: str, args, result, tensors: list) -> tuple[str, int]:
