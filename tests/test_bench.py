@@ -20,6 +20,7 @@ import bench  # noqa: E402
 import train_gpt as T  # noqa: E402
 
 SMALL_ARGS = T.parse_args(bench.SMALL_FLAGS, False)
+SMALL_SCHEDULE = T.Schedule(SMALL_ARGS)
 WORLD = 8
 TRAINING_STEPS = 4
 
@@ -39,35 +40,60 @@ def test_small_runs_every_part_in_order_without_an_error(small):
     data, markdown = small
     assert list(data["parts"]) == list(bench.PARTS)
     assert {name: row.get("error") for name, row in data["parts"].items() if row.get("error")} == {}
+    # the smoke schedule has three stages and the extension: no taper (record #92's fourth stage) to run
+    assert len(SMALL_SCHEDULE.stages) == 4 and data["parts"]["taper"] == {"skipped": "this schedule has no taper"}
     assert data["header"]["flags"] == bench.SMALL_FLAGS and data["header"]["world_size"] == WORLD
     assert markdown.startswith("# Bench: rank 0's share of each stage")
+
+
+def stage_parts(schedule: T.Schedule) -> list[str]:
+    return [part for part in bench.STAGE_PARTS if part != "taper" or len(schedule.stages) == 5]
+
+
+def kinds_of_steps(schedule: T.Schedule, stage: T.Stage) -> collections.Counter:
+    """Each step of the stage by which optimizers step: Adam's cadence, and the embeddings' (their own Adam steps)."""
+    return collections.Counter("without Adam" if not schedule.adam_steps(s) else
+                               "with Adam" if schedule.embed_adam_steps(s) else "with Adam, embeddings parked"
+                               for s in range(stage.start, stage.end))
 
 
 @pytest.mark.slow
 def test_each_stage_is_rank_0_of_8s_micro_batch_compiled_once(small):
     data, _ = small
-    schedule = T.Schedule(SMALL_ARGS)
-    for part in bench.STAGE_PARTS:
+    schedule = SMALL_SCHEDULE
+    for part in stage_parts(schedule):
         index = bench.stage_of_part(part, schedule)
         row, stage = data["parts"][part], schedule.stages[index]
         assert row["micro_tokens"] == stage.batch_tokens // WORLD and row["micro_batches_per_rank"] == 1, part
         assert row["windows"] == list(stage.windows) and row["steps"] == stage.end - stage.start, part
+        assert row["candidates"] == schedule.candidates(stage.start) > 0, part  # the smoke preset samples throughout
         assert row["forward_backward"]["n"] == 2 and row["masks"]["n"] == 2, part
         assert row["losses_finite"] and math.isfinite(row["loss_per_token"]), part
         assert row["recompiles_after_first_call"] == 0, part
-        for kind in ("without_Adam", "with_Adam"):
-            assert row[f"rank_step_{kind}"]["n"] == 1, part  # --timed=2: two of each kind, the first untimed
-        # the embedding leaves the lm_head at the first Adam step of --untie_stage (stage 3)
+        kinds = kinds_of_steps(schedule, stage)
+        assert row["kind_steps"] == dict(kinds), part
+        for kind in kinds:  # --timed=2: two of each kind, the first untimed
+            assert row[f"rank_step_{bench.kind_key(kind)}"]["n"] == 1, part
+        # the embedding leaves the lm_head at the first Adam step of --untie_stage (none in the smoke schedule)
         assert row["embedding_tied"] == (index < SMALL_ARGS.untie_stage), part
+    # the smoke preset's slower cadence of the embeddings starts in stage 2: from there Adam steps leave them parked
+    assert "with Adam, embeddings parked" in data["parts"]["stage2"]["kind_steps"]
+    assert "with Adam, embeddings parked" not in data["parts"]["stage1"]["kind_steps"]
     # Stage 3 runs first and compiles its length; stage 2's length is new; stage 1's was compiled by the
-    # optimizer part; the extension has stage 3's length and number of multi-token weights.
-    compiled = {part: data["parts"][part]["graphs_compiled"] for part in bench.STAGE_PARTS}
-    assert compiled["stage3"] > 0 and compiled["stage2"] > 0 and compiled["stage1"] == compiled["extension"] == 0
+    # optimizer part; the extension (record #92's: stage 1's batch, the last stage's multi-token weights) compiles
+    # only its loss head's graph (one per length and count of targets), where no stage before had the pair.
+    compiled = {part: data["parts"][part]["graphs_compiled"] for part in stage_parts(schedule)}
+    extension = schedule.stages[-1]
+    seen = {(stage.micro_tokens, len(stage.mtp_start)) for stage in schedule.stages[:-1]}
+    new_loss = (extension.micro_tokens, len(extension.mtp_start)) not in seen
+    assert compiled["stage3"] > 0 and compiled["stage2"] > 0 and compiled["stage1"] == 0
+    assert compiled["extension"] == int(new_loss), (compiled, new_loss)
 
 
-def normuon_bytes_per_step(model: T.GPT) -> int:
-    """A reduce-scatter (or all-gather) of every same-shape group of NorMuon's matrices, in chunks of 8,
-    each chunk a stack of 8 fp32 matrices (CPU): counted from the model's parameter shapes."""
+def matrix_bytes_per_step(model: T.GPT) -> int:
+    """A reduce-scatter (or all-gather) of every same-shape group of the matrix optimizer's matrices (NorMuon's or
+    ANVIL's: the same stacks), in chunks of 8, each chunk a stack of 8 fp32 matrices (CPU): counted from the model's
+    parameter shapes."""
     shapes = collections.Counter()
     for name, p in model.named_parameters():
         if name.endswith(tuple(T.MUON_TABLE)):
@@ -77,16 +103,19 @@ def normuon_bytes_per_step(model: T.GPT) -> int:
     return sum(math.ceil(count / WORLD) * WORLD * rows * cols * 4 for (rows, cols), count in shapes.items())
 
 
-def adam_bytes_per_step(model: T.GPT, tied: bool) -> tuple[int, int]:
+def adam_bytes_per_step(model: T.GPT, tied: bool, embeddings: bool) -> tuple[int, int]:
     """(reduce-scatter, all-gather) bytes of DistAdam's Adam step: every table parameter padded to a multiple
-    of 8 elements (each is its own group, so its own bucket); the bigram table's rows go by all-to-all instead
-    of a reduce-scatter; while tied, the embedding is neither reduced nor gathered (the lm_head carries it)."""
+    of 8 elements (each is its own group, so its own bucket); record #85's bigram table's rows go by all-to-all
+    instead of a reduce-scatter; while tied, the embedding is neither reduced nor gathered (the lm_head carries it);
+    the value embeddings only at their own Adam steps (`embeddings`); record #92's n-gram table, a buffer and no
+    parameter, never (NgramAdam sends rows)."""
     reduce = gather = 0
+    parameters = dict(model.named_parameters())
     for name in T.ADAM_TABLE:
-        numel = dict(model.named_parameters())[name].numel()
-        padded = math.ceil(numel / WORLD) * WORLD * 4
-        if tied and name == "embed.weight":
+        if name not in parameters or (tied and name == "embed.weight") or \
+                (not embeddings and name in T.EMBEDDING_CADENCE):
             continue
+        padded = math.ceil(parameters[name].numel() / WORLD) * WORLD * 4
         gather += padded
         reduce += 0 if name == "bigram_embed.weight" else padded
     return reduce, gather
@@ -96,32 +125,46 @@ def adam_bytes_per_step(model: T.GPT, tied: bool) -> tuple[int, int]:
 def test_the_collectives_rank_0_issues_move_the_bytes_the_parameter_shapes_give(small):
     data, _ = small
     model = T.GPT(SMALL_ARGS)
-    muon = normuon_bytes_per_step(model)
-    for part in bench.STAGE_PARTS:
+    assert model.ngram is not None and model.bigram_embed is None  # record #92's table: no parameter, no bucket
+    matrices = matrix_bytes_per_step(model)
+    seen = set()
+    for part in stage_parts(SMALL_SCHEDULE):
         row = data["parts"][part]
-        assert row["rank_step_bytes"]["without Adam"] == {"reduce-scatter": muon, "all-gather": muon}, part
-        with_adam = row["rank_step_bytes"]["with Adam"]
-        reduce, gather = adam_bytes_per_step(model, tied=row["embedding_tied"])
-        assert with_adam["reduce-scatter"] == muon + reduce and with_adam["all-gather"] == muon + gather, part
-        assert with_adam["all-to-all"] > 0, part  # the bigram rows rank 0 does not own
+        for kind, moved in row["rank_step_bytes"].items():
+            seen.add(kind)
+            if kind == "without Adam":
+                assert moved == {"reduce-scatter": matrices, "all-gather": matrices}, part
+                continue
+            reduce, gather = adam_bytes_per_step(model, row["embedding_tied"], embeddings=kind == "with Adam")
+            # no all-to-all: the bench's model holds the whole n-gram table, so no row travels (the counts send them)
+            assert moved == {"reduce-scatter": matrices + reduce, "all-gather": matrices + gather}, (part, kind)
+    assert seen == {"without Adam", "with Adam", "with Adam, embeddings parked"}
 
 
 @pytest.mark.slow
-def test_the_estimate_adds_each_stages_steps_as_documented(small):
+def test_the_estimate_weighs_each_kind_of_step_by_its_share_of_the_stage(small):
     data, markdown = small
     estimate = data["estimate"]
     assert set(estimate["stages"]) == {"stage 1", "stage 2", "stage 3", "extension"}
-    for part in bench.STAGE_PARTS:
+    for part in stage_parts(SMALL_SCHEDULE):
         row = data["parts"][part]
         r = estimate["stages"][row["stage"]]
-        compute = (row["rank_step_without_Adam"]["median_ms"] + row["rank_step_with_Adam"]["median_ms"]) / 2
-        moved = sum(sum(b.values()) for b in row["rank_step_bytes"].values()) / 2
+        kinds = kinds_of_steps(SMALL_SCHEDULE, SMALL_SCHEDULE.stages[bench.stage_of_part(part, SMALL_SCHEDULE)])
+        share = {kind: n / sum(kinds.values()) for kind, n in kinds.items()}
+        compute = sum(share[k] * row[f"rank_step_{bench.kind_key(k)}"]["median_ms"] for k in kinds)
+        moved = sum(share[k] * sum(row["rank_step_bytes"][k].values()) for k in kinds)
         assert r["compute_ms"] == pytest.approx(compute)
         assert r["comm_ms"] == pytest.approx(moved * 7 / 8 / 360e9 * 1000)
-        assert r["ratio"] == pytest.approx(r["ms_per_step"] / bench.RECORD_MS[row["stage"]])
+        assert r["record_ms"] is None and r["ratio"] is None  # the smoke preset is no record's
         assert r["ms_per_step_rs_hidden"] < r["ms_per_step"]
     assert estimate["total_s"] == pytest.approx(sum(r["seconds"] for r in estimate["stages"].values()))
-    assert f"**{estimate['total_s']:,.1f} s**" in markdown and "the record: 75.5 s" in markdown
+    assert f"**{estimate['total_s']:,.1f} s**" in markdown and "the record: n/a" in markdown
+    # The same rows as the speedrun's: each stage against record #92's logged ms per step.
+    header = dict(data["header"], preset="speedrun")
+    as_speedrun = bench.estimate(dict(data, header=header), 360.0, WORLD)
+    for name, r in as_speedrun["stages"].items():
+        assert r["ratio"] == pytest.approx(r["ms_per_step"] / bench.RECORD_MS["speedrun"][name])
+    assert as_speedrun["record_total_s"] == 39.9
 
 
 @pytest.mark.slow
@@ -234,6 +277,10 @@ def test_an_empty_out_is_refused_not_the_working_directory(out):
     assert bench.parse_options(["--out=x", "--small"]).out == "x"
 
 
+NGRAM_PULL_OPS = 8  # ngram_pull: the ids to the device, two row selections, the all-to-all's send buffer, the view
+NGRAM_ADAM_OPS = 64  # and NgramAdam.step: the clock, the rows' gradients merged and sent, ngram_adam_rows' few passes
+
+
 @pytest.fixture(scope="module")
 def small_counts(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-counts")
@@ -247,17 +294,25 @@ def small_counts(tmp_path_factory):
 def test_cpu_counts_a_step_as_few_eager_ops_whatever_the_number_of_matrices_or_buckets(small_counts):
     # The bench's CPU mode (issue 37): per step on a fake H100, eager kernel-launching ops by source, graph calls,
     # the autograd engine's gradient adds. Before issue 37 each matrix, bucket and chunk of rows cost ops of its
-    # own (the smoke preset's stage 1: NorMuon about 170 ops a step, DistAdam about 230 an Adam step).
+    # own (the smoke preset's stage 1: NorMuon about 170 ops a step, DistAdam about 230 an Adam step). Record #92's
+    # n-gram table (NgramAdam) is counted apart from DistAdam: a fixed sequence a step (pull the rows the step reads,
+    # send their gradients to their owners, update the owned rows with one), whatever the number of rows.
     data, markdown = small_counts
-    steps = data["counts"]["stages"]["stage 1"]["steps"]
-    assert sorted(steps) == ["with Adam", "without Adam"]
+    stage = data["counts"]["stages"]["stage 1"]
+    steps = stage["steps"]
+    assert sorted(steps) == ["with Adam", "without Adam"]  # stage 1 is before the embeddings' slower cadence
+    assert stage["kind_steps"] == dict(kinds_of_steps(SMALL_SCHEDULE, SMALL_SCHEDULE.stages[0]))
     model = T.GPT(SMALL_ARGS)
-    _, adam = T.build_optimizers(model, SMALL_ARGS)
+    matrix, adam = T.build_optimizers(model, SMALL_ARGS)
+    assert type(matrix) is T.Anvil and adam.table is not None
     for kind, counts in steps.items():
         by_source = counts["eager_ops_by_source"]
-        assert by_source.get("NorMuon", 0) <= 8 * 3, kind  # one stack per shape of matrix, a few ops each
+        assert by_source.get("NorMuon", 0) <= 8 * len(matrix.stacks), kind  # a few ops per stack of one shape
         assert by_source.get("DistAdam", 0) <= 6 * len(adam.buckets) + 8, kind
         assert (by_source.get("DistAdam", 0) > 0) == (kind == "with Adam"), kind
+        # a pull every step; on the Adam step the exchange and the update (a step touches hundreds of rows here: an
+        # op per row or per rank would show)
+        assert 0 < by_source.get("NgramAdam", 0) <= (NGRAM_ADAM_OPS if kind == "with Adam" else NGRAM_PULL_OPS), kind
         assert by_source.get("block masks", 0) <= 2 and by_source.get("loss head", 0) <= 8, kind
         assert counts["eager_ops"] == sum(by_source.values()) and counts["graph_calls"]["forward"] > 0, kind
         # the engine's adds into activations: none of a whole gathered tensor (the value-embedding tables)
@@ -382,7 +437,9 @@ def test_the_counts_come_with_the_modeled_step_per_stage(small_counts):
         d, h = step["device_ms"], step["host_ms"]
         assert d > 0 and h > 0 and max(d, h) < step["step_ms"] < d + h
         assert step["step_ms"] == pytest.approx(cost_model.combined(d, h, cost_model.Constants()))
-    assert stage["step_ms"] == pytest.approx(sum(s["step_ms"] for s in stage["steps"].values()) / 2)
+    kinds = data["counts"]["stages"]["stage 1"]["kind_steps"]
+    assert stage["step_ms"] == pytest.approx(sum(n * stage["steps"][k]["step_ms"] for k, n in kinds.items()) /
+                                             sum(kinds.values()))
     assert stage["record_ms"] is None and model["validation"]
     assert "## Modeled step on one NVIDIA H100 80GB HBM3" in markdown and "| stage 1 |" in markdown
 

@@ -50,13 +50,16 @@ H100_RUN = BENCH_NOTES / "2026-11-26-h100-40c201b-stage3-profile.json"
 H200_RUNS = (BENCH_NOTES / "2026-11-26-h200-all-parts.json", BENCH_NOTES / "2026-11-26-h200-stage3-profile-stage1.json")
 COUNTS_40C201B = BENCH_NOTES / "2026-11-28-cpu-counts-40c201b.json"
 
-# Record #85's ten public 8xH100 logs: ms per step in each stage (they agree to 0.1 ms), and the whole run. No
-# public log ran record #89 as the speedrun preset has it (notes/record89.md), so #85 v3's logs are the measured
-# reference for both presets, which share the model and stages (the speedrun's first two stages are 2 and 3
-# steps shorter).
-RECORD_MS = {"stage 1": 32.4, "stage 2": 58.0, "stage 3": 84.0, "extension": 85.1}
-RECORD_TOTAL_S = 75.5
-RECORD_PRESETS = ("speedrun", "record89", "record85")
+# The record each preset runs, its logged 8xH100 ms per step in each stage and whole run. Record #85's ten public
+# logs (they agree to 0.1 ms) stand for record89 and record85: no public log ran record #89 as that preset has it
+# (notes/record89.md), and the two share the model and stages. The speedrun is record #92's (modded-nanogpt PR #360,
+# "ANVIL2"): its log's ms per step in each of its five phases, rounded as the log's step times give them, and 39.9 s.
+RECORD_MS_85 = {"stage 1": 32.4, "stage 2": 58.0, "stage 3": 84.0, "extension": 85.1}
+RECORD_MS = {"speedrun": {"stage 1": 17.0, "stage 2": 30.0, "stage 3": 46.0, "taper": 46.0, "extension": 22.0},
+             "record89": RECORD_MS_85, "record85": RECORD_MS_85}
+RECORD_TOTAL_S = {"speedrun": 39.9, "record89": 75.5, "record85": 75.5}
+RECORD_NAME = {"speedrun": "record #92", "record89": "record #85 v3", "record85": "record #85 v3"}
+RECORD_PRESETS = tuple(RECORD_MS)
 # NVLink bus bandwidth for the 8xH100 estimate's collectives: nccl-tests' large-message all-gather on 8xH100 SXM
 # (assumed, not measured here), all of it counted as not overlapped, as tools/bench.py's estimate does.
 BUS_GBPS = 360.0
@@ -210,41 +213,64 @@ def communication_ms(step: dict, world_size: int) -> float:
 
 
 def model_counts(counts: dict, card_name: str = "h100", constants: Constants = Constants()) -> dict:
-    """The bench JSON's `model` object for tools/op_counts.py's counts: per stage the mean of an Adam cycle's
-    steps (one without Adam, one with it), and the whole run on 8 GPUs against the record's."""
-    world_size = counts["world_size"]
+    """The bench JSON's `model` object for tools/op_counts.py's counts: per stage its mean step (each kind of step
+    weighted by how many of the stage's steps are of that kind), and the whole run on 8 GPUs against the record's
+    (the preset's: RECORD_MS)."""
+    world_size, preset = counts["world_size"], record_preset(counts)
+    record = RECORD_MS.get(preset, {})
     stages, total = {}, 0.0
     for name, stage in model_stages(counts, card_name, constants).items():
         row = counts["stages"][name]
-        comm = sum(communication_ms(step, world_size) for step in row["steps"].values()) / len(row["steps"])
-        record_ms = RECORD_MS.get(name) if counts.get("preset") in RECORD_PRESETS else None  # the records' sizes
-        stage.update(communication_ms=comm, ms_per_step_8_gpus=stage["step_ms"] + comm, record_ms=record_ms,
+        weights = step_weights(row)
+        comm = sum(weights[kind] * communication_ms(step, world_size) for kind, step in row["steps"].items())
+        stage.update(communication_ms=comm, ms_per_step_8_gpus=stage["step_ms"] + comm, record_ms=record.get(name),
                      steps_in_stage=row.get("steps_in_stage"))
         if row.get("steps_in_stage") is not None:
             stage["seconds"] = stage["ms_per_step_8_gpus"] * row["steps_in_stage"] / 1e3
             total += stage["seconds"]
         stages[name] = stage
-    complete = set(stages) == set(RECORD_MS) and all("seconds" in s for s in stages.values()) \
-        and counts.get("preset") in RECORD_PRESETS
-    return {"card": CARDS[card_name].name, "card_profile": card_name, "modeled": True,
-            "kernels": counts.get("kernels", False), "constants": dataclasses.asdict(constants), "stages": stages,
-            "total_s": total if complete else None, "record_total_s": RECORD_TOTAL_S,
+    complete = bool(record) and set(stages) == set(record) and all("seconds" in s for s in stages.values())
+    return {"card": CARDS[card_name].name, "card_profile": card_name, "modeled": True, "preset": preset,
+            "record": RECORD_NAME.get(preset), "kernels": counts.get("kernels", False),
+            "constants": dataclasses.asdict(constants), "stages": stages,
+            "total_s": total if complete else None, "record_total_s": RECORD_TOTAL_S.get(preset),
             "validation": validate() if COUNTS_40C201B.exists() else []}
 
 
+def record_preset(counts: dict) -> str | None:
+    """The preset whose record the counts are compared with. The speedrun preset ran record #89's algorithm until it
+    became record #92's; counts made before then (no stage has kind_steps: the stored ones in notes/bench/) are
+    compared with record #85 v3's logs, as they were."""
+    preset = counts.get("preset")
+    if preset == "speedrun" and not any("kind_steps" in row for row in counts["stages"].values()):
+        return "record89"
+    return preset
+
+
+def step_weights(row: dict) -> dict[str, float]:
+    """Each counted kind of step's share of the stage's steps (kind_steps, tools/op_counts.py); counts made before
+    there were kinds to weigh (40c201b's: one step without Adam, one with it, as their stages alternate) weigh
+    them equally."""
+    shares = {kind: row.get("kind_steps", {}).get(kind, 0) for kind in row["steps"]}
+    if not sum(shares.values()):
+        return {kind: 1 / len(row["steps"]) for kind in row["steps"]}
+    return {kind: n / sum(shares.values()) for kind, n in shares.items()}
+
+
 def model_stages(counts: dict, card_name: str, constants: Constants) -> dict:
-    """Per stage: each counted step modeled, and their means (an Adam cycle's: one step without Adam, one with)."""
+    """Per stage: each counted step modeled, and the stage's mean step (step_weights)."""
     card, world_size, out = CARDS[card_name], counts["world_size"], {}
     for name, row in counts["stages"].items():
         steps = {kind: model_step(step, card, constants, world_size) for kind, step in row["steps"].items()}
-        mean = lambda key: sum(s[key] for s in steps.values()) / len(steps)  # noqa: E731
+        weights = step_weights(row)
+        mean = lambda key: sum(weights[kind] * s[key] for kind, s in steps.items())  # noqa: E731
         kinds: dict[str, float] = {}
-        for s in steps.values():
+        for kind_of_step, s in steps.items():
             for kind, ms in s["device_ms_by_kind"].items():
-                kinds[kind] = kinds.get(kind, 0.0) + ms / len(steps)
+                kinds[kind] = kinds.get(kind, 0.0) + weights[kind_of_step] * ms
         out[name] = {"device_ms": mean("device_ms"), "host_ms": mean("host_ms"), "step_ms": mean("step_ms"),
                      "idle_share": 1 - (mean("device_ms") - kinds.get(GAPS, 0.0)) / mean("step_ms"),
-                     "device_ms_by_kind": kinds,
+                     "device_ms_by_kind": kinds, "step_weights": weights,
                      "forward_backward_ms": mean("forward_backward_ms"), "steps": steps}
     return out
 
@@ -315,6 +341,8 @@ def read_counts(bench: dict) -> dict:
         if stage.get("steps_in_stage") is not None:
             _field(stage["steps_in_stage"], int, f"{where}.steps_in_stage")
             _figure(stage["steps_in_stage"], f"{where}.steps_in_stage")
+        if stage.get("kind_steps") is not None:
+            _figures(stage["kind_steps"], f"{where}.kind_steps")
         steps = _field(stage.get("steps"), dict, f"{where}.steps")
         if not steps:
             raise CountsError(f"{where}.steps is empty")
@@ -445,13 +473,15 @@ def validate(constants: Constants = Constants()) -> list[dict]:
 
 def markdown(model: dict) -> list[str]:
     lines = [f"## Modeled step on one {model['card']} (a model of the CPU counts, not a measurement)", "",
-             "Rank 0 of 8, per step (the mean of a step without Adam and one with it); the 8-GPU step adds the "
+             "Rank 0 of 8, per step (each counted kind of step weighted by its share of the stage's steps); the 8-GPU "
+             "step adds the "
              f"collectives at {BUS_GBPS:.0f} GB/s, not overlapped." + ("" if model["kernels"] else
                                                                         " Counted without --kernels: the compiled "
                                                                         "graphs' ops priced unfused (an upper "
                                                                         "bound)."), "",
              "| stage | device ms (modeled) | host ms (modeled) | step ms (modeled) | idle | forward+backward ms "
-             "(modeled) | 8-GPU ms per step (modeled) | record #85 v3's ms | seconds (modeled) |",
+             f"(modeled) | 8-GPU ms per step (modeled) | {model.get('record') or 'the record'}'s ms | seconds "
+             "(modeled) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, s in model["stages"].items():
         record = s["record_ms"]

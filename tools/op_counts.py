@@ -11,8 +11,8 @@ cycle (compiling the stage's graphs), then counts a second one, a step without A
 
 - eager ops: the aten operations dispatched outside compiled graphs that launch a kernel on a GPU (views, shape
   queries and allocations launch none), by where in train_gpt.py they come from (the loss head, the block masks,
-  the FP8 refresh, NorMuon (and ANVIL, on its machinery), record #92's n-gram table (NgramAdam: its rows' pulls
-  and Adam), DistAdam, the model's code between its graphs, train_step, and the autograd engine,
+  the FP8 refresh, NorMuon or ANVIL, NgramAdam and the n-gram table's row traffic, DistAdam, the model's code between
+  its graphs, train_step, and the autograd engine,
   which runs the backward of eager code and adds gradients together); each costs the host ~20 us on the GPU
   machine (notes/speed.md);
 - compiled-graph calls, forward and backward (torch.compile's aot_eager backend: the same graphs inductor gets);
@@ -58,6 +58,11 @@ NO_KERNEL = {
 }
 COLLECTIVE_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::")
 MATMULS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::_scaled_mm", "aten::matmul"}
+# Indexed reads and writes of a table (their first argument): each moves the rows it touches, not the table. Counted
+# whole, record #92's n-gram shard (16 GB a rank) made each row pull look like two 16 GB passes.
+INDEXED = {"aten::index_select", "aten::index", "aten::gather", "aten::embedding", "aten::index_put_",
+           "aten::index_put", "aten::_index_put_impl_", "aten::index_add_", "aten::index_add", "aten::index_copy_",
+           "aten::index_copy", "aten::scatter_", "aten::scatter_add_", "aten::scatter_add"}
 # Which argument of a matmul is its first operand (the others take it first): K is that operand's last dimension.
 FIRST_OPERAND = {"aten::addmm": 1, "aten::baddbmm": 1}
 # The kinds of device work a step is counted in (tools/cost_model.py prices each): an inductor Triton kernel, one of
@@ -72,9 +77,11 @@ CATEGORIES = (
     ("block masks", ("build_masks", "flex_block_mask", "_ordered_blocks", "block_mask")),
     ("FP8 refresh", ("refresh_fp8", "MLP.refresh_fp8", "fp8_copies", "mlp_fp8", "head_fp8", "mlp_full_fp8",
                      "mlp_weight_fp8", "delayed_scale")),
+    # the matrix optimizer: NorMuon, or ANVIL (its subclass; record #92's), under NorMuon's name as in the stored counts
     ("NorMuon", ("NorMuon", "polar_express", "normalize_neurons", "bf16_with_mantissa", "split_mantissa",
-                 "normuon")),
-    ("NgramAdam", ("NgramAdam", "ngram_adam_rows", "ngram_pull", "route_rows", "exchange_rows")),
+                 "normuon", "Anvil", "anvil", "equalize_lanes")),
+    # record #92's n-gram table: its Adam and its rows' traffic (ahead of DistAdam, whose step calls NgramAdam.step)
+    ("NgramAdam", ("NgramAdam", "ngram_pull", "route_rows", "exchange_rows", "ngram_adam_rows")),
     ("DistAdam", ("DistAdam", "_Bucket", "adam_update", "add_transposed", "copy_transposed")),
     ("model, between its graphs", ("GPT.", "Block.", "CausalSelfAttention.", "MLP.", "Fp8ReluSquaredMLP.", "Rotary.",
                                    "mudd_net", "norm", "bigram_hash", "positions_in_sequence", "apply_rotary",
@@ -83,6 +90,53 @@ CATEGORIES = (
 ENGINE = "autograd engine (backward of eager code, gradient adds)"
 STEP = "train_step and the rest"
 GENERATED = ("<eval_with_key",)  # FX's generated code (aot_eager); inductor's modules live in its cache folder
+
+
+# The kinds of training step, by which optimizers step (step_kind). Record #92's embeddings (the value embeddings and
+# the n-gram table) take an Adam step every embed_adam_period steps from embed_adam_period_start: between two of
+# theirs, an Adam step leaves them parked.
+WITHOUT_ADAM, WITH_ADAM, EMBEDDINGS_PARKED = "without Adam", "with Adam", "with Adam, embeddings parked"
+STEP_KINDS = (WITHOUT_ADAM, WITH_ADAM, EMBEDDINGS_PARKED)
+
+
+def step_kind(schedule: T.Schedule, step: int) -> str:
+    if not schedule.adam_steps(step):
+        return WITHOUT_ADAM
+    return WITH_ADAM if schedule.embed_adam_steps(step) else EMBEDDINGS_PARKED
+
+
+def stage_names(schedule: T.Schedule) -> list[str]:
+    """Each of Schedule.stages by name: "stage N", record #92's fourth (a schedule of four before the extension) its
+    "taper", the last "extension"."""
+    scheduled = len(schedule.stages) - 1
+    return [f"stage {i + 1}" if not (scheduled == 4 and i == 3) else "taper" for i in range(scheduled)] + ["extension"]
+
+
+def kind_steps(schedule: T.Schedule, index: int) -> dict[str, int]:
+    """How many of a stage's steps are of each kind: the weights of its mean step."""
+    stage = schedule.stages[index]
+    return dict(collections.Counter(step_kind(schedule, s) for s in range(stage.start, stage.end)))
+
+
+def count_plan(schedule: T.Schedule, index: int) -> tuple[list[int], dict[str, int]]:
+    """The steps that measure a stage: a warm cycle (it compiles the stage's graphs, makes every state, unties the
+    embedding in the untie stage) of the stage's longest cadence, from where that cadence holds in the stage, then
+    the first step of each kind the stage has after it, {kind: step}, in step order. A short stage's steps may run
+    past its end (the schedule's answers there are its last step's)."""
+    stage = schedule.stages[index]
+    kinds = kind_steps(schedule, index)
+    slow = EMBEDDINGS_PARKED in kinds
+    first = max(stage.start, schedule.embed_period_start) if slow else stage.start
+    cycle = schedule.embed_period if slow else schedule.adam_every
+    warm = list(range(first, first + cycle))
+    counted: dict[str, int] = {}
+    step = first + cycle
+    while len(counted) < len(kinds):
+        kind = step_kind(schedule, step)
+        if kind in kinds and kind not in counted:
+            counted[kind] = step
+        step += 1
+    return warm, counted
 
 
 def category(frame) -> str | None:
@@ -189,7 +243,7 @@ class OpCounter(TorchDispatchMode):
             return
         where = category(sys._getframe(2))
         tensors = [*flat_tensors(args), *flat_tensors(kwargs.values()), *flat_tensors([result])]
-        moved = tensor_bytes(tensors)
+        moved = indexed_bytes(args[0], tensors) if name in INDEXED else tensor_bytes(tensors)
         kind, flops = work_kind(name, args, result, tensors)
         if where is None:  # an extern kernel of a compiled graph (inductor calls aten for matmuls)
             source = self.graph_source()
@@ -220,6 +274,14 @@ class OpCounter(TorchDispatchMode):
             if any(q.startswith(prefixes) for q in trainer_frames):
                 return name if name != "model, between its graphs" else "forward graphs"
         return STEP
+
+
+def indexed_bytes(table: torch.Tensor, tensors: list) -> int:
+    """An indexed op's bytes: its indices and values (the rows read out, or written in), and the table's rows it
+    touches, as many bytes as those values."""
+    others = [t for t in tensors if t is not table]
+    return tensor_bytes(others) + max((t.numel() * t.element_size() for t in others if t.is_floating_point()),
+                                      default=0)
 
 
 def work_kind(name: str, args, result, tensors: list) -> tuple[str, int]:
@@ -302,7 +364,7 @@ def kernel_launches(counter: OpCounter):
 def markdown(result: dict) -> list[str]:
     """The counts as tables for bench.md."""
     lines = [f"## CPU counts: rank 0 of {result['world_size']}, fake H100, the {result['preset']} preset", "",
-             "Per step (the second Adam cycle of each stage). Eager ops: aten operations outside compiled graphs "
+             "Per step (one of each kind a stage has, after a warm cycle). Eager ops: aten operations outside compiled graphs "
              "that launch a kernel; gradient adds: the autograd engine's; loss head B/logit: every byte the loss "
              "moves outside its matmuls" + (" (inductor's kernel_num_gb and eager operand bytes)" if result["kernels"]
                                             else " (eager operand bytes only: run with --kernels for the compiled "

@@ -601,8 +601,9 @@ def save_checkpoints(model, optimizers, loader, args: T.Hyperparameters, env: T.
 
 def count_stages(flags: list[str], world_size: int, kernels: bool, stages: list[str] | None = None,
                  progress=print, flush=lambda result: None) -> dict:
-    """Per stage ("stage 1", ..., "extension"; None: all), the counts of a step without Adam and a step with it
-    (rank 0 of world_size, fake H100); flush(result) after each stage."""
+    """Per stage ("stage 1", ..., "taper", "extension": op_counts.stage_names; None: all), the counts of one step of
+    each kind the stage has (op_counts.count_plan), rank 0 of world_size on a fake H100; flush(result) after each
+    stage."""
     args = T.parse_args(flags, True)
     T.check_world_size(args, world_size)
     if kernels:
@@ -643,28 +644,27 @@ def _count_stages(args: T.Hyperparameters, world_size: int, kernels: bool, stage
         warnings.filterwarnings("ignore")
         optimizers, use_flex = T.prepare_training(model, args, env, backend=backend)
         loader = T.SyntheticLoader(args, env, schedule)
+        names = op_counts.stage_names(schedule)
         for index, stage in enumerate(schedule.stages):
-            name = "extension" if index == len(schedule.stages) - 1 else f"stage {index + 1}"
-            if stages is not None and name not in stages:
+            name = names[index]
+            if (stages is not None and name not in stages) or stage.end <= stage.start:
                 continue
             start = time.perf_counter()
-            cycle = 2 * args.adam_every
-            steps = [s for s in range(stage.start, min(stage.start + cycle, stage.end))]
-            if len(steps) < cycle:
-                continue
+            warm, counted = op_counts.count_plan(schedule, index)
             row = {"micro_tokens": stage.micro_tokens, "micro_batches_per_rank": stage.micro_batches // world_size,
                    "logits_per_micro_batch": stage.micro_tokens * model.vocab,
-                   "steps_in_stage": stage.end - stage.start, "steps": {}}
-            for i, step in enumerate(steps):
+                   "steps_in_stage": stage.end - stage.start, "kind_steps": op_counts.kind_steps(schedule, index),
+                   "counted_steps": counted, "steps": {}}
+            kind_of = {step: kind for kind, step in counted.items()}
+            for step in warm + sorted(kind_of):
                 model.set_windows(schedule.windows(step))
                 T.set_schedules(step, optimizers, schedule, args)
                 batch = loader.next_batch(step)
-                counted = i >= args.adam_every  # the second cycle: every graph compiled, every state made
-                counter.counts = op_counts.StepCounts() if counted else None
+                counter.counts = op_counts.StepCounts() if step in kind_of else None
                 sent = collections.Counter(gpu.collective_bytes[gpu.phase])
                 T.train_step(model, optimizers, batch, step, schedule, args, use_flex)
-                if counted:
-                    kind = "with Adam" if schedule.adam_steps(step) else "without Adam"
+                if step in kind_of:
+                    kind = kind_of[step]
                     row["steps"][kind] = counter.counts.as_dict()
                     # each collective's whole buffer, by kind (a reduce-scatter's input, an all-gather's output)
                     row["steps"][kind]["collective_bytes"] = dict(gpu.collective_bytes[gpu.phase] - sent)
