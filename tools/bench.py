@@ -440,7 +440,7 @@ def kind_key(kind: str) -> str:
 
 def run_stage(bench: Bench, name: str, stage_index: int, row: dict, flush):
     """One stage: compile, forward+backward, masks, and train_step as rank 0 of W."""
-    args, options, device, schedule = bench.args, bench.options, bench.device, bench.schedule
+    options, device, schedule = bench.options, bench.device, bench.schedule
     stage = schedule.stages[stage_index]
     step = stage.start
     bench.fit_rotary(step)
