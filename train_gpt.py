@@ -5953,8 +5953,8 @@ class MemoryModel:
                                                      min(args.bigram_vocab_size, cycle * step_rows))
         step_buffers = self.muon_buffers + adam_buffers + ngram_event
         return {"weights": self.weights, "buffers": self.buffers, "gradients": self.weights,
-                "NorMuon state": self.muon_state, "DistAdam state": self.adam_state,
-                "saved activations": activations, "loss chunk": chunk, "block masks": masks_size,
+                "matrix optimizer state": self.muon_state, "DistAdam state": self.adam_state,
+                "ships' averages": self.ship_state, "saved activations": activations, "loss chunk": chunk, "block masks": masks_size,
                 "n-gram rows": ngram_held, "embedding backward": embedding_backward,
                 "optimizer-step buffers": step_buffers,
                 "peak": self.state() + max(activations + chunk + masks_size + ngram_held,
@@ -5963,13 +5963,14 @@ class MemoryModel:
     def validation(self, seq_len: int, windows: tuple[int, int]) -> dict[str, int]:
         """The rows of a validation forward pass over one seq_len-token sequence (no gradients)."""
         forward, masks_size = self._shared_count(("validation", seq_len), lambda: self._live_in_forward(seq_len, windows))
-        persistent = self.weights + self.buffers + self.muon_state + self.adam_state
+        persistent = self.weights + self.buffers + self.muon_state + self.adam_state + self.ship_state
         ngram_rows_row = 0
         if self.model.ngram is not None:  # the sequence's pulled rows (fp32) and the pull's copies in the table's dtype
             rows = min(self.args.bigram_vocab_size, 2 * seq_len)
             ngram_rows_row = rows * self.args.model_dim * (4 + 2 * self.model.ngram.weight.element_size())
-        return {"weights": self.weights, "buffers": self.buffers, "gradients": 0, "NorMuon state": self.muon_state,
-                "DistAdam state": self.adam_state, "forward's largest live tensors": forward,
+        return {"weights": self.weights, "buffers": self.buffers, "gradients": 0,
+                "matrix optimizer state": self.muon_state, "DistAdam state": self.adam_state,
+                "ships' averages": self.ship_state, "forward's largest live tensors": forward,
                 "block masks": masks_size, "n-gram rows": ngram_rows_row,
                 "peak": persistent + forward + masks_size + ngram_rows_row}
 

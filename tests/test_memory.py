@@ -44,13 +44,13 @@ def test_weights_gradients_and_optimizer_state_are_counted_right(tables):
         # DistAdam: two fp32 moments of this rank's shard of every bucket (rounded up to the world size)
         assert 8 * adam_elements // world_size <= stage["DistAdam state"] <= 8 * adam_elements // world_size + 8 * 64 * world_size
         if world_size == 1:
-            assert stage["NorMuon state"] == muon_state
+            assert stage["matrix optimizer state"] == muon_state
             # no collectives at world size 1, but each shape's bf16 gradients stacked, and the largest stack's
             # update in flight (six fp32 copies of each matrix, its bf16 weights in and out)
             stacked = sum(2 * r * c for r, c in units)
             assert stage["optimizer-step buffers"] == stacked + 22 * 4 * D * D * (6 * 4 + 2 * 2)
     one, eight = tables[1]["stage 1"], tables[8]["stage 1"]
-    assert 7 * eight["NorMuon state"] < one["NorMuon state"] < 9 * eight["NorMuon state"]  # each rank its share
+    assert 7 * eight["matrix optimizer state"] < one["matrix optimizer state"] < 9 * eight["matrix optimizer state"]  # each rank its share
     assert eight["optimizer-step buffers"] > 0
 
 
