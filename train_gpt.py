@@ -1679,6 +1679,7 @@ class Fp8Mlp(NamedTuple):
 # Which of Fp8Mlp's fields are checkpointed: the scales (model.pt; relu^2's and dpre's also per rank, rank_R.pt, as
 # each rank's own passes set them); the copies and maxima are remade (the maxima are 0 between steps).
 FP8_MLP_SAVED = ("fc_scale", "fc_next", "proj_scale", "proj_next", "post_scale", "dpre_scale")
+FP8_MLP_START = {"dpre_scale": MLP_GRAD_SCALE, "post_amax": 0.0, "dpre_amax": 0.0}  # the record's start; others 1
 FP8_MLP_PER_RANK = ("post_scale", "dpre_scale")
 
 
@@ -1815,7 +1816,6 @@ class MLP(nn.Module):
     def register_fp8_state(self, hidden: int, dim: int):
         """Record #92's FP8 state at its start: scales 1, dpre's 2^-6 (the record's), maxima 0; the copies (only
         where the MLP runs in FP8) are made by refresh_fp8."""
-        start = {"dpre_scale": MLP_GRAD_SCALE, "post_amax": 0.0, "dpre_amax": 0.0}
         shapes = {"fc8": (hidden, dim), "fc8_t": (dim, hidden), "proj8": (hidden, dim), "proj8_t": (dim, hidden)}
         for name in Fp8Mlp._fields:
             if name in shapes:
@@ -1823,7 +1823,7 @@ class MLP(nn.Module):
                     self.register_buffer("fp8_" + name, torch.zeros(shapes[name], dtype=torch.float8_e4m3fn),
                                          persistent=False)
             else:
-                self.register_buffer("fp8_" + name, torch.tensor(start.get(name, 1.0), dtype=torch.float32),
+                self.register_buffer("fp8_" + name, torch.tensor(FP8_MLP_START.get(name, 1.0), dtype=torch.float32),
                                      persistent=name in FP8_MLP_SAVED)
 
     def fp8_state(self) -> Fp8Mlp:

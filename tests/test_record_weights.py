@@ -450,3 +450,29 @@ def test_a_failed_write_leaves_nothing(converted, tmp_path, monkeypatch, command
     assert not any(tmp_path.iterdir()), sorted(p.name for p in tmp_path.rglob("*"))
     monkeypatch.undo()
     assert in_process(W.main, command, *argv).returncode == 0  # and the rerun goes through
+
+
+# The speedrun preset itself (record #92 whole: the two-channel n-gram table, the full-FP8 MLP) at a test's size
+SPEEDRUN92 = T.parse_args(["--preset=speedrun", "--model_dim=96", "--head_dim=16", "--narrow_dim=8", "--rotary_dims=8",
+                           "--mlp_hidden=352", "--head_mix_groups=4", "--vocab_size=2000", "--bigram_vocab_size=4000",
+                           "--val_seq_len=256", "--window_block=32"], False)
+
+
+def test_the_speedrun_s_weights_convert_to_a_complete_final_weights_file_and_back():
+    # Before: to-ours failed on the table (our two-channel model has ngram.weight, no bigram_embed.weight), and its
+    # result lacked the full-FP8 MLPs' scales, which a final-weights file holds (sample.py checks every key)
+    ours = random_state(SPEEDRUN92)
+    ours["ngram.weight"] = torch.randn(SPEEDRUN92.bigram_vocab_size, SPEEDRUN92.model_dim)
+    record = W.ours_to_record(ours, SPEEDRUN92)
+    assert not any(".fp8_" in k for k in record)  # run state outside the record's state dict
+    again = W.record_to_ours(record, SPEEDRUN92, step=SPEEDRUN92.num_iterations)
+    expected = T.final_weights_shapes(SPEEDRUN92)
+    assert again.keys() == expected.keys()
+    T.check_weights(again, expected)  # every shape and dtype, as sample.py's load checks them
+    for name, tensor in ours.items():
+        if ".fp8_" in name:  # their start: scale 1, the pre-activation gradient's 2^-6
+            assert float(again[name]) == (2.0 ** -6 if name.endswith("dpre_scale") else 1.0), name
+        elif name == "removed_mlp_sq":
+            torch.testing.assert_close(again[name], tensor, rtol=1e-6, atol=0)
+        elif not name.startswith(("rotary.", "narrow_rotary.")):
+            assert torch.equal(again[name], tensor), name

@@ -22,8 +22,9 @@ per layer, without the padding:
   - record #89's three FP8 scale vectors of its down-projections, one entry per MLP of mlp_bank (the activation's,
     per rank: the file holds its rank 0's; the weight's used and next). Record #92's GPT (the one with mudd_w2g,
     --head_mix_groups) has none of these: its FP8 buffers (_attn_*) are the FP8 port's; our scales take their
-    initial values.
-The two functions are exact inverses on everything either model reads: record_to_ours(ours_to_record(s)) == s, and
+    initial values. Its full-FP8 MLP's delayed scales (--mlp_full_fp8) are run state outside its state dict:
+    record_to_ours gives ours their start values (train_gpt.FP8_MLP_START), ours_to_record leaves them out.
+The two functions are exact inverses on everything either model reads (those scales aside): record_to_ours(ours_to_record(s)) == s, and
 ours_to_record(record_to_ours(r), like=r) == r, where `like` supplies what only the record has (zeros, and the
 unused MLP slots' initial fc and their scales, otherwise). The rotary state, which the record does not save, is the
 one after the schedule's window changes up to `step` (default: the end of training).
@@ -100,8 +101,10 @@ def speedrun_args() -> T.Hyperparameters:
 
 
 def same(args: T.Hyperparameters) -> dict[str, str]:
-    """The tensors with the same shape and meaning on both sides for this config: record name -> ours."""
-    return {**SAME, **(HEAD_GROUP_DELTAS if args.head_mix_groups else {})}
+    """The tensors with the same shape and meaning on both sides for this config: record name -> ours. The n-gram
+    table is not among them: it converts on its own (convert_ngram_table, under our_table_key's name)."""
+    return {k: v for k, v in {**SAME, **(HEAD_GROUP_DELTAS if args.head_mix_groups else {})}.items()
+            if k != NGRAM_TABLE}
 
 
 def takes_down_scales(args: T.Hyperparameters) -> bool:
@@ -174,6 +177,7 @@ def record_shapes(args: T.Hyperparameters) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):  # shapes only: no memory, even for the speedrun's model
         ours = T.GPT(args).state_dict()
     shapes = {theirs: tuple(ours[mine].shape) for theirs, mine in same(args).items()}
+    shapes[NGRAM_TABLE] = (args.bigram_vocab_size, args.model_dim)  # whole (ours: see our_table_key)
     shapes.update({name: tuple(bank.shape) for name, bank in _banks(ours, args).items()})
     return shapes
 
@@ -267,6 +271,10 @@ def record_to_ours(state: dict, args: T.Hyperparameters | None = None, step: int
     for slot, prefix in enumerate(_mlp_slots(args)):
         if prefix is not None:
             ours[f"{prefix}.fc"], ours[f"{prefix}.proj"] = mlp[slot, 0], mlp[slot, 1]
+    if args.mlp_full_fp8:  # record #92's FP8 scales live outside its state dict: ours start where its run starts
+        for prefix in filter(None, _mlp_slots(args)):
+            for name in T.FP8_MLP_SAVED:
+                ours[f"{prefix}.fp8_{name}"] = torch.tensor(T.FP8_MLP_START.get(name, 1.0))
     if T.record89_down_scales(args):  # record #89's scales, by MLP slot; record #92's GPT has none: their initial values
         for slot, mlp in enumerate(_mlp_slots(args)):
             for theirs, mine in DOWN_SCALES.items() if mlp is not None else ():
