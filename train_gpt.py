@@ -5954,7 +5954,8 @@ class MemoryModel:
         step_buffers = self.muon_buffers + adam_buffers + ngram_event
         return {"weights": self.weights, "buffers": self.buffers, "gradients": self.weights,
                 "matrix optimizer state": self.muon_state, "DistAdam state": self.adam_state,
-                "ships' averages": self.ship_state, "saved activations": activations, "loss chunk": chunk, "block masks": masks_size,
+                "ships' averages": self.ship_state, "saved activations": activations, "loss chunk": chunk,
+                "block masks": masks_size,
                 "n-gram rows": ngram_held, "embedding backward": embedding_backward,
                 "optimizer-step buffers": step_buffers,
                 "peak": self.state() + max(activations + chunk + masks_size + ngram_held,
@@ -6118,14 +6119,16 @@ def fit_micro_batches(args: Hyperparameters, world_size: int, device: torch.devi
     """The micro-batch count of each stage, and every phase's rows with them: --micro_batches as given, or
     for auto the fewest per stage whose phases fit `budget` (`within` says it in words). Counts only grow
     during the search, and with them nothing a phase holds does, so each stage's first fit stays a fit."""
-    stages = Schedule(args).stages[:-1]  # the flag's stages; the extension trains at the last one's count
+    *stages, extension = Schedule(args).stages  # the flag's stages; the extension trains at the last one's count
     given = stage_micro_batches(args, len(stages))
     choices = stage_micro_batch_choices(args, world_size)
     for i, (stage, options) in enumerate(zip(stages, choices)):
         if given[i] is None and not options:
-            raise ConfigError(f"--micro_batches=auto: stage {i + 1}'s batch of {stage.batch_tokens:,} tokens cannot "
-                              f"split over {world_size} ranks into micro-batches of a multiple of --window_block="
-                              f"{args.window_block} tokens")
+            also = (f" (with the extension's batch of {extension.batch_tokens:,}, which trains at its count)"
+                    if i == len(stages) - 1 and extension.batch_tokens != stage.batch_tokens else "")
+            raise ConfigError(f"--micro_batches=auto: stage {i + 1}'s batch of {stage.batch_tokens:,} tokens{also} "
+                              f"cannot split over {world_size} ranks into micro-batches of a multiple of "
+                              f"--window_block={args.window_block} tokens")
     most = [options[-1] if count is None else count for count, options in zip(given, choices)]
     state = check_state(memory_model(dataclasses.replace(args, micro_batches=micro_batches_flag(most)), world_size,
                                      device, numerics, attention_kind), budget, within, args, world_size)

@@ -50,7 +50,8 @@ def test_weights_gradients_and_optimizer_state_are_counted_right(tables):
             stacked = sum(2 * r * c for r, c in units)
             assert stage["optimizer-step buffers"] == stacked + 22 * 4 * D * D * (6 * 4 + 2 * 2)
     one, eight = tables[1]["stage 1"], tables[8]["stage 1"]
-    assert 7 * eight["matrix optimizer state"] < one["matrix optimizer state"] < 9 * eight["matrix optimizer state"]  # each rank its share
+    matrices = "matrix optimizer state"
+    assert 7 * eight[matrices] < one[matrices] < 9 * eight[matrices]  # each rank its share
     assert eight["optimizer-step buffers"] > 0
 
 
@@ -222,6 +223,11 @@ def test_the_last_stage_s_choices_also_split_the_extension_s_own_batch():
     # divide both, gcd 512
     speedrun = T.parse_args(["--preset=speedrun"], False)
     assert T.stage_micro_batch_choices(speedrun, 8)[-1] == [8, 16, 32, 64, 128, 256, 512]
+    # an extension of 17 blocks splits over no even count: the refusal names it beside the stage it trains with
+    odd = T.parse_args(["--preset=smoke", "--micro_batches=auto", "--extension_batch_tokens=1088"], False)
+    with pytest.raises(T.ConfigError, match=r"stage 3's batch of 3,072 tokens \(with the extension's batch of 1,088, "
+                                            r"which trains at its count\) cannot split over 2 ranks"):
+        T.fit_micro_batches(odd, 2, CPU, T.Numerics(), "sdpa", 2 ** 40, "")
 
 
 def test_memory_models_of_one_configuration_share_their_forward_passes(monkeypatch):

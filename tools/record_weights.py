@@ -24,10 +24,11 @@ per layer, without the padding:
     --head_mix_groups) has none of these: its FP8 buffers (_attn_*) are the FP8 port's; our scales take their
     initial values. Its full-FP8 MLP's delayed scales (--mlp_full_fp8) are run state outside its state dict:
     record_to_ours gives ours their start values (train_gpt.FP8_MLP_START), ours_to_record leaves them out.
-The two functions are exact inverses on everything either model reads (those scales aside): record_to_ours(ours_to_record(s)) == s, and
-ours_to_record(record_to_ours(r), like=r) == r, where `like` supplies what only the record has (zeros, and the
-unused MLP slots' initial fc and their scales, otherwise). The rotary state, which the record does not save, is the
-one after the schedule's window changes up to `step` (default: the end of training).
+The two functions are exact inverses on everything either model reads (those scales aside):
+record_to_ours(ours_to_record(s)) == s, and ours_to_record(record_to_ours(r), like=r) == r, where `like` supplies
+what only the record has (zeros, and the unused MLP slots' initial fc and their scales, otherwise). The rotary
+state, which the record does not save, is the one after the schedule's window changes up to `step` (default: the
+end of training).
 
 The n-gram table (record #92's bigram_embed.weight) converts as a whole table of our shape (a world-size-1 file); a
 rank's shard of record #92's sharded table is refused with a pointer to the hook, convert_ngram_table, which the
